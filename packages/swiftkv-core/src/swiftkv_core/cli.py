@@ -1,0 +1,132 @@
+"""``swiftkv`` console script: convert, analyze, generate, flops (subcommands from typed signatures)."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import torch
+from jsonargparse import auto_cli
+
+
+def convert(
+    out_dir: Path,
+    model: str = "default",
+    num_key_value_layers: int | None = None,
+    key_value_group_size: int = 1,
+    serving: bool = False,
+) -> None:
+    """Convert a Llama / Mistral / Qwen2 checkpoint to SwiftKV (published init recipe, not yet distilled).
+
+    Args:
+        out_dir: Folder for the SwiftKV checkpoint (written atomically).
+        model: A local HF checkpoint folder, or 'default' for the embedded SmolLM2-135M-Instruct.
+        num_key_value_layers: l: layers >= l take K/V from layer l's input (default: half the layers).
+        key_value_group_size: AcrossKV group size g (1: off).
+        serving: Leave out the teacher q/k/v of layers >= l (smaller; serving only).
+    """
+    from . import convert as convert_module
+    from .generation import load
+
+    base, tokenizer = load(model)
+    l = base.config.num_hidden_layers // 2 if num_key_value_layers is None else num_key_value_layers
+    swift = convert_module.convert(base, l, key_value_group_size)
+    convert_module.save_checkpoint(swift, out_dir, tokenizer=tokenizer, serving=serving)
+    print(f"wrote {out_dir} ({type(swift).__name__}, num_key_value_layers={l}, "
+          f"key_value_group_size={key_value_group_size}, serving_only={serving})")
+
+
+def analyze(
+    out_dir: Path = Path("outputs/analyze"),
+    model: str = "default",
+    texts: list[str] | None = None,
+    text_files: list[Path] | None = None,
+    threshold: float = 0.9,
+    max_length: int = 512,
+) -> None:
+    """Per-layer input similarity (paper Eq. 1); recommends num_key_value_layers; writes JSON and a PNG.
+
+    Args:
+        out_dir: Folder for similarity.json and similarity.png.
+        model: A local HF checkpoint folder, or 'default'.
+        texts: Texts to analyse.
+        text_files: Text files to analyse (one text per file). Without texts or files, a built-in sample.
+        threshold: Recommend the smallest l whose similarity reaches this.
+        max_length: Tokens per text at most.
+    """
+    from .analysis import layer_input_similarity, write_report
+    from .generation import load
+
+    texts = list(texts or []) + [Path(f).read_text() for f in text_files or []]
+    if not texts:
+        texts = _sample_texts()
+    base, tokenizer = load(model)
+    similarity = layer_input_similarity(base, tokenizer, texts, max_length=max_length)
+    result = write_report(similarity, threshold, out_dir, title=f"{model}: layer input similarity")
+    print(json.dumps({k: v for k, v in result.items() if k != "similarity"}, indent=2))
+    print(f"wrote {out_dir}/similarity.json and similarity.png")
+
+
+def generate(
+    prompt: str = "What is the capital of France? Answer in one sentence.",
+    model: str = "default",
+    num_key_value_layers: int | None = None,
+    key_value_group_size: int = 1,
+    max_new_tokens: int = 64,
+    chat: bool = True,
+) -> None:
+    """Greedy generation; prints the text and the prefill time.
+
+    Args:
+        prompt: The prompt (wrapped in the chat template when chat is on and the tokenizer has one).
+        model: A SwiftKV or base checkpoint folder, or 'default'.
+        num_key_value_layers: If set and the model is not SwiftKV yet, convert it on the fly with this l.
+        key_value_group_size: AcrossKV group size for on-the-fly conversion.
+        max_new_tokens: Tokens to generate.
+        chat: Apply the tokenizer's chat template.
+    """
+    from .convert import convert as convert_model
+    from .generation import load, time_prefill
+
+    lm, tokenizer = load(model)
+    if num_key_value_layers is not None and not hasattr(lm, "swiftkv"):
+        lm = convert_model(lm, num_key_value_layers, key_value_group_size)
+    if chat and tokenizer.chat_template:
+        inputs = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
+                                               return_tensors="pt", return_dict=True)
+    else:
+        inputs = tokenizer(prompt, return_tensors="pt")
+    prefill_s = time_prefill(lm, inputs["input_ids"], repeats=1)
+    start = time.perf_counter()
+    with torch.inference_mode():
+        out = lm.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False)
+    total_s = time.perf_counter() - start
+    new = out[0, inputs["input_ids"].shape[1]:]
+    mode = (f"SwiftKV l={lm.config.num_key_value_layers}/{lm.config.num_hidden_layers} "
+            f"g={lm.config.key_value_group_size}") if getattr(lm.config, "swiftkv", False) else "original model"
+    print(tokenizer.decode(new, skip_special_tokens=True))
+    print(f"[{mode}] prompt {inputs['input_ids'].shape[1]} tokens: prefill {prefill_s * 1000:.1f} ms; "
+          f"{len(new)} new tokens in {total_s:.2f} s")
+
+
+def flops() -> None:
+    """The analytic FLOPs model against the paper's Table 1 (Llama-3.1-70B, 128K context)."""
+    from .flops import format_table1
+
+    print(format_table1())
+
+
+def _sample_texts() -> list[str]:
+    import inspect
+    import json as json_module
+
+    return [inspect.getdoc(json_module), inspect.getdoc(inspect), inspect.getdoc(Path)]
+
+
+def main(args: list[str] | None = None) -> None:
+    auto_cli([convert, analyze, generate, flops], args=args, as_positional=False)
+
+
+if __name__ == "__main__":
+    main()

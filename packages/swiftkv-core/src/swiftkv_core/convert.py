@@ -1,0 +1,181 @@
+"""Turn a HF Llama / Qwen2 / Mistral model into a SwiftKV model, and write SwiftKV checkpoints atomically."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+from torch import nn
+from transformers import AutoModelForCausalLM, PreTrainedModel
+
+from .configuration import LlamaSwiftKVConfig, Qwen2SwiftKVConfig
+from .modeling import LlamaSwiftKVForCausalLM, Qwen2SwiftKVForCausalLM
+
+# base model_type -> (SwiftKV config, SwiftKV model)
+FAMILIES = {
+    "llama": (LlamaSwiftKVConfig, LlamaSwiftKVForCausalLM),
+    "mistral": (LlamaSwiftKVConfig, LlamaSwiftKVForCausalLM),
+    "qwen2": (Qwen2SwiftKVConfig, Qwen2SwiftKVForCausalLM),
+}
+SWIFTKV_FAMILIES = {"llama_swiftkv", "qwen2_swiftkv"}
+
+
+def swiftkv_parameter_names(model: PreTrainedModel) -> list[str]:
+    """Names of the SwiftKV parameters: ``norm_swiftkv`` and every ``*_proj_swiftkv``."""
+    return [name for name, _ in model.named_parameters() if "swiftkv" in name]
+
+
+def is_teacher_projection(name: str, config) -> bool:
+    """Whether a state-dict name is an original q/k/v of a layer ``>= l`` (never needed to serve SwiftKV)."""
+    match = re.match(r"model\.layers\.(\d+)\.self_attn\.[qkv]_proj\.", name)
+    return bool(match) and int(match.group(1)) >= config.num_key_value_layers
+
+
+def swiftkv_config_from(base_config, num_key_value_layers: int, key_value_group_size: int = 1, swiftkv: bool = True):
+    """The SwiftKV config for ``base_config`` (a Llama, Mistral or Qwen2 config)."""
+    family = base_config.model_type
+    if family not in FAMILIES:
+        raise ValueError(
+            f"Unknown architecture model_type={family!r}: convert supports {sorted(FAMILIES)} "
+            f"(architectures LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM)."
+        )
+    values = base_config.to_dict()
+    if family == "mistral":
+        if values.get("sliding_window") is not None:
+            raise ValueError(
+                f"This Mistral checkpoint uses sliding_window={values['sliding_window']}: SwiftKV models attend "
+                "over the full context. Set sliding_window to null in config.json if the model was trained without it."
+            )
+        values.pop("sliding_window", None)
+    for key in ("model_type", "architectures", "transformers_version", "auto_map"):
+        values.pop(key, None)
+    config_cls, model_cls = FAMILIES[family]
+    config = config_cls(**values, swiftkv=swiftkv, num_key_value_layers=num_key_value_layers,
+                        key_value_group_size=key_value_group_size)
+    config.architectures = [model_cls.__name__]
+    return config
+
+
+@torch.no_grad()
+def convert(model: PreTrainedModel | str | os.PathLike, num_key_value_layers: int, key_value_group_size: int = 1,
+            dtype: torch.dtype | None = None) -> PreTrainedModel:
+    """A SwiftKV model from a HF ``LlamaForCausalLM`` / ``MistralForCausalLM`` / ``Qwen2ForCausalLM`` (or a path).
+
+    Initialised by the published recipe: ``norm_swiftkv`` <- ``layers[l].input_layernorm``, each
+    ``q_proj_swiftkv`` <- its ``q_proj``, each group's ``k/v_proj_swiftkv`` <- mean of the group's ``k/v_proj``.
+    The base weights are shared with ``model`` (no copy) and frozen; exactly the SwiftKV parameters require grad.
+    The result has ``swiftkv`` on; ``model.swiftkv(False)`` gives the original model back.
+    """
+    if not isinstance(model, PreTrainedModel):
+        model = AutoModelForCausalLM.from_pretrained(model, dtype=dtype or torch.float32)
+    config = swiftkv_config_from(model.config, num_key_value_layers, key_value_group_size)
+    config._attn_implementation = model.config._attn_implementation
+    _, model_cls = FAMILIES[model.config.model_type]
+    base_state = model.state_dict()
+    dtype = next(model.parameters()).dtype
+
+    with torch.device("meta"):
+        swift = model_cls(config)
+    missing, unexpected = swift.load_state_dict(base_state, strict=False, assign=True)
+    if unexpected:
+        raise ValueError(f"The base model has weights the SwiftKV model does not expect: {unexpected[:5]}")
+    swiftkv_names = set(swiftkv_parameter_names(swift))
+    not_loaded = [n for n in missing if n not in swiftkv_names and not n.endswith("lm_head.weight")]
+    if not_loaded:
+        raise ValueError(f"The base model lacks weights the SwiftKV model needs: {not_loaded[:5]}")
+    swift.model.rotary_emb = model.model.rotary_emb  # non-persistent buffers are not in the state dict
+    if config.tie_word_embeddings:
+        swift.lm_head.weight = swift.model.embed_tokens.weight
+
+    layers = swift.model.layers
+    l, L, g = config.num_key_value_layers, config.num_hidden_layers, config.key_value_group_size
+
+    def new(t: torch.Tensor) -> nn.Parameter:
+        return torch.nn.Parameter(t.detach().clone().to(dtype))
+
+    # With l == L no layer reads norm_swiftkv; it is still written, as in published checkpoints.
+    norm_init = layers[l].input_layernorm.weight if l < L else torch.ones_like(model.model.norm.weight)
+    swift.model.norm_swiftkv.weight = new(norm_init)
+    for j in range(l, L):
+        attn = layers[j].self_attn
+        attn.q_proj_swiftkv.weight = new(attn.q_proj.weight)
+        if attn.q_proj.bias is not None:
+            attn.q_proj_swiftkv.bias = new(attn.q_proj.bias)
+        if (j - l) % g == 0:
+            group = [layers[i].self_attn for i in range(j, j + g)]
+            for name in ("k_proj", "v_proj"):
+                target = getattr(attn, f"{name}_swiftkv")
+                target.weight = new(torch.stack([getattr(a, name).weight for a in group]).mean(0))
+                if getattr(attn, name).bias is not None:
+                    target.bias = new(torch.stack([getattr(a, name).bias for a in group]).mean(0))
+
+    for name, param in swift.named_parameters():
+        param.requires_grad_(name in swiftkv_names)
+    leftover = [n for n, p in list(swift.named_parameters()) + list(swift.named_buffers()) if p.is_meta]
+    if leftover:
+        raise RuntimeError(f"convert left tensors uninitialised (a bug): {leftover[:5]}")
+    swift.generation_config = model.generation_config
+    swift.eval()
+    return swift
+
+
+
+def save_checkpoint(model: PreTrainedModel, out_dir: str | os.PathLike, tokenizer=None,
+                    serving: bool = False) -> Path:
+    """Write ``model`` (config + safetensors, and ``tokenizer`` if given) to ``out_dir`` atomically.
+
+    Everything is written into a temporary folder beside ``out_dir`` and renamed into place at the end, so a
+    failure leaves an earlier checkpoint at ``out_dir`` intact. ``serving=True`` leaves out the teacher q/k/v of
+    layers ``>= l`` and marks the config ``serving_only`` (see ``export_for_serving``).
+    """
+    out_dir = Path(out_dir)
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    state_dict = None
+    config = model.config
+    if serving:
+        if config.model_type not in SWIFTKV_FAMILIES:
+            raise ValueError(f"export_for_serving needs a SwiftKV model, got model_type={config.model_type!r}.")
+        state_dict = {k: v for k, v in model.state_dict().items() if not is_teacher_projection(k, config)}
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
+    try:
+        saved = {"swiftkv": config.swiftkv, "serving_only": getattr(config, "serving_only", False)}
+        if serving:
+            config.swiftkv, config.serving_only = True, True
+        try:
+            model.save_pretrained(tmp, state_dict=state_dict)
+        finally:
+            for key, value in saved.items():
+                if hasattr(config, key):
+                    setattr(config, key, value)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(tmp)
+        _replace_dir(tmp, out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out_dir
+
+
+def export_for_serving(model: PreTrainedModel, out_dir: str | os.PathLike, tokenizer=None) -> Path:
+    """Write a serving checkpoint: no teacher q/k/v for layers ``>= l`` (smaller), loads with SwiftKV on."""
+    if not getattr(model.config, "swiftkv", True):
+        raise ValueError(
+            "export_for_serving writes a SwiftKV-only checkpoint, but the model is in teacher mode "
+            "(swiftkv=False). Call model.swiftkv(True) first, or use save_checkpoint() to keep the teacher."
+        )
+    return save_checkpoint(model, out_dir, tokenizer=tokenizer, serving=True)
+
+
+def _replace_dir(src: Path, dst: Path) -> None:
+    """Move ``src`` to ``dst``; an existing ``dst`` is swapped out only once ``src`` is complete."""
+    if not dst.exists():
+        os.replace(src, dst)
+        return
+    old = Path(tempfile.mkdtemp(prefix=f".{dst.name}.old.", dir=dst.parent))
+    os.replace(dst, old / dst.name)
+    os.replace(src, dst)
+    shutil.rmtree(old, ignore_errors=True)

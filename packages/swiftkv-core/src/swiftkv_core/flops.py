@@ -1,0 +1,159 @@
+"""Analytic prefill FLOPs and KV-cache memory of a (SwiftKV) decoder, per prefill token.
+
+Conventions (every figure counts matrix multiplications only, 2 FLOPs per multiply-add, as the paper and
+torch's FlopCounterMode do; norms, RoPE, activations and softmax are left out):
+
+* projection rows (``q``, ``o``, ``k``, ``v``, ``mlp``, ``vocab``) are ``2 * in * out`` per token and layer;
+  ``vocab`` is the LM head (``2 * hidden * vocab_size``). The paper's 4.3 GFLOPs equals ``4 * hidden * 128Ki``:
+  it also counts the embedding lookup as a one-hot matmul, which computes nothing and which FlopCounterMode
+  does not see; we leave it out.
+* ``attention`` is QK^T plus AV: ``2 * 2 * num_heads * head_dim * keys`` per query and layer, where ``keys`` is
+  the number of keys each query multiplies. ``attention="causal"`` counts only the keys a causal query sees,
+  averaged over a prefill of ``seq_len`` tokens (``(seq_len + 1) / 2``); ``attention="dense"`` counts all
+  ``seq_len`` keys, which is what a dense kernel computes and what FlopCounterMode reports.
+  (The paper's Table 1 lists 160 GFLOPs of attention for Llama-3.1-70B at 128K context; the causal convention
+  gives 172, the paper's figure is not reproducible from its stated sizes, and the relative column agrees
+  either way.)
+* SwiftKV: layers ``>= l`` compute only K and V for prompt tokens, once per AcrossKV group.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+ROWS = ("vocab", "q", "o", "k", "v", "mlp", "attention")
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """The sizes the FLOPs model needs; ``from_config`` reads them from any Llama/Qwen2-style HF config."""
+
+    num_hidden_layers: int
+    hidden_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    intermediate_size: int
+    vocab_size: int
+
+    @classmethod
+    def from_config(cls, config) -> ModelShape:
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        return cls(config.num_hidden_layers, config.hidden_size, config.num_attention_heads,
+                   config.num_key_value_heads or config.num_attention_heads, head_dim,
+                   config.intermediate_size, config.vocab_size)
+
+
+@dataclass
+class PrefillFlops:
+    """FLOPs per prefill token, by row; ``total`` sums the rows."""
+
+    vocab: float
+    q: float
+    o: float
+    k: float
+    v: float
+    mlp: float
+    attention: float
+    total: float = field(init=False)
+
+    def __post_init__(self):
+        self.total = sum(getattr(self, row) for row in ROWS)
+
+    def as_dict(self, scale: float = 1.0) -> dict[str, float]:
+        return {k: v / scale for k, v in asdict(self).items()}
+
+
+def _keys_per_query(seq_len: int, attention: str) -> float:
+    if attention == "causal":
+        return (seq_len + 1) / 2
+    if attention == "dense":
+        return float(seq_len)
+    raise ValueError(f"attention={attention!r}: use 'causal' (keys a causal query sees) or 'dense' (all keys).")
+
+
+def prefill_flops(shape: ModelShape, seq_len: int, num_key_value_layers: int | None = None,
+                  key_value_group_size: int = 1, attention: str = "causal") -> PrefillFlops:
+    """FLOPs per prompt token of a prefill of ``seq_len`` tokens (the paper's Table 1 rows).
+
+    ``num_key_value_layers=None`` is the original model. Every token is counted as needing logits (as Table 1
+    does); see ``prefill_flops_total`` for an exact count of one prefill that keeps only the last logits.
+    """
+    L = shape.num_hidden_layers
+    l = L if num_key_value_layers is None else num_key_value_layers
+    full_layers = l  # layers that run query, attention, output and MLP for every prompt token
+    kv_layers = l + (L - l) / key_value_group_size
+    h, q_dim, kv_dim = shape.hidden_size, shape.num_attention_heads * shape.head_dim, shape.num_key_value_heads * shape.head_dim
+    return PrefillFlops(
+        vocab=2 * h * shape.vocab_size,
+        q=2 * h * q_dim * full_layers,
+        o=2 * q_dim * h * full_layers,
+        k=2 * h * kv_dim * kv_layers,
+        v=2 * h * kv_dim * kv_layers,
+        mlp=3 * 2 * h * shape.intermediate_size * full_layers,
+        attention=2 * 2 * q_dim * _keys_per_query(seq_len, attention) * full_layers,
+    )
+
+
+def prefill_flops_total(shape: ModelShape, seq_len: int, num_key_value_layers: int | None = None,
+                        key_value_group_size: int = 1, logits_to_keep: int = 1, attention: str = "dense",
+                        batch_size: int = 1) -> float:
+    """Exact FLOPs of one prefill forward that returns the last ``logits_to_keep`` logits (as ``generate``).
+
+    Under SwiftKV the kept positions also run layers ``>= l`` (query over all ``seq_len`` keys). With
+    ``attention="dense"`` this is what FlopCounterMode measures on an SDPA forward.
+    """
+    L = shape.num_hidden_layers
+    l = L if num_key_value_layers is None else num_key_value_layers
+    per_token_all = prefill_flops(shape, seq_len, l, key_value_group_size, attention)  # prompt tokens
+    kept = min(logits_to_keep, seq_len)
+    total = (per_token_all.total - per_token_all.vocab) * seq_len + per_token_all.vocab * kept
+    if l < L:  # the kept positions through layers >= l
+        rest = prefill_flops(shape, seq_len, None, 1, attention)
+        per_layer = (rest.q + rest.o + rest.mlp + rest.attention) / L
+        if attention == "causal":  # the kept queries are the last ones: they see (almost) every key
+            per_layer += 2 * 2 * shape.num_attention_heads * shape.head_dim * (seq_len - (seq_len + 1) / 2)
+        total += per_layer * (L - l) * kept
+    return total * batch_size
+
+
+def kv_cache_bytes_per_token(shape: ModelShape, num_key_value_layers: int | None = None,
+                             key_value_group_size: int = 1, bytes_per_element: int = 2) -> float:
+    """K and V bytes one token occupies in the cache: ``2 * (l + (L - l) / g) * kv_heads * head_dim * bytes``."""
+    L = shape.num_hidden_layers
+    l = L if num_key_value_layers is None else num_key_value_layers
+    kv_layers = l + (L - l) / key_value_group_size
+    return 2 * kv_layers * shape.num_key_value_heads * shape.head_dim * bytes_per_element
+
+
+# The paper's Table 1 (arXiv 2410.03960): Llama-3.1-70B, 128K context, GFLOPs per prefill token.
+LLAMA_3_1_70B = ModelShape(num_hidden_layers=80, hidden_size=8192, num_attention_heads=64, num_key_value_heads=8,
+                           head_dim=128, intermediate_size=28672, vocab_size=128256)
+PAPER_TABLE1_GFLOPS = {"vocab": 4.3, "q": 10.7, "o": 10.7, "k": 1.34, "v": 1.34, "mlp": 113, "attention": 160,
+                       "total": 302}
+PAPER_TABLE1_RELATIVE = {"baseline": 1.0, "25% SingleInputKV": 0.755, "50% SingleInputKV": 0.510,
+                         "50% SingleInputKV + 4-way AcrossKV": 0.507}
+PAPER_TABLE1_SETTINGS = {"baseline": (80, 1), "25% SingleInputKV": (60, 1), "50% SingleInputKV": (40, 1),
+                         "50% SingleInputKV + 4-way AcrossKV": (40, 4)}
+
+
+def table1(seq_len: int = 128 * 1024, attention: str = "causal") -> dict:
+    """Our model's version of the paper's Table 1: GFLOPs rows of the baseline and the relative column."""
+    base = prefill_flops(LLAMA_3_1_70B, seq_len, attention=attention)
+    relative = {}
+    for name, (l, g) in PAPER_TABLE1_SETTINGS.items():
+        relative[name] = prefill_flops(LLAMA_3_1_70B, seq_len, l, g, attention=attention).total / base.total
+    return {"gflops": base.as_dict(1e9), "relative": relative, "attention_convention": attention}
+
+
+def format_table1(result: dict | None = None) -> str:
+    result = result or table1()
+    lines = [f"{'row':<12}{'ours':>10}{'paper':>10}{'diff':>9}"]
+    for row, ours in result["gflops"].items():
+        paper = PAPER_TABLE1_GFLOPS[row]
+        lines.append(f"{row:<12}{ours:>10.2f}{paper:>10.2f}{(ours / paper - 1) * 100:>8.1f}%")
+    lines.append(f"\n{'setting':<38}{'ours':>8}{'paper':>8}")
+    for name, ours in result["relative"].items():
+        lines.append(f"{name:<38}{ours * 100:>7.1f}%{PAPER_TABLE1_RELATIVE[name] * 100:>7.1f}%")
+    lines.append(f"(attention convention: {result['attention_convention']}; see swiftkv_core.flops)")
+    return "\n".join(lines)

@@ -1,0 +1,42 @@
+"""Loading a model by name or path, and timing a prefill: shared by the CLI and the benchmarks."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from .default_model import DEFAULT_MODEL_NAME, default_model_path
+
+
+def resolve_model_path(model: str | Path | None) -> Path:
+    """``None`` or ``"default"``: the embedded SmolLM2 (materialised on first use); else a local HF checkpoint."""
+    if model in (None, "default", DEFAULT_MODEL_NAME):
+        return default_model_path()
+    path = Path(model)
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(
+            f"{path} is not a HF checkpoint folder (no config.json). Pass a local folder written by save_pretrained, "
+            "`swiftkv convert` or export_for_serving, or 'default' for the embedded SmolLM2-135M-Instruct."
+        )
+    return path
+
+
+def load(model: str | Path | None = None, dtype: torch.dtype = torch.float32):
+    """``(model, tokenizer)`` for a checkpoint path (any HF causal LM, SwiftKV or not) or ``'default'``."""
+    path = resolve_model_path(model)
+    return AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval(), AutoTokenizer.from_pretrained(path)
+
+
+@torch.inference_mode()
+def time_prefill(model, input_ids: torch.Tensor, repeats: int = 3, warmup: int = 1) -> float:
+    """Median seconds of a prefill (with KV cache, last-position logits only, as ``generate`` runs it)."""
+    times = []
+    for i in range(warmup + repeats):
+        start = time.perf_counter()
+        model(input_ids, use_cache=True, logits_to_keep=1)
+        if i >= warmup:
+            times.append(time.perf_counter() - start)
+    return sorted(times)[len(times) // 2]

@@ -1,0 +1,334 @@
+"""THE SwiftKV model definition, as a small diff over HF Llama / Qwen2 (arXiv 2410.03960).
+
+With ``config.swiftkv`` on, the forward is rewired:
+
+    h = embed(tokens)
+    for i < l:  h = layer_i(h)                      # as usual, K/V cached per layer
+    x = norm_swiftkv(h)                             # the single input of every later K/V
+    for each AcrossKV group G (leader j):  K_G, V_G = rope(k_proj_swiftkv_j(x)), v_proj_swiftkv_j(x)
+    h = h[keep]                                     # only the positions whose logits are wanted
+    for j >= l: h = layer_j(h, K/V = K_G(j), V_G(j), query = q_proj_swiftkv_j)
+    logits = lm_head(norm(h))
+
+Prompt tokens therefore skip query, attention and MLP of every layer ``>= l``: when only the last position's
+logits are wanted (``logits_to_keep=1``, what ``generate`` asks for) the later layers run for ONE position.
+With ``swiftkv`` off the original model runs unchanged (the distillation teacher).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from transformers import DynamicCache
+from transformers.masking_utils import create_causal_mask
+from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+from transformers.models.llama.modeling_llama import (
+    LlamaAttention,
+    LlamaDecoderLayer,
+    LlamaForCausalLM,
+    LlamaModel,
+    LlamaRMSNorm,
+    eager_attention_forward,
+    rotate_half,
+)
+from transformers.models.qwen2.modeling_qwen2 import (
+    Qwen2Attention,
+    Qwen2DecoderLayer,
+    Qwen2ForCausalLM,
+    Qwen2Model,
+)
+from transformers.utils.generic import merge_with_config_defaults
+from transformers.utils.output_capturing import capture_outputs
+
+from .configuration import LlamaSwiftKVConfig, Qwen2SwiftKVConfig
+
+# Attention implementations whose masks can be cut down to the kept query rows (the CPU defaults).
+_SUBSET_ATTENTION = ("sdpa", "eager")
+
+
+def _rope(x: torch.Tensor, position_embeddings: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    cos, sin = (t.unsqueeze(1) for t in position_embeddings)
+    return x * cos + rotate_half(x) * sin
+
+
+class SwiftKVAttentionMixin:
+    """Adds ``q_proj_swiftkv`` (and, on AcrossKV group leaders, ``k/v_proj_swiftkv``) to layers ``>= l``."""
+
+    def __init__(self, config, layer_idx: int):
+        super().__init__(config, layer_idx)
+        if not config.is_swiftkv_layer(layer_idx):
+            return
+        bias = self.q_proj.bias is not None
+        hidden, heads, kv_heads = config.hidden_size, config.num_attention_heads, config.num_key_value_heads
+        self.q_proj_swiftkv = nn.Linear(hidden, heads * self.head_dim, bias=bias)
+        if config.kv_group_leader(layer_idx) == layer_idx:
+            self.k_proj_swiftkv = nn.Linear(hidden, kv_heads * self.head_dim, bias=bias)
+            self.v_proj_swiftkv = nn.Linear(hidden, kv_heads * self.head_dim, bias=bias)
+        if config.serving_only:  # the teacher projections are never needed: do not allocate them
+            del self.q_proj, self.k_proj, self.v_proj
+
+    def swiftkv_key_value(self, swiftkv_input, position_embeddings):
+        """K (rotated) and V of this layer's AcrossKV group, from the shared normalised input."""
+        shape = (*swiftkv_input.shape[:-1], -1, self.head_dim)
+        key = self.k_proj_swiftkv(swiftkv_input).view(shape).transpose(1, 2)
+        value = self.v_proj_swiftkv(swiftkv_input).view(shape).transpose(1, 2)
+        return _rope(key, position_embeddings), value
+
+    def forward(self, hidden_states, position_embeddings, attention_mask, past_key_values=None,
+                swiftkv_key_value=None, **kwargs):
+        if swiftkv_key_value is None:  # original attention (layers < l, or the teacher)
+            return super().forward(hidden_states, position_embeddings, attention_mask, past_key_values, **kwargs)
+        input_shape = hidden_states.shape[:-1]
+        query = self.q_proj_swiftkv(hidden_states).view(*input_shape, -1, self.head_dim).transpose(1, 2)
+        query = _rope(query, position_embeddings)
+        key, value = swiftkv_key_value
+        attention = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation, eager_attention_forward)
+        output, weights = attention(
+            self, query, key, value, attention_mask,
+            dropout=0.0 if not self.training else self.attention_dropout, scaling=self.scaling, **kwargs,
+        )
+        return self.o_proj(output.reshape(*input_shape, -1).contiguous()), weights
+
+
+class SwiftKVModelMixin:
+    """Adds ``norm_swiftkv`` and the rewired forward to a HF decoder-only ``*Model``."""
+
+    decoder_layer_class: type[nn.Module]
+
+    def __init__(self, config):
+        super().__init__(config)
+        self.layers = nn.ModuleList(self.decoder_layer_class(config, i) for i in range(config.num_hidden_layers))
+        self.norm_swiftkv = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.post_init()
+
+    @merge_with_config_defaults
+    @capture_outputs
+    def forward(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None,
+                inputs_embeds=None, use_cache=None, keep_positions: int | torch.Tensor | None = None,
+                **kwargs) -> BaseModelOutputWithPast:
+        """As the HF model, plus ``keep_positions``: return only these positions (an int N: the last N).
+
+        With SwiftKV on, layers ``>= l`` run only for the kept positions; every position still gets its K/V.
+        """
+        hidden, context = self.forward_prefix(input_ids, attention_mask, position_ids, past_key_values,
+                                              inputs_embeds, use_cache, keep_positions, **kwargs)
+        hidden = self.forward_suffix(hidden, context, swiftkv=self.config.swiftkv)
+        return BaseModelOutputWithPast(last_hidden_state=self.norm(hidden), past_key_values=context.past_key_values)
+
+    def forward_prefix(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None,
+                       inputs_embeds=None, use_cache=None, keep_positions=None, **kwargs):
+        """Embeddings and layers ``< l`` (identical in teacher and student): ``(hidden entering layer l, context)``.
+
+        Distillation runs this once and ``forward_suffix`` twice (teacher and student) on its output.
+        """
+        config = self.config
+        if (input_ids is None) ^ (inputs_embeds is not None):
+            raise ValueError("You must specify exactly one of input_ids or inputs_embeds")
+        if inputs_embeds is None:
+            inputs_embeds = self.embed_tokens(input_ids)
+        if use_cache and past_key_values is None:
+            past_key_values = DynamicCache(config=config)
+        if position_ids is None:
+            past_seen = past_key_values.get_seq_length() if past_key_values is not None else 0
+            position_ids = torch.arange(inputs_embeds.shape[1], device=inputs_embeds.device)[None] + past_seen
+
+        keep = _keep_index(keep_positions, inputs_embeds.shape[1])
+        subset = config.swiftkv and keep is not None and config._attn_implementation in _SUBSET_ATTENTION
+        causal_mask = create_causal_mask(
+            config=config, inputs_embeds=inputs_embeds, attention_mask=attention_mask,
+            past_key_values=past_key_values, position_ids=position_ids,
+            allow_is_causal_skip=not subset,  # the kept rows need an explicit mask
+        )
+        context = LayerContext(
+            attention_mask=causal_mask, position_embeddings=self.rotary_emb(inputs_embeds, position_ids=position_ids),
+            position_ids=position_ids, past_key_values=past_key_values, use_cache=use_cache, keep=keep,
+            subset=subset, kwargs=kwargs,
+        )
+        hidden = inputs_embeds
+        for layer in self.layers[: config.num_key_value_layers]:
+            hidden = layer(hidden, **context.layer_kwargs())
+        return hidden, context
+
+    def forward_suffix(self, hidden, context: LayerContext, swiftkv: bool, return_last_layer_input: bool = False):
+        """Layers ``>= l`` from ``hidden`` (the input of layer ``l``), before the final norm.
+
+        ``swiftkv=False`` runs the original layers (the teacher); ``swiftkv=True`` the rewired ones (the student),
+        for the kept positions only when the context has a subset. ``return_last_layer_input`` also returns the
+        hidden state entering the last layer (for a hidden-state distillation loss).
+        """
+        config = self.config
+        layer_kwargs = context.layer_kwargs()
+        last_input = hidden
+        if not swiftkv:
+            for layer in self.layers[config.num_key_value_layers:]:
+                last_input = hidden
+                hidden = layer(hidden, **layer_kwargs)
+        else:
+            key_values = self.swiftkv_key_values(hidden, context.position_embeddings, context.past_key_values)
+            layer_kwargs["past_key_values"] = None  # the K/V of layers >= l are already written
+            if context.subset:
+                keep = context.keep
+                hidden = hidden[:, keep]
+                layer_kwargs["position_embeddings"] = tuple(t[:, keep] for t in context.position_embeddings)
+                layer_kwargs["attention_mask"] = context.attention_mask[:, :, keep]
+                layer_kwargs["position_ids"] = context.position_ids[:, keep]
+            for j in range(config.num_key_value_layers, config.num_hidden_layers):
+                last_input = hidden
+                hidden = self.layers[j](hidden, swiftkv_key_value=key_values[config.kv_group_leader(j)],
+                                        **layer_kwargs)
+        if context.keep is not None and not (swiftkv and context.subset):
+            hidden, last_input = hidden[:, context.keep], last_input[:, context.keep]
+        return (hidden, last_input) if return_last_layer_input else hidden
+
+    def swiftkv_key_values(self, hidden, position_embeddings, past_key_values=None):
+        """K/V of every layer ``>= l`` from ``hidden`` (the input of layer ``l``), one per AcrossKV group.
+
+        Returns ``{group leader: (key, value)}``; with a cache, the values are the cached ones (past + new).
+        """
+        config = self.config
+        swiftkv_input = self.norm_swiftkv(hidden)
+        key_values = {}
+        for j in range(config.num_key_value_layers, config.num_hidden_layers, config.key_value_group_size):
+            key, value = self.layers[j].self_attn.swiftkv_key_value(swiftkv_input, position_embeddings)
+            if past_key_values is not None:
+                key, value = past_key_values.update(key, value, config.kv_cache_index(j, swiftkv=True))
+            key_values[j] = (key, value)
+        return key_values
+
+
+@dataclass
+class LayerContext:
+    """What every decoder layer of one forward needs besides the hidden state."""
+
+    attention_mask: torch.Tensor | None
+    position_embeddings: tuple[torch.Tensor, torch.Tensor]
+    position_ids: torch.Tensor
+    past_key_values: object | None
+    use_cache: bool | None
+    keep: slice | torch.Tensor | None  # positions whose output is wanted (None: all)
+    subset: bool  # SwiftKV layers run for the kept positions only
+    kwargs: dict
+
+    def layer_kwargs(self) -> dict:
+        return dict(attention_mask=self.attention_mask, position_embeddings=self.position_embeddings,
+                    position_ids=self.position_ids, past_key_values=self.past_key_values,
+                    use_cache=self.use_cache, **self.kwargs)
+
+
+def _keep_index(keep_positions, seq_len: int):
+    """``None`` (all positions), a slice of the last N, or an index tensor."""
+    if keep_positions is None:
+        return None
+    if isinstance(keep_positions, int):
+        return slice(-keep_positions, None) if 0 < keep_positions < seq_len else None
+    return keep_positions
+
+
+class SwiftKVForCausalLMMixin:
+    """Adds the SwiftKV switch and the kept-positions forward to a HF ``*ForCausalLM``."""
+
+    def swiftkv(self, enabled: bool = True):
+        """Switch between the rewired forward (``True``, the student) and the original one (the teacher)."""
+        if not enabled and self.config.serving_only:
+            raise ValueError(
+                "This model was loaded from a serving export (serving_only=True): it has no teacher q/k/v for "
+                f"layers >= {self.config.num_key_value_layers}, so swiftkv(False) cannot run. "
+                "Load the full checkpoint to run the original model."
+            )
+        self.config.swiftkv = bool(enabled)
+        return self
+
+    @classmethod
+    def from_pretrained(cls, *args, **kwargs):
+        """As HF's, but weights that do not match the config are an error, not a warning.
+
+        A checkpoint whose ``num_key_value_layers`` / ``key_value_group_size`` disagree with its weights would
+        otherwise load with randomly initialised projections and generate garbage.
+        """
+        return_info = kwargs.pop("output_loading_info", False)
+        model, info = super().from_pretrained(*args, output_loading_info=True, **kwargs)
+        problems = {kind: sorted(info.get(kind) or []) for kind in ("missing_keys", "unexpected_keys", "mismatched_keys")}
+        problems = {kind: names for kind, names in problems.items() if names}
+        if problems:
+            c = model.config
+            raise ValueError(
+                f"The checkpoint's weights do not match its config (num_hidden_layers={c.num_hidden_layers}, "
+                f"num_key_value_layers={c.num_key_value_layers}, key_value_group_size={c.key_value_group_size}, "
+                f"serving_only={c.serving_only}): "
+                + "; ".join(f"{kind}: {names[:6]}{' ...' if len(names) > 6 else ''}" for kind, names in problems.items())
+                + ". Fix config.json to the values the weights were trained with, or re-export the checkpoint."
+            )
+        return (model, info) if return_info else model
+
+    def forward(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None,
+                inputs_embeds=None, labels=None, use_cache=None, logits_to_keep: int | torch.Tensor = 0,
+                **kwargs) -> CausalLMOutputWithPast:
+        """As the HF model; ``logits_to_keep`` also decides which positions run layers ``>= l`` under SwiftKV."""
+        outputs = self.model(
+            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+            past_key_values=past_key_values, inputs_embeds=inputs_embeds, use_cache=use_cache,
+            keep_positions=logits_to_keep if labels is None else None, **kwargs,
+        )
+        logits = self.lm_head(outputs.last_hidden_state)
+        loss = None
+        if labels is not None:
+            loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)
+        return CausalLMOutputWithPast(loss=loss, logits=logits, past_key_values=outputs.past_key_values,
+                                      hidden_states=outputs.hidden_states, attentions=outputs.attentions)
+
+
+# --- Llama (and Mistral checkpoints, converted to Llama) ---
+class LlamaSwiftKVAttention(SwiftKVAttentionMixin, LlamaAttention):
+    pass
+
+
+class LlamaSwiftKVDecoderLayer(LlamaDecoderLayer):
+    def __init__(self, config: LlamaSwiftKVConfig, layer_idx: int):
+        super().__init__(config, layer_idx)
+        self.self_attn = LlamaSwiftKVAttention(config, layer_idx)
+
+
+class LlamaSwiftKVModel(SwiftKVModelMixin, LlamaModel):
+    config_class = LlamaSwiftKVConfig
+    decoder_layer_class = LlamaSwiftKVDecoderLayer
+    _no_split_modules = ["LlamaSwiftKVDecoderLayer"]
+
+
+class LlamaSwiftKVForCausalLM(SwiftKVForCausalLMMixin, LlamaForCausalLM):
+    config_class = LlamaSwiftKVConfig
+    _no_split_modules = ["LlamaSwiftKVDecoderLayer"]
+
+    def __init__(self, config: LlamaSwiftKVConfig):
+        super().__init__(config)
+        self.model = LlamaSwiftKVModel(config)
+        self.post_init()
+
+
+# --- Qwen2 ---
+class Qwen2SwiftKVAttention(SwiftKVAttentionMixin, Qwen2Attention):
+    pass
+
+
+class Qwen2SwiftKVDecoderLayer(Qwen2DecoderLayer):
+    def __init__(self, config: Qwen2SwiftKVConfig, layer_idx: int):
+        super().__init__(config, layer_idx)
+        self.self_attn = Qwen2SwiftKVAttention(config, layer_idx)
+
+
+class Qwen2SwiftKVModel(SwiftKVModelMixin, Qwen2Model):
+    config_class = Qwen2SwiftKVConfig
+    decoder_layer_class = Qwen2SwiftKVDecoderLayer
+    _no_split_modules = ["Qwen2SwiftKVDecoderLayer"]
+
+
+class Qwen2SwiftKVForCausalLM(SwiftKVForCausalLMMixin, Qwen2ForCausalLM):
+    config_class = Qwen2SwiftKVConfig
+    _no_split_modules = ["Qwen2SwiftKVDecoderLayer"]
+
+    def __init__(self, config: Qwen2SwiftKVConfig):
+        super().__init__(config)
+        self.model = Qwen2SwiftKVModel(config)
+        self.post_init()

