@@ -29,7 +29,7 @@ def convert(
     from . import convert as convert_module
     from .generation import load
 
-    base, tokenizer = load(model)
+    base, tokenizer = load(model, need_tokenizer=False)
     l = base.config.num_hidden_layers // 2 if num_key_value_layers is None else num_key_value_layers
     swift = convert_module.convert(base, l, key_value_group_size)
     convert_module.save_checkpoint(swift, out_dir, tokenizer=tokenizer, serving=serving)

@@ -157,3 +157,21 @@ def format_table1(result: dict | None = None) -> str:
         lines.append(f"{name:<38}{ours * 100:>7.1f}%{PAPER_TABLE1_RELATIVE[name] * 100:>7.1f}%")
     lines.append(f"(attention convention: {result['attention_convention']}; see swiftkv_core.flops)")
     return "\n".join(lines)
+
+
+def _cpu_sdpa_flops(query_shape, key_shape, *args, out_shape=None, **kwargs) -> int:
+    """QK^T and AV of ``aten._scaled_dot_product_flash_attention_for_cpu`` (FlopCounterMode has no rule for it)."""
+    batch, heads, queries, head_dim = query_shape
+    keys = key_shape[-2]
+    return 2 * 2 * batch * heads * queries * keys * head_dim
+
+
+def count_flops(fn, *args, **kwargs) -> tuple[int, object]:
+    """``(matmul FLOPs, result)`` of ``fn(*args, **kwargs)`` under torch's FlopCounterMode, CPU attention included."""
+    import torch
+    from torch.utils.flop_counter import FlopCounterMode
+
+    mapping = {torch.ops.aten._scaled_dot_product_flash_attention_for_cpu: _cpu_sdpa_flops}
+    with FlopCounterMode(display=False, custom_mapping=mapping) as counter:
+        result = fn(*args, **kwargs)
+    return counter.get_total_flops(), result

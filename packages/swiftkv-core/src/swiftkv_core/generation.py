@@ -24,10 +24,17 @@ def resolve_model_path(model: str | Path | None) -> Path:
     return path
 
 
-def load(model: str | Path | None = None, dtype: torch.dtype = torch.float32):
-    """``(model, tokenizer)`` for a checkpoint path (any HF causal LM, SwiftKV or not) or ``'default'``."""
+def load(model: str | Path | None = None, dtype: torch.dtype = torch.float32, need_tokenizer: bool = True):
+    """``(model, tokenizer)`` for a checkpoint path (any HF causal LM, SwiftKV or not) or ``'default'``.
+
+    The tokenizer is ``None`` when the folder has none and ``need_tokenizer`` is off.
+    """
     path = resolve_model_path(model)
-    return AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval(), AutoTokenizer.from_pretrained(path)
+    has_tokenizer = any((path / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model"))
+    if need_tokenizer and not has_tokenizer:
+        raise FileNotFoundError(f"{path} has no tokenizer files; save the tokenizer into the checkpoint folder.")
+    tokenizer = AutoTokenizer.from_pretrained(path) if has_tokenizer else None
+    return AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval(), tokenizer
 
 
 @torch.inference_mode()

@@ -137,15 +137,15 @@ class SwiftKVModelMixin:
 
         keep = _keep_index(keep_positions, inputs_embeds.shape[1])
         subset = config.swiftkv and keep is not None and config._attn_implementation in _SUBSET_ATTENTION
-        causal_mask = create_causal_mask(
-            config=config, inputs_embeds=inputs_embeds, attention_mask=attention_mask,
-            past_key_values=past_key_values, position_ids=position_ids,
-            allow_is_causal_skip=not subset,  # the kept rows need an explicit mask
-        )
+        mask_kwargs = dict(config=config, inputs_embeds=inputs_embeds, attention_mask=attention_mask,
+                           past_key_values=past_key_values, position_ids=position_ids)
+        causal_mask = create_causal_mask(**mask_kwargs)
+        # The kept query rows of layers >= l need an explicit mask (sdpa's is_causal aligns the wrong corner).
+        subset_mask = create_causal_mask(**mask_kwargs, allow_is_causal_skip=False)[:, :, keep] if subset else None
         context = LayerContext(
             attention_mask=causal_mask, position_embeddings=self.rotary_emb(inputs_embeds, position_ids=position_ids),
             position_ids=position_ids, past_key_values=past_key_values, use_cache=use_cache, keep=keep,
-            subset=subset, kwargs=kwargs,
+            subset_mask=subset_mask, kwargs=kwargs,
         )
         hidden = inputs_embeds
         for layer in self.layers[: config.num_key_value_layers]:
@@ -173,7 +173,7 @@ class SwiftKVModelMixin:
                 keep = context.keep
                 hidden = hidden[:, keep]
                 layer_kwargs["position_embeddings"] = tuple(t[:, keep] for t in context.position_embeddings)
-                layer_kwargs["attention_mask"] = context.attention_mask[:, :, keep]
+                layer_kwargs["attention_mask"] = context.subset_mask
                 layer_kwargs["position_ids"] = context.position_ids[:, keep]
             for j in range(config.num_key_value_layers, config.num_hidden_layers):
                 last_input = hidden
@@ -209,8 +209,12 @@ class LayerContext:
     past_key_values: object | None
     use_cache: bool | None
     keep: slice | torch.Tensor | None  # positions whose output is wanted (None: all)
-    subset: bool  # SwiftKV layers run for the kept positions only
+    subset_mask: torch.Tensor | None  # set when SwiftKV layers run for the kept positions only: their mask rows
     kwargs: dict
+
+    @property
+    def subset(self) -> bool:
+        return self.subset_mask is not None
 
     def layer_kwargs(self) -> dict:
         return dict(attention_mask=self.attention_mask, position_embeddings=self.position_embeddings,

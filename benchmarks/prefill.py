@@ -1,0 +1,150 @@
+"""Prefill latency of SmolLM2-135M-Instruct with SwiftKV (l=15 of 30) vs the same model with SwiftKV off.
+
+Both sides are the same model object (``model.swiftkv(False)`` is the original forward), measured in one run,
+interleaved, median of repeats. A prefill is what ``generate`` runs first: the whole prompt with a KV cache,
+logits of the last position only. Also prints measured (FlopCounterMode) vs analytic FLOPs.
+
+    .venv/bin/python benchmarks/prefill.py            # writes benchmarks/results/prefill.{json,md,png}
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import platform
+import sys
+import time
+from pathlib import Path
+
+import torch
+from jsonargparse import auto_cli
+
+from swiftkv_core.convert import convert
+from swiftkv_core.flops import ModelShape, count_flops, prefill_flops_total
+from swiftkv_core.generation import load
+
+RESULTS = Path(__file__).parent / "results"
+
+
+def real_prompt(tokenizer, num_tokens: int) -> torch.Tensor:
+    """``num_tokens`` tokens of real English text (the standard library's documentation)."""
+    import argparse
+    import collections
+    import email
+    import json as json_module
+    import logging
+
+    text = "\n\n".join(inspect.getdoc(m) or "" for m in (argparse, collections, email, json_module, logging, inspect))
+    text += "\n\n".join(inspect.getdoc(getattr(collections, n)) or "" for n in dir(collections))
+    ids = tokenizer(text, return_tensors="pt").input_ids
+    if ids.shape[1] < num_tokens:
+        ids = ids.repeat(1, num_tokens // ids.shape[1] + 1)
+    return ids[:, :num_tokens]
+
+
+@torch.inference_mode()
+def prefill_seconds(model, ids: torch.Tensor) -> float:
+    start = time.perf_counter()
+    model(ids, use_cache=True, logits_to_keep=1)
+    return time.perf_counter() - start
+
+
+def main(num_key_value_layers: int = 15, prompt_lengths: tuple[int, ...] = (512, 2048), repeats: int = 5,
+         threads: int | None = None, out_dir: Path = RESULTS) -> dict:
+    """Measure and print; write JSON, Markdown and a PNG to ``out_dir``.
+
+    Args:
+        num_key_value_layers: l of the SwiftKV model (30 layers in SmolLM2: 15 halves prefill compute).
+        prompt_lengths: Prompt lengths in tokens.
+        repeats: Timed prefills per side and length (after one warm-up each); the median is reported.
+        threads: torch threads (default: torch's choice).
+        out_dir: Where to write prefill.json, prefill.md and prefill.png.
+    """
+    if threads:
+        torch.set_num_threads(threads)
+    base, tokenizer = load("default")
+    model = convert(base, num_key_value_layers)
+    shape = ModelShape.from_config(model.config)
+    rows = []
+    for length in prompt_lengths:
+        ids = real_prompt(tokenizer, length)
+        for enabled in (False, True):  # warm-up
+            prefill_seconds(model.swiftkv(enabled), ids)
+        times = {False: [], True: []}
+        for _ in range(repeats):  # interleaved, so machine noise hits both sides alike
+            for enabled in (False, True):
+                times[enabled].append(prefill_seconds(model.swiftkv(enabled), ids))
+        median = {k: sorted(v)[len(v) // 2] for k, v in times.items()}
+        with torch.inference_mode():
+            measured = {k: count_flops(model.swiftkv(k), ids, use_cache=True, logits_to_keep=1)[0] for k in times}
+        analytic = {
+            False: prefill_flops_total(shape, length, None, attention="dense"),
+            True: prefill_flops_total(shape, length, num_key_value_layers, attention="dense"),
+        }
+        row = {
+            "prompt_tokens": length,
+            "baseline_ms": median[False] * 1e3,
+            "swiftkv_ms": median[True] * 1e3,
+            "speedup": median[False] / median[True],
+            "baseline_ms_all": [t * 1e3 for t in times[False]],
+            "swiftkv_ms_all": [t * 1e3 for t in times[True]],
+            "measured_gflops": {"baseline": measured[False] / 1e9, "swiftkv": measured[True] / 1e9},
+            "analytic_gflops": {"baseline": analytic[False] / 1e9, "swiftkv": analytic[True] / 1e9},
+            "measured_flops_ratio": measured[False] / measured[True],
+            "analytic_flops_ratio": analytic[False] / analytic[True],
+        }
+        rows.append(row)
+        print(f"{length:>5} tokens: SwiftKV off {row['baseline_ms']:8.1f} ms | on {row['swiftkv_ms']:8.1f} ms | "
+              f"speedup {row['speedup']:.2f}x | FLOPs ratio measured {row['measured_flops_ratio']:.3f}x, "
+              f"analytic {row['analytic_flops_ratio']:.3f}x", flush=True)
+
+    result = {
+        "model": "SmolLM2-135M-Instruct (fp32)",
+        "num_key_value_layers": num_key_value_layers,
+        "num_hidden_layers": model.config.num_hidden_layers,
+        "torch_threads": torch.get_num_threads(),
+        "machine": f"{platform.machine()}, {torch.get_num_threads()} threads, torch {torch.__version__}",
+        "command": " ".join([".venv/bin/python", "benchmarks/prefill.py", *sys.argv[1:]]),
+        "rows": rows,
+    }
+    write_results(result, Path(out_dir))
+    return result
+
+
+def write_results(result: dict, out_dir: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "prefill.json").write_text(json.dumps(result, indent=2))
+    lines = [
+        f"# Prefill latency: {result['model']}, SwiftKV l={result['num_key_value_layers']}/"
+        f"{result['num_hidden_layers']} vs SwiftKV off", "",
+        f"Command: `{result['command']}` ({result['machine']})", "",
+        "| prompt tokens | off (ms) | on (ms) | speedup | FLOPs ratio measured | FLOPs ratio analytic |",
+        "|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in result["rows"]:
+        lines.append(f"| {r['prompt_tokens']} | {r['baseline_ms']:.1f} | {r['swiftkv_ms']:.1f} | "
+                     f"{r['speedup']:.2f}x | {r['measured_flops_ratio']:.3f}x | {r['analytic_flops_ratio']:.3f}x |")
+    (out_dir / "prefill.md").write_text("\n".join(lines) + "\n")
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    xs = range(len(result["rows"]))
+    ax.bar([x - 0.2 for x in xs], [r["baseline_ms"] for r in result["rows"]], 0.4, label="SwiftKV off")
+    ax.bar([x + 0.2 for x in xs], [r["swiftkv_ms"] for r in result["rows"]], 0.4, label="SwiftKV on")
+    for x, r in zip(xs, result["rows"]):
+        ax.text(x + 0.2, r["swiftkv_ms"], f"{r['speedup']:.2f}x", ha="center", va="bottom")
+    ax.set_xticks(list(xs), [f"{r['prompt_tokens']} tokens" for r in result["rows"]])
+    ax.set_ylabel("prefill latency (ms, median)")
+    ax.set_title(f"SmolLM2-135M prefill, l={result['num_key_value_layers']}/{result['num_hidden_layers']}")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out_dir / "prefill.png", dpi=120)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    auto_cli(main, as_positional=False)

@@ -1,0 +1,60 @@
+"""Shared fixtures: tiny random models of every supported family (unit tests) and the real SmolLM2 (integration)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import (
+    LlamaConfig,
+    LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+)
+
+import swiftkv_core  # noqa: F401  (registers the SwiftKV classes)
+
+TINY = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=256,
+            bos_token_id=None, eos_token_id=None, pad_token_id=0)
+
+
+def tiny_base(family: str = "llama", seed: int = 0, **overrides):
+    """A randomly initialised 4-layer base model of ``family`` in eval mode."""
+    torch.manual_seed(seed)
+    kwargs = {**TINY, **overrides}
+    if family == "llama":
+        model = LlamaForCausalLM(LlamaConfig(**kwargs, tie_word_embeddings=True))
+    elif family == "qwen2":
+        model = Qwen2ForCausalLM(Qwen2Config(**kwargs))
+    elif family == "mistral":
+        model = MistralForCausalLM(MistralConfig(**kwargs, sliding_window=None))
+    else:
+        raise ValueError(family)
+    # Random init gives near-uniform outputs; scale up so greedy decisions are not coin flips on float noise.
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() == 2:
+                p.mul_(4.0)
+    return model.eval()
+
+
+@pytest.fixture(params=["llama", "qwen2", "mistral"])
+def family(request):
+    return request.param
+
+
+@pytest.fixture(scope="session")
+def smollm2_path():
+    from swiftkv_core.default_model import default_model_path
+
+    return default_model_path()
+
+
+@pytest.fixture(scope="session")
+def smollm2(smollm2_path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    return (AutoModelForCausalLM.from_pretrained(smollm2_path, dtype=torch.float32).eval(),
+            AutoTokenizer.from_pretrained(smollm2_path))

@@ -1,0 +1,58 @@
+"""Input-similarity analysis (paper Eq. 1) and the ``swiftkv`` console script."""
+
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from swiftkv_core.analysis import layer_input_similarity, recommend_num_key_value_layers, write_report
+from swiftkv_core.cli import main
+from tests.conftest import tiny_base
+
+
+class CharTokenizer:
+    """Bytes as token ids: enough to feed text to a tiny model."""
+
+    def __call__(self, text, return_tensors="pt", truncation=True, max_length=512):
+        ids = torch.tensor([[b % 128 for b in text.encode()[:max_length]]])
+        return type("Batch", (), {"input_ids": ids})()
+
+
+@torch.no_grad()
+def test_similarity_is_equation_1():
+    model = tiny_base("llama")
+    text = "The quick brown fox jumps over the lazy dog."
+    similarity = layer_input_similarity(model, CharTokenizer(), [text])
+    ids = CharTokenizer()(text).input_ids
+    states = model(ids, output_hidden_states=True).hidden_states[:4]
+    expected = [torch.stack([F.cosine_similarity(states[i][0], states[j][0], dim=-1).mean()
+                             for j in range(i + 1, 4)]).mean().item() for i in range(3)]
+    assert similarity == pytest.approx(expected, abs=1e-5)
+
+
+def test_recommendation_and_report(tmp_path):
+    similarity = [0.1, 0.5, 0.8, 0.92, 0.95]
+    assert recommend_num_key_value_layers(similarity, 0.9) == 3
+    assert recommend_num_key_value_layers(similarity, 0.99) == 6
+    result = write_report(similarity, 0.9, tmp_path)
+    assert result["recommended_num_key_value_layers"] == 3
+    assert json.loads((tmp_path / "similarity.json").read_text())["skipped_fraction"] == pytest.approx(0.5)
+    assert (tmp_path / "similarity.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_cli_convert_and_flops(tmp_path, capsys):
+    tiny_base("llama").save_pretrained(tmp_path / "base")
+    main(["convert", "--model", str(tmp_path / "base"), "--out_dir", str(tmp_path / "swift"),
+          "--num_key_value_layers", "2", "--key_value_group_size", "2", "--serving", "true"])
+    config = json.loads((tmp_path / "swift/config.json").read_text())
+    assert (config["model_type"], config["num_key_value_layers"], config["key_value_group_size"]) == (
+        "llama_swiftkv", 2, 2)
+    assert config["serving_only"] is True
+    main(["flops"])
+    assert "50% SingleInputKV" in capsys.readouterr().out
+
+
+def test_cli_rejects_a_folder_that_is_no_checkpoint(tmp_path):
+    with pytest.raises(FileNotFoundError, match="not a HF checkpoint folder"):
+        main(["convert", "--model", str(tmp_path), "--out_dir", str(tmp_path / "x")])

@@ -1,0 +1,124 @@
+"""The SwiftKV forward: equivalences, the real prefill savings, AcrossKV cache size, chunking, padding."""
+
+import pytest
+import torch
+from torch.testing import assert_close
+from transformers import DynamicCache
+
+from swiftkv_core.convert import convert
+from tests.conftest import tiny_base
+
+
+def swift(family="llama", l=2, g=1, seed=0):
+    base = tiny_base(family, seed=seed)
+    return base, convert(tiny_base(family, seed=seed), l, g)
+
+
+def greedy_reference(model, ids, steps):
+    """Greedy decoding with NO cache: every token through every layer (the full SwiftKV forward)."""
+    for _ in range(steps):
+        next_token = model(ids, use_cache=False).logits[:, -1].argmax(-1, keepdim=True)
+        ids = torch.cat([ids, next_token], 1)
+    return ids
+
+
+@torch.no_grad()
+def test_no_skipped_layers_matches_stock_hf(family):
+    base, model = swift(family, l=4)
+    ids = torch.randint(0, 128, (2, 12))
+    assert_close(model(ids).logits, base(ids).logits)
+    assert torch.equal(model.generate(ids, max_new_tokens=6, do_sample=False),
+                       base.generate(ids, max_new_tokens=6, do_sample=False))
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("g", [1, 2])
+def test_teacher_mode_is_the_original_model(family, g):
+    base, model = swift(family, l=2, g=g)
+    ids = torch.randint(0, 128, (2, 12))
+    assert_close(model.swiftkv(False)(ids).logits, base(ids).logits)
+    assert not torch.allclose(model.swiftkv(True)(ids).logits, base(ids).logits)
+
+
+def count_rows(model):
+    """Records the number of positions each decoder layer processes."""
+    rows = {}
+    for j, layer in enumerate(model.model.layers):
+        layer.register_forward_pre_hook(lambda mod, args, kwargs, j=j: rows.setdefault(j, []).append(args[0].shape[1]),
+                                        with_kwargs=True)
+    return rows
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("g", [1, 2])
+def test_prefill_runs_later_layers_only_for_kept_positions(family, g):
+    _, model = swift(family, l=2, g=g)
+    ids = torch.randint(0, 128, (2, 20))
+    full = model(ids, use_cache=False).logits
+    rows = count_rows(model)
+    cache = DynamicCache(config=model.config)
+    last = model(ids, past_key_values=cache, use_cache=True, logits_to_keep=1).logits
+    assert rows == {0: [20], 1: [20], 2: [1], 3: [1]}  # layers >= l: one position, not 20
+    assert_close(last[:, -1], full[:, -1], atol=1e-5, rtol=1e-5)
+    # logits_to_keep as indices, and as the last N
+    idx = torch.tensor([3, 7, 19])
+    assert_close(model(ids, logits_to_keep=idx).logits, full[:, idx], atol=1e-5, rtol=1e-5)
+    assert_close(model(ids, logits_to_keep=4).logits, full[:, -4:], atol=1e-5, rtol=1e-5)
+
+
+@torch.no_grad()
+@pytest.mark.parametrize(("l", "g"), [(2, 1), (1, 3), (2, 2)])
+def test_generate_equals_full_forward_and_cache_holds_one_kv_per_group(family, l, g):
+    _, model = swift(family, l=l, g=g)
+    ids = torch.randint(0, 128, (1, 16))
+    rows = count_rows(model)
+    out = model.generate(ids, max_new_tokens=8, do_sample=False, return_dict_in_generate=True)
+    assert rows[3][0] == 1 and rows[0][0] == 16  # the prefill skipped layers >= l for prompt tokens
+    assert torch.equal(out.sequences, greedy_reference(model, ids, 8))
+    L, tokens = 4, out.sequences.shape[1] - 1  # the last generated token is never fed back
+    stored = sum(layer.keys.shape[2] for layer in out.past_key_values.layers
+                 if getattr(layer, "keys", None) is not None and layer.keys.numel())
+    assert stored == (l + (L - l) // g) * tokens
+
+
+@torch.no_grad()
+def test_chunked_prefill_equals_one_shot(family):
+    _, model = swift(family, l=2, g=2)
+    ids = torch.randint(0, 128, (1, 23))
+    one_shot = model(ids, use_cache=True, logits_to_keep=1)
+    cache = DynamicCache(config=model.config)
+    for start in range(0, 23, 7):
+        chunk = model(ids[:, start:start + 7], past_key_values=cache, use_cache=True, logits_to_keep=1)
+    assert_close(chunk.logits, one_shot.logits, atol=1e-5, rtol=1e-5)
+    for a, b in zip(cache.layers, one_shot.past_key_values.layers):
+        if getattr(a, "keys", None) is not None and a.keys.numel():
+            assert_close(a.keys, b.keys, atol=1e-5, rtol=1e-5)
+    # decoding continues identically from either cache
+    next_token = one_shot.logits[:, -1:].argmax(-1)
+    assert_close(model(next_token, past_key_values=cache).logits,
+                 model(next_token, past_key_values=one_shot.past_key_values).logits, atol=1e-5, rtol=1e-5)
+
+
+@torch.no_grad()
+def test_batched_generation_with_left_padding(family):
+    _, model = swift(family, l=2, g=1)
+    prompts = [torch.randint(1, 128, (n,)) for n in (5, 11, 8)]
+    width = max(len(p) for p in prompts)
+    ids = torch.zeros(len(prompts), width, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, p in enumerate(prompts):
+        ids[i, width - len(p):], mask[i, width - len(p):] = p, 1
+    batched = model.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0)
+    for i, p in enumerate(prompts):
+        alone = model.generate(p[None], max_new_tokens=6, do_sample=False, pad_token_id=0)
+        assert torch.equal(batched[i, width:], alone[0, len(p):]), f"prompt {i}"
+
+
+def test_gradients_reach_only_swiftkv_parameters():
+    _, model = swift("llama", l=2, g=2)
+    model.train()
+    ids = torch.randint(0, 128, (2, 10))
+    model(ids).logits.float().pow(2).mean().backward()
+    with_grad = {n for n, p in model.named_parameters() if p.grad is not None}
+    assert with_grad == {n for n, p in model.named_parameters() if "swiftkv" in n}
+    assert all(model.get_parameter(n).grad.abs().sum() > 0 for n in with_grad)
