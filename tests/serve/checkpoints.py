@@ -1,0 +1,68 @@
+"""Real checkpoints on disk for the serve tests: a tiny random Llama SwiftKV and SmolLM2 converted to SwiftKV."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+TINY = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=8, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=1024, tie_word_embeddings=True,
+            initializer_range=0.1, rms_norm_eps=1e-6)
+
+
+def smollm2_path() -> Path:
+    from swiftkv_core.default_model import default_model_path
+
+    return default_model_path()
+
+
+def tiny_base(out_dir: Path, seed: int = 0) -> Path:
+    """A tiny random Llama (head_dim 32, the CPU kernels' smallest) with SmolLM2's tokenizer (vocab 49152)."""
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    tokenizer = AutoTokenizer.from_pretrained(smollm2_path())
+    torch.manual_seed(seed)
+    config = LlamaConfig(vocab_size=len(tokenizer), bos_token_id=tokenizer.bos_token_id,
+                         eos_token_id=tokenizer.eos_token_id, **TINY)
+    model = LlamaForCausalLM(config).eval()
+    model.save_pretrained(out_dir)
+    tokenizer.save_pretrained(out_dir)
+    return out_dir
+
+
+def swiftkv_checkpoint(base: Path, out_dir: Path, num_key_value_layers: int, key_value_group_size: int = 1,
+                       noise: float = 0.0, serving: bool = False, seed: int = 0) -> Path:
+    """``base`` converted to SwiftKV (published recipe init), optionally with the SwiftKV weights perturbed.
+
+    The noise makes the SwiftKV projections differ from the teacher's, so a server that used the wrong
+    weights (or the teacher path) would not match.
+    """
+    from swiftkv_core.convert import convert, export_for_serving, save_checkpoint
+    from transformers import AutoTokenizer
+
+    model = convert(base, num_key_value_layers, key_value_group_size)
+    if noise:
+        generator = torch.Generator().manual_seed(seed)
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if "swiftkv" in name:
+                    param.add_(noise * param.abs().mean() * torch.randn(param.shape, generator=generator))
+    tokenizer = AutoTokenizer.from_pretrained(base)
+    (export_for_serving if serving else save_checkpoint)(model, out_dir, tokenizer=tokenizer)
+    return out_dir
+
+
+@torch.inference_mode()
+def hf_greedy(path: Path, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+    """The reference: swiftkv_core's HF model (SwiftKV forward as configured), ``generate`` greedy, one prompt each."""
+    from swiftkv_core.generation import load
+
+    model, _ = load(path)
+    outputs = []
+    for prompt in prompts:
+        ids = torch.tensor([prompt])
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+                             do_sample=False, temperature=None, top_p=None, top_k=None)
+        outputs.append(out[0, len(prompt):].tolist())
+    return outputs
