@@ -1,0 +1,114 @@
+"""Callbacks: a JSON summary and a PNG of the metrics at the end of fit, and the HF export."""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import time
+from pathlib import Path
+
+import lightning as L
+from lightning.pytorch.loggers import CSVLogger
+
+
+def _log_dir(trainer: L.Trainer) -> Path:
+    for logger in trainer.loggers:
+        if isinstance(logger, CSVLogger):
+            return Path(logger.log_dir)
+    return Path(trainer.default_root_dir)
+
+
+class RunReport(L.Callback):
+    """At the end of fit (rank 0): ``summary.json`` (before/after metrics, tokens, time) and ``metrics.png``
+    (training loss and agreement, validation KL and agreement, the undistilled values as dashed lines), in the
+    CSV logger's folder."""
+
+    def __init__(self, plot: bool = True):
+        self.plot = plot
+        self._start = None
+
+    def on_fit_start(self, trainer, pl_module) -> None:
+        self._start = time.perf_counter()
+
+    def on_fit_end(self, trainer, pl_module) -> None:
+        if not trainer.is_global_zero:
+            return
+        for logger in trainer.loggers:
+            logger.save()
+        folder = _log_dir(trainer)
+        folder.mkdir(parents=True, exist_ok=True)
+        after = {k.removeprefix("val/"): float(v) for k, v in trainer.callback_metrics.items() if k.startswith("val/")}
+        seconds = time.perf_counter() - self._start if self._start else None
+        tokens = getattr(pl_module, "_tokens_seen", None)
+        summary = {
+            "before": getattr(pl_module, "before_metrics", {}), "after": after, "global_step": trainer.global_step,
+            "train_tokens": tokens, "fit_seconds": seconds,
+            "train_tokens_per_s": tokens / seconds if tokens and seconds else None,
+            "hparams": {k: v for k, v in dict(pl_module.hparams).items() if isinstance(v, (int, float, str, bool))},
+        }
+        (folder / "summary.json").write_text(json.dumps(summary, indent=2))
+        if self.plot and (folder / "metrics.csv").is_file():
+            plot_metrics(folder / "metrics.csv", folder / "metrics.png", summary["before"])
+
+
+def plot_metrics(csv_path: Path, png_path: Path, before: dict | None = None) -> Path:
+    """Plot the CSV logger's metrics: train loss/agreement per step, val KL/agreement per validation."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    series: dict[str, list[tuple[float, float]]] = {}
+    with open(csv_path) as f:
+        for row in csv.DictReader(f):
+            step = float(row.get("step") or 0)
+            for key, value in row.items():
+                if key != "step" and value not in (None, ""):
+                    series.setdefault(key, []).append((step, float(value)))
+    panels = [("train/loss", "val/kl", "KL to teacher (nats)", "before/kl"),
+              ("train/agreement", "val/agreement", "top-1 agreement", "before/agreement")]
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for ax, (train_key, val_key, title, before_key) in zip(axes, panels, strict=True):
+        for key, style in ((train_key, "-"), (val_key, "o-")):
+            if key in series:
+                xs, ys = zip(*series[key], strict=True)
+                if style == "-" and len(ys) > 20:  # smooth the noisy per-step curve
+                    k = max(1, len(ys) // 20)
+                    ys = [sum(ys[max(0, i - k):i + 1]) / len(ys[max(0, i - k):i + 1]) for i in range(len(ys))]
+                ax.plot(xs, ys, style, label=key)
+        name = before_key.split("/")[1]
+        if before and name in before and not math.isnan(before[name]):
+            ax.axhline(before[name], ls="--", color="gray", label=f"undistilled ({before[name]:.3f})")
+        ax.set_xlabel("step")
+        ax.set_title(title)
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(png_path, dpi=110)
+    plt.close(fig)
+    return png_path
+
+
+class ExportHF(L.Callback):
+    """At the end of fit, export the distilled model as HF SwiftKV checkpoints (written atomically).
+
+    Args:
+        dirpath: output folder; ``full`` goes to ``dirpath/hf`` and ``serving`` to ``dirpath/hf-serving``.
+        full: the full checkpoint (teacher weights kept: can still run ``swiftkv(False)``).
+        serving: the smaller serving export (no teacher q/k/v for layers >= l).
+    """
+
+    def __init__(self, dirpath: str = "outputs/distill/export", full: bool = True, serving: bool = True):
+        self.dirpath, self.full, self.serving = Path(dirpath), full, serving
+
+    def on_fit_end(self, trainer, pl_module) -> None:
+        from .module import export
+
+        if self.full:
+            path = export(pl_module, self.dirpath / "hf", serving=False)
+            if path is not None:
+                print(f"exported {path}")
+        if self.serving:
+            path = export(pl_module, self.dirpath / "hf-serving", serving=True)
+            if path is not None:
+                print(f"exported {path}")

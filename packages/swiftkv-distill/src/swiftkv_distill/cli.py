@@ -1,0 +1,37 @@
+"""``swiftkv-distill fit --config configs/distill/<recipe>.yaml``: the LightningCLI of SwiftKV distillation."""
+
+from __future__ import annotations
+
+from lightning.pytorch.cli import LightningCLI
+
+from .data import DistillDataModule
+from .module import SwiftKVDistillation
+
+TRAINER_DEFAULTS = {
+    # The data module builds its own DistributedSampler (a seeded permutation per epoch, also for one process).
+    "use_distributed_sampler": False,
+    "logger": [
+        {"class_path": "lightning.pytorch.loggers.CSVLogger", "init_args": {"save_dir": "outputs/distill"}},
+        {"class_path": "lightning.pytorch.loggers.TensorBoardLogger", "init_args": {"save_dir": "outputs/distill"}},
+    ],
+    "callbacks": [{"class_path": "swiftkv_distill.callbacks.RunReport"}],
+}
+
+
+class DistillCLI(LightningCLI):
+    def add_arguments_to_parser(self, parser) -> None:
+        # One model path for the module (weights) and the data (tokenizer, context length).
+        parser.link_arguments("model.model", "data.model")
+
+
+def make_cli(args=None, run: bool = True, cli_class: type[LightningCLI] = DistillCLI) -> LightningCLI:
+    return cli_class(SwiftKVDistillation, DistillDataModule, trainer_defaults=TRAINER_DEFAULTS, args=args, run=run,
+                     save_config_kwargs={"overwrite": True}, seed_everything_default=0)
+
+
+def main(args=None) -> None:
+    make_cli(args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,284 @@
+"""Distillation data: local jsonl / json / parquet / text files through ``datasets``, tokenised and packed.
+
+A record is one of (detected per record):
+
+- chat: ``{"messages": [{"role": ..., "content": ...}, ...]}`` rendered with the model's chat template;
+- prompt-only: ``{"prompt": "..."}`` rendered as one user turn plus the generation prompt (prefill-style
+  distillation: SwiftKV changes how prompts are processed, the teacher needs no answer to be matched);
+- prompt + answer: ``{"prompt": ..., "response"|"completion": ...}`` rendered as a two-turn chat;
+- plain text: ``{"text": "..."}`` (``.txt`` files: one record per line), followed by EOS.
+
+Distillation needs no labels: every real token is a position where the student must match the teacher.
+With ``pack=True`` sequences are concatenated into rows of exactly ``max_length`` tokens; each keeps its own
+position ids (restarting at 0), and the model's causal mask keeps packed sequences from attending to each
+other (transformers derives the block-diagonal mask from the position ids when no attention mask is given).
+The train/validation split is by record, from a seeded permutation: the same files and seed give the same split.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from pathlib import Path
+
+import lightning as L
+import torch
+from torch.utils.data import DataLoader, Dataset, DistributedSampler
+
+IGNORE = -100
+_BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".txt": "text", ".text": "text"}
+
+
+class DataError(ValueError):
+    """A data file or data option that cannot work; raised before any compute is spent."""
+
+
+def load_records(files: Sequence[str | Path]) -> list[dict]:
+    """All records of ``files`` (local jsonl / json / parquet / text), in file order. Clear errors, no hub."""
+    import datasets
+
+    records: list[dict] = []
+    for file in files:
+        path = Path(file)
+        if not path.is_file():
+            raise DataError(f"Data file {path} does not exist.")
+        builder = _BUILDERS.get(path.suffix.lower())
+        if builder is None:
+            raise DataError(f"Data file {path}: unknown extension {path.suffix!r}; use one of {sorted(_BUILDERS)}.")
+        if path.stat().st_size == 0:
+            raise DataError(f"Data file {path} is empty.")
+        try:
+            dataset = datasets.load_dataset(builder, data_files=str(path), split="train")
+        except Exception as error:  # datasets wraps parser errors in several exception types
+            raise DataError(f"Data file {path} could not be read as {builder}: {type(error).__name__}: {error}") from error
+        rows = dataset.to_list()
+        if builder == "text":
+            rows = [row for row in rows if row["text"].strip()]
+        if not rows:
+            raise DataError(f"Data file {path} holds no records.")
+        for i, row in enumerate(rows):
+            if record_kind(row) is None:
+                raise DataError(
+                    f"Data file {path}, record {i}: expected a 'messages' list (chat), a 'prompt' (optionally with "
+                    f"'response'/'completion') or a 'text' field; got fields {sorted(row)}."
+                )
+        records.extend(rows)
+    return records
+
+
+def record_kind(record: dict) -> str | None:
+    """``'chat'``, ``'prompt'``, ``'prompt_response'``, ``'text'`` or ``None`` (not usable)."""
+    if isinstance(record.get("messages"), list) and record["messages"]:
+        return "chat"
+    if isinstance(record.get("prompt"), str) and record["prompt"].strip():
+        answer = record.get("response") or record.get("completion")
+        return "prompt_response" if isinstance(answer, str) and answer.strip() else "prompt"
+    if isinstance(record.get("text"), str) and record["text"].strip():
+        return "text"
+    return None
+
+
+def encode_record(record: dict, tokenizer) -> list[int]:
+    """Token ids of one record (see the module docstring for the formats)."""
+    kind = record_kind(record)
+    if kind == "text":
+        ids = tokenizer(record["text"], add_special_tokens=True)["input_ids"]
+        return ids + ([tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else [])
+    if kind == "chat":
+        messages, generation_prompt = record["messages"], False
+    elif kind == "prompt":
+        messages, generation_prompt = [{"role": "user", "content": record["prompt"]}], True
+    else:
+        answer = record.get("response") or record.get("completion")
+        messages = [{"role": "user", "content": record["prompt"]}, {"role": "assistant", "content": answer}]
+        generation_prompt = False
+    ids = tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=generation_prompt)
+    if hasattr(ids, "keys"):  # transformers 5 returns a BatchEncoding
+        ids = ids["input_ids"]
+    return list(ids)
+
+
+def split_indices(n: int, val_fraction: float, seed: int) -> tuple[list[int], list[int]]:
+    """Deterministic ``(train, validation)`` record indices: a seeded permutation, the first part validates."""
+    if n == 0:
+        return [], []
+    order = torch.randperm(n, generator=torch.Generator().manual_seed(seed)).tolist()
+    n_val = min(n - 1, math.ceil(n * val_fraction)) if val_fraction > 0 else 0
+    return sorted(order[n_val:]), sorted(order[:n_val])
+
+
+def pack(sequences: Sequence[list[int]], max_length: int) -> list[dict]:
+    """Concatenate sequences into rows of ``max_length`` tokens; a sequence crossing a row end continues in the
+    next row (positions restart there). Returns ``{"input_ids": [...], "segments": [lengths...]}`` per row; the
+    last row may be shorter (the collator pads it)."""
+    rows: list[dict] = []
+    ids: list[int] = []
+    segments: list[int] = []
+    for sequence in sequences:
+        rest = list(sequence)
+        while rest:
+            take = min(len(rest), max_length - len(ids))
+            ids.extend(rest[:take])
+            segments.append(take)
+            rest = rest[take:]
+            if len(ids) == max_length:
+                rows.append({"input_ids": ids, "segments": segments})
+                ids, segments = [], []
+    if ids:
+        rows.append({"input_ids": ids, "segments": segments})
+    return rows
+
+
+def unpacked(sequences: Sequence[list[int]], max_length: int) -> list[dict]:
+    """One row per sequence, truncated to ``max_length``."""
+    return [{"input_ids": list(s[:max_length]), "segments": [min(len(s), max_length)]} for s in sequences if s]
+
+
+def collate(rows: Sequence[dict], pad_id: int = 0, pad_to: int | None = None) -> dict[str, torch.Tensor]:
+    """Batch rows into ``input_ids``, ``position_ids`` (restarting per packed sequence), ``loss_mask`` (real
+    tokens) and ``labels`` (the next token of the same sequence, ``-100`` at each sequence's last token).
+
+    Padding is on the right and gets its own positions (a separate "sequence"), so real tokens never see it.
+    """
+    length = max(pad_to or 0, max(len(r["input_ids"]) for r in rows))
+    batch = {
+        "input_ids": torch.full((len(rows), length), pad_id, dtype=torch.long),
+        "position_ids": torch.zeros((len(rows), length), dtype=torch.long),
+        "loss_mask": torch.zeros((len(rows), length), dtype=torch.bool),
+        "labels": torch.full((len(rows), length), IGNORE, dtype=torch.long),
+    }
+    for i, row in enumerate(rows):
+        ids = torch.tensor(row["input_ids"], dtype=torch.long)
+        n = len(ids)
+        batch["input_ids"][i, :n] = ids
+        batch["loss_mask"][i, :n] = True
+        start = 0
+        for seg in row["segments"]:
+            batch["position_ids"][i, start : start + seg] = torch.arange(seg)
+            batch["labels"][i, start : start + seg - 1] = ids[start + 1 : start + seg]
+            start += seg
+        batch["position_ids"][i, n:] = torch.arange(length - n)
+    return batch
+
+
+class RowsDataset(Dataset):
+    def __init__(self, rows: list[dict]):
+        self.rows = rows
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, index: int) -> dict:
+        return self.rows[index]
+
+
+class DistillDataModule(L.LightningDataModule):
+    """Local files -> tokenised, packed, deterministically split distillation batches.
+
+    Args:
+        model: the model whose tokenizer and context length apply: a local HF checkpoint or ``"default"``.
+        train_files: jsonl / json / parquet / txt files (see the module docstring for record formats).
+        val_files: held-out files; when empty, ``val_fraction`` of the train records is held out.
+        val_fraction: fraction of records held out when ``val_files`` is empty.
+        max_length: tokens per row (the packed sequence length); must not exceed the model's context.
+        pack: concatenate sequences into full rows (no padding); else one sequence per row, truncated.
+        batch_size: rows per step and process.
+        val_batch_size: rows per validation step (default: ``batch_size``).
+        max_train_rows / max_val_rows: cap on rows (after packing; 0: no cap), for quick runs.
+        seed: seed of the split and of the shuffling (one permutation per epoch).
+        num_workers: DataLoader worker processes.
+    """
+
+    def __init__(self, model: str = "default", train_files: list[str] | None = None,
+                 val_files: list[str] | None = None, val_fraction: float = 0.05, max_length: int = 512,
+                 pack: bool = True, batch_size: int = 4, val_batch_size: int | None = None,
+                 max_train_rows: int = 0, max_val_rows: int = 0, seed: int = 0, num_workers: int = 0):
+        super().__init__()
+        if not train_files:
+            raise DataError("train_files is empty: give at least one jsonl / json / parquet / txt file.")
+        if max_length < 2:
+            raise DataError(f"max_length must be >= 2, got {max_length}.")
+        if not 0 <= val_fraction < 1:
+            raise DataError(f"val_fraction must be in [0, 1), got {val_fraction}.")
+        self.save_hyperparameters()
+        self.model_path = model
+        self.train_files, self.val_files = list(train_files), list(val_files or [])
+        self.train_rows: list[dict] | None = None
+        self.val_rows: list[dict] | None = None
+        self.tokenizer = None
+
+    def _load_tokenizer(self):
+        from swiftkv_core.generation import resolve_model_path
+        from transformers import AutoConfig, AutoTokenizer
+
+        path = resolve_model_path(self.model_path)
+        config = AutoConfig.from_pretrained(path)
+        limit = getattr(config, "max_position_embeddings", None)
+        if limit is not None and self.hparams.max_length > limit:
+            raise DataError(f"max_length={self.hparams.max_length} exceeds the model's context "
+                            f"(max_position_embeddings={limit}) in {path}.")
+        return AutoTokenizer.from_pretrained(path)
+
+    def build(self) -> None:
+        """Read, check, tokenise, split and pack (idempotent). Called by ``setup``; errors come before compute."""
+        if self.train_rows is not None:
+            return
+        hp = self.hparams
+        from .corpora import resolve_files
+
+        self.tokenizer = tokenizer = self._load_tokenizer()
+        train_records = load_records(resolve_files(self.train_files))
+        val_records = load_records(resolve_files(self.val_files)) if self.val_files else []
+        needs_template = any(record_kind(r) != "text" for r in train_records + val_records)
+        if needs_template and not getattr(tokenizer, "chat_template", None):
+            raise DataError(f"The data holds chat / prompt records but the tokenizer of {self.model_path} has no "
+                            "chat template. Use a chat (instruct) model, set tokenizer.chat_template, or give text.")
+        if not val_records:
+            train_idx, val_idx = split_indices(len(train_records), hp.val_fraction, hp.seed)
+            val_records = [train_records[i] for i in val_idx]
+            train_records = [train_records[i] for i in train_idx]
+        shape = pack if hp.pack else unpacked
+        self.train_rows = shape([encode_record(r, tokenizer) for r in train_records], hp.max_length)
+        self.val_rows = shape([encode_record(r, tokenizer) for r in val_records], hp.max_length)
+        if hp.max_train_rows:
+            self.train_rows = self.train_rows[: hp.max_train_rows]
+        if hp.max_val_rows:
+            self.val_rows = self.val_rows[: hp.max_val_rows]
+        if not self.train_rows:
+            raise DataError("No training rows after tokenisation.")
+
+    def prepare_data(self) -> None:
+        from .corpora import resolve_files
+
+        resolve_files(self.train_files + self.val_files)  # writes recipe files once, on one process
+
+    def setup(self, stage: str | None = None) -> None:
+        self.build()
+
+    @property
+    def pad_id(self) -> int:
+        tok = self.tokenizer
+        return tok.pad_token_id if tok.pad_token_id is not None else (tok.eos_token_id or 0)
+
+    def _collate(self, rows):
+        return collate(rows, self.pad_id, self.hparams.max_length if self.hparams.pack else None)
+
+    def _sampler(self, dataset, shuffle: bool):
+        trainer = getattr(self, "trainer", None)
+        replicas = trainer.world_size if trainer is not None else 1
+        rank = trainer.global_rank if trainer is not None else 0
+        # Explicit DistributedSampler (also for one process): a seeded permutation per epoch, which Lightning
+        # keeps as is and advances with set_epoch, so a resumed run sees the same batches.
+        return DistributedSampler(dataset, num_replicas=replicas, rank=rank, shuffle=shuffle,
+                                  seed=self.hparams.seed, drop_last=shuffle)
+
+    def train_dataloader(self) -> DataLoader:
+        dataset = RowsDataset(self.train_rows)
+        return DataLoader(dataset, batch_size=self.hparams.batch_size, sampler=self._sampler(dataset, True),
+                          collate_fn=self._collate, num_workers=self.hparams.num_workers, drop_last=True)
+
+    def val_dataloader(self) -> DataLoader:
+        dataset = RowsDataset(self.val_rows)
+        return DataLoader(dataset, batch_size=self.hparams.val_batch_size or self.hparams.batch_size,
+                          sampler=self._sampler(dataset, False), collate_fn=self._collate,
+                          num_workers=self.hparams.num_workers)

@@ -1,0 +1,365 @@
+"""The SwiftKV distillation LightningModule, on the one model definition of swiftkv_core.
+
+One copy of the base weights, frozen. A training step:
+
+    h_l, ctx = prefix(tokens)                   # embeddings + layers < l, no grad, ONCE (same in both passes)
+    teacher  = suffix(h_l, swiftkv=False)        # original layers >= l, no grad
+    student  = suffix(h_l, swiftkv=True)         # SwiftKV layers >= l, the only pass with a graph
+    loss = T^2 KL(teacher || student)            # chunked over positions (loss.py), real tokens only
+         + hidden_loss_weight * MSE(hidden entering the last layer)
+         + early_exit_weight * T^2 KL(teacher || early_exit_head(h_l))   (optional)
+
+The published trainer runs the whole teacher and the whole student, so layers < l run twice; here they run once
+and without autograd (nothing before layer l is trainable, so nothing there needs a graph).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from pathlib import Path
+
+import lightning as L
+import torch
+from swiftkv_core.convert import FAMILIES, SWIFTKV_FAMILIES, convert
+from swiftkv_core.early_exit import EarlyExitHead
+from torch import nn
+from torchmetrics import MeanMetric
+
+from .loss import distillation_kl, eval_stats
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def check_model_config(model: str, num_key_value_layers: int, key_value_group_size: int = 1):
+    """The model's HF config, after checking family and ``l`` (cheap: reads config.json only)."""
+    from swiftkv_core.generation import resolve_model_path
+    from transformers import AutoConfig
+
+    import swiftkv_core  # noqa: F401  (registers the SwiftKV configs)
+
+    path = resolve_model_path(model)
+    config = AutoConfig.from_pretrained(path)
+    if config.model_type not in FAMILIES and config.model_type not in SWIFTKV_FAMILIES:
+        raise ValueError(f"Unknown model family model_type={config.model_type!r} in {path}: swiftkv-distill "
+                         f"supports {sorted(FAMILIES)} (and their SwiftKV checkpoints).")
+    layers = config.num_hidden_layers
+    if not 1 <= num_key_value_layers < layers:
+        raise ValueError(f"num_key_value_layers={num_key_value_layers} is out of range for {path}: it must be in "
+                         f"[1, {layers - 1}] (the model has {layers} layers; l={layers} would skip nothing).")
+    if key_value_group_size < 1 or (layers - num_key_value_layers) % key_value_group_size:
+        raise ValueError(f"key_value_group_size={key_value_group_size} must divide the {layers - num_key_value_layers} "
+                         f"layers >= l={num_key_value_layers}.")
+    if config.model_type in SWIFTKV_FAMILIES and (
+        config.num_key_value_layers != num_key_value_layers or config.key_value_group_size != key_value_group_size
+    ):
+        raise ValueError(f"{path} is a SwiftKV checkpoint with num_key_value_layers={config.num_key_value_layers}, "
+                         f"key_value_group_size={config.key_value_group_size}; the run asks for "
+                         f"{num_key_value_layers}, {key_value_group_size}.")
+    return path, config
+
+
+def build_swiftkv_model(model: str, num_key_value_layers: int, key_value_group_size: int = 1,
+                        dtype: torch.dtype = torch.float32):
+    """A SwiftKV model ready to distil: converted from a base checkpoint, or a SwiftKV checkpoint loaded as is."""
+    from transformers import AutoModelForCausalLM
+
+    path, config = check_model_config(model, num_key_value_layers, key_value_group_size)
+    loaded = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+    if config.model_type in SWIFTKV_FAMILIES:
+        for name, param in loaded.named_parameters():
+            param.requires_grad_("swiftkv" in name)
+        return loaded.swiftkv(True)
+    return convert(loaded, num_key_value_layers, key_value_group_size)
+
+
+class DistillationStep(nn.Module):
+    """Teacher + student forward and the loss, as ONE module call (the FSDP2 root: its call gathers the
+    embeddings, norms and LM head; each decoder layer is its own FSDP2 unit)."""
+
+    def __init__(self, model: nn.Module, early_exit_head: EarlyExitHead | None = None):
+        super().__init__()
+        self.model = model
+        self.early_exit_head = early_exit_head
+
+    def forward(self, batch: dict, row_scale: float | torch.Tensor, temperature: float, hidden_loss_weight: float,
+                early_exit_weight: float, chunk_size: int, evaluate: bool = False) -> dict:
+        inner, head_weight = self.model.model, self.model.lm_head.weight
+        mask = batch["loss_mask"]
+        with torch.no_grad():
+            hidden, context = inner.forward_prefix(input_ids=batch["input_ids"], position_ids=batch["position_ids"],
+                                                   attention_mask=None, use_cache=False)
+            teacher, teacher_last_input = inner.forward_suffix(hidden, context, swiftkv=False,
+                                                               return_last_layer_input=True)
+            teacher = inner.norm(teacher)[mask]
+        with torch.set_grad_enabled(torch.is_grad_enabled() and not evaluate):
+            student, student_last_input = inner.forward_suffix(hidden, context, swiftkv=True,
+                                                               return_last_layer_input=True)
+            student = inner.norm(student)[mask]
+            early = self.early_exit_head.norm(hidden[mask]) if self.early_exit_head is not None else None
+        out: dict = {"tokens": mask.sum()}
+        if evaluate:
+            out["stats"] = eval_stats(student, teacher, head_weight, batch["labels"][mask], chunk_size)
+            if early is not None:
+                out["early_agree"] = _top1_agreement(early, self.early_exit_head.lm_head.weight, teacher, head_weight,
+                                                     chunk_size)
+            return out
+        rows = torch.full((student.shape[0],), 1.0, device=student.device) * row_scale
+        kl_sum, kl_rows, agree = distillation_kl(student, teacher, head_weight, rows, temperature, chunk_size)
+        diff = (student_last_input - teacher_last_input)[mask].float()
+        mse_rows = diff.pow(2).mean(-1)
+        loss = kl_sum + hidden_loss_weight * (mse_rows * rows).sum() if hidden_loss_weight else kl_sum
+        out.update(kl=kl_rows.detach().mean(), agreement=agree.float().mean(), hidden_mse=mse_rows.detach().mean())
+        if early is not None:
+            early_sum, early_kl, early_agree = distillation_kl(early, teacher, self.early_exit_head.lm_head.weight,
+                                                               rows, temperature, chunk_size)
+            loss = loss + early_exit_weight * early_sum
+            out.update(early_kl=early_kl.mean(), early_agreement=early_agree.float().mean())
+        out["loss"] = loss
+        return out
+
+
+@torch.no_grad()
+def _top1_agreement(hidden_a, weight_a, hidden_b, weight_b, chunk_size: int) -> torch.Tensor:
+    agree = torch.empty(hidden_a.shape[0], dtype=torch.bool, device=hidden_a.device)
+    for start in range(0, hidden_a.shape[0], chunk_size):
+        rows = slice(start, start + chunk_size)
+        agree[rows] = (hidden_a[rows] @ weight_a.T).argmax(-1) == (hidden_b[rows] @ weight_b.T).argmax(-1)
+    return agree
+
+
+class SwiftKVDistillation(L.LightningModule):
+    """Distil a SwiftKV model from its own base model (teacher = the same weights with SwiftKV off).
+
+    Args:
+        model: base model (Llama / Mistral / Qwen2 HF checkpoint folder, or ``"default"`` for SmolLM2-135M-Instruct)
+            or a SwiftKV checkpoint to continue from.
+        num_key_value_layers: ``l``: layers ``>= l`` get their K/V from the hidden state entering layer ``l``.
+        key_value_group_size: AcrossKV group size (1: no sharing across layers).
+        temperature: softening temperature T of the KL (the loss is scaled by T^2).
+        hidden_loss_weight: weight of the MSE between teacher and student hidden states entering the last layer.
+        early_exit: also train an LM head on the hidden state entering layer ``l`` (saved with the checkpoint).
+        early_exit_weight: weight of the early-exit head's distillation loss.
+        learning_rate: peak AdamW learning rate.
+        weight_decay: AdamW weight decay.
+        betas: AdamW betas.
+        warmup_fraction: linear warm-up over this fraction of the steps.
+        min_lr_ratio: the cosine schedule decays to ``learning_rate * min_lr_ratio``.
+        logits_chunk_size: positions per chunk of full-vocabulary logits (memory vs speed).
+        model_dtype: dtype the weights are loaded in (``float32``; ``bfloat16`` for large models on GPU).
+        evaluate_before_training: run the validation metrics once before the first step (the undistilled model)
+            and log them as ``before/*``.
+        reshard_after_forward: FSDP2 (ModelParallelStrategy only): free gathered layer weights after each forward.
+    """
+
+    def __init__(self, model: str = "default", num_key_value_layers: int = 15, key_value_group_size: int = 1,
+                 temperature: float = 2.0, hidden_loss_weight: float = 0.0, early_exit: bool = False,
+                 early_exit_weight: float = 1.0, learning_rate: float = 2e-4, weight_decay: float = 0.0,
+                 betas: tuple[float, float] = (0.9, 0.999), warmup_fraction: float = 0.05, min_lr_ratio: float = 0.1,
+                 logits_chunk_size: int = 512, model_dtype: str = "float32", evaluate_before_training: bool = True,
+                 reshard_after_forward: bool = True):
+        super().__init__()
+        if model_dtype not in _DTYPES:
+            raise ValueError(f"model_dtype must be one of {sorted(_DTYPES)}, got {model_dtype!r}.")
+        if temperature <= 0:
+            raise ValueError(f"temperature must be > 0, got {temperature}.")
+        self.save_hyperparameters()
+        # Fails here, before any weight is loaded, for an unknown family or an l out of range.
+        self.model_path, self.model_config = check_model_config(model, num_key_value_layers, key_value_group_size)
+        self.step: DistillationStep | None = None
+        self.strict_loading = False  # Lightning checkpoints hold the trainable weights only (see on_save_checkpoint)
+        self.val_metrics = nn.ModuleDict({name: MeanMetric() for name in
+                                          ("kl", "agreement", "student_nll", "teacher_nll", "early_exit_agreement")})
+        self.before_metrics: dict[str, float] = {}
+        self._tokens_seen = 0
+        self._step_started: float | None = None
+
+    # --- model -------------------------------------------------------------------------------------------------
+    def configure_model(self) -> None:
+        if self.step is not None:
+            return
+        hp = self.hparams
+        model = build_swiftkv_model(hp.model, hp.num_key_value_layers, hp.key_value_group_size, _DTYPES[hp.model_dtype])
+        model.train()  # dropout is 0 in these families; train() only matters for the module flags
+        head = EarlyExitHead.from_model(model) if hp.early_exit else None
+        self.step = DistillationStep(model, head)
+        mesh = self.device_mesh
+        if mesh is not None:  # ModelParallelStrategy: shard with FSDP2, one unit per decoder layer plus the root
+            from torch.distributed.fsdp import fully_shard
+
+            data_parallel = mesh["data_parallel"]
+            for layer in model.model.layers:
+                fully_shard(layer, mesh=data_parallel, reshard_after_forward=hp.reshard_after_forward)
+            fully_shard(self.step, mesh=data_parallel, reshard_after_forward=hp.reshard_after_forward)
+
+    @property
+    def swiftkv_model(self):
+        return self.step.model
+
+    def trainable_parameters(self) -> list[nn.Parameter]:
+        return [p for p in self.parameters() if p.requires_grad]
+
+    # --- training ----------------------------------------------------------------------------------------------
+    def _global_tokens(self, tokens: torch.Tensor) -> torch.Tensor:
+        if self.trainer is not None and self.trainer.world_size > 1:
+            tokens = self.trainer.strategy.reduce(tokens.float(), reduce_op="sum")
+        return tokens
+
+    def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
+        hp = self.hparams
+        world = self.trainer.world_size if self._trainer is not None else 1
+        # Normalise by the GLOBAL number of real tokens: data-parallel gradient averaging then gives exactly the
+        # single-process gradient of the same global batch.
+        local = batch["loss_mask"].sum()
+        row_scale = world / self._global_tokens(local).clamp(min=1)
+        out = self.step(batch, row_scale, hp.temperature, hp.hidden_loss_weight, hp.early_exit_weight,
+                        hp.logits_chunk_size)
+        batch_size = batch["input_ids"].shape[0]
+        log = dict(on_step=True, on_epoch=False, batch_size=batch_size)
+        self.log("train/loss", out["loss"].detach() / world, prog_bar=True, sync_dist=True, reduce_fx="sum", **log)
+        self.log("train/kl", out["kl"], sync_dist=True, **log)
+        self.log("train/agreement", out["agreement"], prog_bar=True, sync_dist=True, **log)
+        self.log("train/hidden_mse", out["hidden_mse"], sync_dist=True, **log)
+        if "early_kl" in out:
+            self.log("train/early_exit_kl", out["early_kl"], sync_dist=True, **log)
+        self._tokens_seen += int(local) * world
+        return out["loss"]
+
+    def on_train_batch_start(self, batch, batch_idx) -> None:
+        self._step_started = time.perf_counter()
+
+    def on_train_batch_end(self, outputs, batch, batch_idx) -> None:
+        if self._step_started is not None:
+            seconds = time.perf_counter() - self._step_started
+            tokens = batch["input_ids"].numel() * self.trainer.world_size
+            self.log("train/tokens_per_s", tokens / max(seconds, 1e-9), on_step=True, on_epoch=False, batch_size=1)
+        self.log("train/tokens_seen", float(self._tokens_seen), on_step=True, on_epoch=False, batch_size=1)
+
+    def configure_optimizers(self):
+        hp = self.hparams
+        optimizer = torch.optim.AdamW(self.trainable_parameters(), lr=hp.learning_rate, betas=tuple(hp.betas),
+                                      weight_decay=hp.weight_decay)
+        total = max(1, int(self.trainer.estimated_stepping_batches)) if self._trainer is not None else 1
+        warmup = int(round(total * hp.warmup_fraction))
+
+        def factor(step: int) -> float:
+            if step < warmup:
+                return (step + 1) / (warmup + 1)
+            progress = min(1.0, (step - warmup) / max(1, total - warmup))
+            return hp.min_lr_ratio + (1 - hp.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+    # --- validation --------------------------------------------------------------------------------------------
+    def _update_metrics(self, batch: dict) -> None:
+        hp = self.hparams
+        out = self.step(batch, 1.0, hp.temperature, hp.hidden_loss_weight, hp.early_exit_weight, hp.logits_chunk_size,
+                        evaluate=True)
+        stats, m = out["stats"], self.val_metrics
+        m["kl"].update(stats.kl)
+        m["agreement"].update(stats.agree.float())
+        valid = ~torch.isnan(stats.student_nll)
+        if valid.any():
+            m["student_nll"].update(stats.student_nll[valid])
+            m["teacher_nll"].update(stats.teacher_nll[valid])
+        if "early_agree" in out:
+            m["early_exit_agreement"].update(out["early_agree"].float())
+
+    def _compute_metrics(self) -> dict[str, float]:
+        m = self.val_metrics
+        values = {"kl": m["kl"].compute(), "agreement": m["agreement"].compute()}
+        if m["student_nll"].update_count:
+            values["student_ppl"] = m["student_nll"].compute().exp()
+            values["teacher_ppl"] = m["teacher_nll"].compute().exp()
+        if m["early_exit_agreement"].update_count or self.hparams.early_exit:
+            values["early_exit_agreement"] = m["early_exit_agreement"].compute()
+        for metric in m.values():
+            metric.reset()
+        return {k: float(v) for k, v in values.items()}
+
+    def validation_step(self, batch: dict, batch_idx: int) -> None:
+        self._update_metrics(batch)
+
+    def on_validation_epoch_end(self) -> None:
+        if self.trainer.sanity_checking:
+            for metric in self.val_metrics.values():
+                metric.reset()
+            return
+        for name, value in self._compute_metrics().items():
+            self.log(f"val/{name}", value, prog_bar=name in ("kl", "agreement"), sync_dist=False)
+
+    @torch.no_grad()
+    def evaluate(self, dataloader) -> dict[str, float]:
+        """The validation metrics over ``dataloader``, outside Lightning's loops (e.g. before training)."""
+        was_training = self.training
+        self.eval()
+        for batch in dataloader:
+            self._update_metrics(self.transfer_batch_to_device(batch, self.device, 0))
+        self.train(was_training)
+        return self._compute_metrics()
+
+    def on_train_start(self) -> None:
+        if not self.hparams.evaluate_before_training or self.global_step > 0 or self.before_metrics:
+            return
+        datamodule = getattr(self.trainer, "datamodule", None)
+        loader = datamodule.val_dataloader() if datamodule is not None else self.trainer.val_dataloaders
+        if loader is None:
+            return
+        self.before_metrics = self.evaluate(loader)
+        for logger in self.loggers:
+            logger.log_metrics({f"before/{k}": v for k, v in self.before_metrics.items()}, step=0)
+        if self.trainer.is_global_zero:
+            print("before distillation: " + ", ".join(f"{k}={v:.4f}" for k, v in self.before_metrics.items()))
+
+    # --- checkpoints -------------------------------------------------------------------------------------------
+    def on_save_checkpoint(self, checkpoint: dict) -> None:
+        # The frozen base weights are the pretrained checkpoint (hparams.model): keep only what training changed.
+        checkpoint["state_dict"] = {k: v for k, v in checkpoint["state_dict"].items() if _is_trained_name(k)}
+        checkpoint["before_metrics"] = self.before_metrics
+
+    def on_load_checkpoint(self, checkpoint: dict) -> None:
+        self.configure_model()  # load_from_checkpoint() does not call it; a no-op inside trainer.fit
+        self.before_metrics = checkpoint.get("before_metrics", {})
+
+
+def _is_trained_name(name: str) -> bool:
+    parts = name.split(".")
+    return (len(parts) >= 2 and "swiftkv" in parts[-2]) or ".early_exit_head." in name
+
+
+def trained_state_dict(module: SwiftKVDistillation) -> dict[str, torch.Tensor]:
+    """Full (unsharded) trained weights, keyed as in the HF model / ``early_exit_head.*``; collective under FSDP."""
+    step = module.step
+    if module.device_mesh is not None:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        state = get_model_state_dict(step, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    else:
+        state = step.state_dict()
+    return {k: v.detach().cpu() for k, v in state.items() if _is_trained_name("step." + k)}
+
+
+def export(module: SwiftKVDistillation, out_dir: str | Path, serving: bool = False, tokenizer=None) -> Path | None:
+    """Write the distilled model as a HF SwiftKV checkpoint (full, or the smaller serving export) atomically.
+
+    The early-exit head, when trained, is written beside it (``early_exit_head.safetensors``). Under FSDP every
+    rank must call this (the weights are gathered); rank 0 writes. Returns the folder (``None`` on other ranks).
+    """
+    from .export import write_checkpoint
+
+    state = trained_state_dict(module)
+    if module.trainer is not None and module._trainer is not None and not module.trainer.is_global_zero:
+        return None
+    hp = module.hparams
+    if module.device_mesh is not None:  # the in-memory model is sharded: rebuild a plain one, load what trained
+        model = build_swiftkv_model(hp.model, hp.num_key_value_layers, hp.key_value_group_size, _DTYPES[hp.model_dtype])
+        head = EarlyExitHead.from_model(model) if hp.early_exit else None
+        DistillationStep(model, head).load_state_dict(state, strict=False)
+    else:
+        model, head = module.step.model, module.step.early_exit_head
+    if tokenizer is None:
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(module.model_path)
+    return write_checkpoint(model, out_dir, tokenizer=tokenizer, serving=serving, early_exit_head=head)

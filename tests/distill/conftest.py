@@ -1,0 +1,57 @@
+"""Tiny random Llama checkpoints (with the real SmolLM2 tokenizer) and small data files for distill tests."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+TEXTS = [
+    "The jury said the election was conducted well and praised the city for its manner of running it.",
+    "Rain fell on the harbour all night; by morning the boats were pulling at their ropes.",
+    "A function returns a value; a generator yields many values, one at a time, when asked.",
+    "She opened the letter, read the first line twice, and put it back in the envelope.",
+    "The committee will meet on Tuesday to discuss the budget for the coming school year.",
+    "Light travels faster than sound, which is why thunder follows the flash of lightning.",
+] * 4
+
+
+def tiny_llama(path: Path, layers: int = 4, hidden: int = 64, seed: int = 0) -> Path:
+    from swiftkv_core.default_model import default_model_path
+
+    tokenizer = AutoTokenizer.from_pretrained(default_model_path())
+    torch.manual_seed(seed)
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=2 * hidden,
+                         num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
+                         max_position_embeddings=256, tie_word_embeddings=True, rms_norm_eps=1e-5,
+                         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
+    model = LlamaForCausalLM(config)
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory) -> Path:
+    return tiny_llama(tmp_path_factory.mktemp("tiny") / "llama")
+
+
+def write_jsonl(path: Path, records) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return path
+
+
+@pytest.fixture(scope="session")
+def text_file(tmp_path_factory) -> Path:
+    return write_jsonl(tmp_path_factory.mktemp("data") / "text.jsonl", [{"text": t} for t in TEXTS])
+
+
+@pytest.fixture(scope="session")
+def chat_file(tmp_path_factory) -> Path:
+    records = [{"messages": [{"role": "user", "content": "What is rain?"},
+                             {"role": "assistant", "content": "Water falling from clouds."}]},
+               {"prompt": "Name a colour."}, {"prompt": "Say hi.", "response": "Hi!"}] * 4
+    return write_jsonl(tmp_path_factory.mktemp("data") / "chat.jsonl", records)
