@@ -34,7 +34,9 @@ def real_prompt(tokenizer, num_tokens: int) -> torch.Tensor:
     import json as json_module
     import logging
 
-    text = "\n\n".join(inspect.getdoc(m) or "" for m in (argparse, collections, email, json_module, logging, inspect))
+    text = "\n\n".join(
+        inspect.getdoc(m) or "" for m in (argparse, collections, email, json_module, logging, inspect)
+    )
     text += "\n\n".join(inspect.getdoc(getattr(collections, n)) or "" for n in dir(collections))
     ids = tokenizer(text, return_tensors="pt").input_ids
     if ids.shape[1] < num_tokens:
@@ -49,8 +51,13 @@ def prefill_seconds(model, ids: torch.Tensor) -> float:
     return time.perf_counter() - start
 
 
-def main(num_key_value_layers: int = 15, prompt_lengths: tuple[int, ...] = (512, 2048), repeats: int = 5,
-         threads: int | None = None, out_dir: Path = RESULTS) -> dict:
+def main(
+    num_key_value_layers: int = 15,
+    prompt_lengths: tuple[int, ...] = (512, 2048),
+    repeats: int = 5,
+    threads: int | None = None,
+    out_dir: Path = RESULTS,
+) -> dict:
     """Measure and print; write JSON, Markdown and a PNG to ``out_dir``.
 
     Args:
@@ -76,7 +83,9 @@ def main(num_key_value_layers: int = 15, prompt_lengths: tuple[int, ...] = (512,
                 times[enabled].append(prefill_seconds(model.swiftkv(enabled), ids))
         median = {k: sorted(v)[len(v) // 2] for k, v in times.items()}
         with torch.inference_mode():
-            measured = {k: count_flops(model.swiftkv(k), ids, use_cache=True, logits_to_keep=1)[0] for k in times}
+            measured = {
+                k: count_flops(model.swiftkv(k), ids, use_cache=True, logits_to_keep=1)[0] for k in times
+            }
         analytic = {
             False: prefill_flops_total(shape, length, None, attention="dense"),
             True: prefill_flops_total(shape, length, num_key_value_layers, attention="dense"),
@@ -94,9 +103,12 @@ def main(num_key_value_layers: int = 15, prompt_lengths: tuple[int, ...] = (512,
             "analytic_flops_ratio": analytic[False] / analytic[True],
         }
         rows.append(row)
-        print(f"{length:>5} tokens: SwiftKV off {row['baseline_ms']:8.1f} ms | on {row['swiftkv_ms']:8.1f} ms | "
-              f"speedup {row['speedup']:.2f}x | FLOPs ratio measured {row['measured_flops_ratio']:.3f}x, "
-              f"analytic {row['analytic_flops_ratio']:.3f}x", flush=True)
+        print(
+            f"{length:>5} tokens: SwiftKV off {row['baseline_ms']:8.1f} ms | on {row['swiftkv_ms']:8.1f} ms | "
+            f"speedup {row['speedup']:.2f}x | FLOPs ratio measured {row['measured_flops_ratio']:.3f}x, "
+            f"analytic {row['analytic_flops_ratio']:.3f}x",
+            flush=True,
+        )
 
     result = {
         "model": "SmolLM2-135M-Instruct (fp32)",
@@ -121,21 +133,25 @@ def write_results(result: dict, out_dir: Path) -> None:
     (out_dir / "prefill.json").write_text(json.dumps(result, indent=2))
     lines = [
         f"# Prefill latency: {result['model']}, SwiftKV l={result['num_key_value_layers']}/"
-        f"{result['num_hidden_layers']} vs SwiftKV off", "",
-        f"Command: `{result['command']}` ({result['machine']})", "",
+        f"{result['num_hidden_layers']} vs SwiftKV off",
+        "",
+        f"Command: `{result['command']}` ({result['machine']})",
+        "",
         "| prompt tokens | off (ms) | on (ms) | speedup | FLOPs ratio measured | FLOPs ratio analytic |",
         "|---:|---:|---:|---:|---:|---:|",
     ]
     for r in result["rows"]:
-        lines.append(f"| {r['prompt_tokens']} | {r['baseline_ms']:.1f} | {r['swiftkv_ms']:.1f} | "
-                     f"{r['speedup']:.2f}x | {r['measured_flops_ratio']:.3f}x | {r['analytic_flops_ratio']:.3f}x |")
+        lines.append(
+            f"| {r['prompt_tokens']} | {r['baseline_ms']:.1f} | {r['swiftkv_ms']:.1f} | "
+            f"{r['speedup']:.2f}x | {r['measured_flops_ratio']:.3f}x | {r['analytic_flops_ratio']:.3f}x |"
+        )
     (out_dir / "prefill.md").write_text("\n".join(lines) + "\n")
 
     fig, ax = plt.subplots(figsize=(6, 4))
     xs = range(len(result["rows"]))
     ax.bar([x - 0.2 for x in xs], [r["baseline_ms"] for r in result["rows"]], 0.4, label="SwiftKV off")
     ax.bar([x + 0.2 for x in xs], [r["swiftkv_ms"] for r in result["rows"]], 0.4, label="SwiftKV on")
-    for x, r in zip(xs, result["rows"]):
+    for x, r in zip(xs, result["rows"], strict=False):
         ax.text(x + 0.2, r["swiftkv_ms"], f"{r['speedup']:.2f}x", ha="center", va="bottom")
     ax.set_xticks(list(xs), [f"{r['prompt_tokens']} tokens" for r in result["rows"]])
     ax.set_ylabel("prefill latency (ms, median)")

@@ -15,9 +15,18 @@ from transformers import (
 
 import swiftkv_core  # noqa: F401  (registers the SwiftKV classes)
 
-TINY = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
-            num_key_value_heads=2, max_position_embeddings=256,
-            bos_token_id=None, eos_token_id=None, pad_token_id=0)
+TINY = dict(
+    vocab_size=128,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+    bos_token_id=None,
+    eos_token_id=None,
+    pad_token_id=0,
+)
 
 
 def tiny_base(family: str = "llama", seed: int = 0, **overrides):
@@ -34,7 +43,7 @@ def tiny_base(family: str = "llama", seed: int = 0, **overrides):
         raise ValueError(family)
     # Random init gives near-uniform outputs; scale up so greedy decisions are not coin flips on float noise.
     with torch.no_grad():
-        for name, p in model.named_parameters():
+        for _name, p in model.named_parameters():
             if p.dim() == 2:
                 p.mul_(4.0)
     return model.eval()
@@ -56,5 +65,7 @@ def smollm2_path():
 def smollm2(smollm2_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    return (AutoModelForCausalLM.from_pretrained(smollm2_path, dtype=torch.float32).eval(),
-            AutoTokenizer.from_pretrained(smollm2_path))
+    return (
+        AutoModelForCausalLM.from_pretrained(smollm2_path, dtype=torch.float32).eval(),
+        AutoTokenizer.from_pretrained(smollm2_path),
+    )

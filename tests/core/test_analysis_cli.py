@@ -26,8 +26,12 @@ def test_similarity_is_equation_1():
     similarity = layer_input_similarity(model, CharTokenizer(), [text])
     ids = CharTokenizer()(text).input_ids
     states = model(ids, output_hidden_states=True).hidden_states[:4]
-    expected = [torch.stack([F.cosine_similarity(states[i][0], states[j][0], dim=-1).mean()
-                             for j in range(i + 1, 4)]).mean().item() for i in range(3)]
+    expected = [
+        torch.stack([F.cosine_similarity(states[i][0], states[j][0], dim=-1).mean() for j in range(i + 1, 4)])
+        .mean()
+        .item()
+        for i in range(3)
+    ]
     assert similarity == pytest.approx(expected, abs=1e-5)
 
 
@@ -43,11 +47,27 @@ def test_recommendation_and_report(tmp_path):
 
 def test_cli_convert_and_flops(tmp_path, capsys):
     tiny_base("llama").save_pretrained(tmp_path / "base")
-    main(["convert", "--model", str(tmp_path / "base"), "--out_dir", str(tmp_path / "swift"),
-          "--num_key_value_layers", "2", "--key_value_group_size", "2", "--serving", "true"])
+    main(
+        [
+            "convert",
+            "--model",
+            str(tmp_path / "base"),
+            "--out_dir",
+            str(tmp_path / "swift"),
+            "--num_key_value_layers",
+            "2",
+            "--key_value_group_size",
+            "2",
+            "--serving",
+            "true",
+        ]
+    )
     config = json.loads((tmp_path / "swift/config.json").read_text())
     assert (config["model_type"], config["num_key_value_layers"], config["key_value_group_size"]) == (
-        "llama_swiftkv", 2, 2)
+        "llama_swiftkv",
+        2,
+        2,
+    )
     assert config["serving_only"] is True
     main(["flops"])
     assert "50% SingleInputKV" in capsys.readouterr().out

@@ -30,7 +30,10 @@ def test_layer_bookkeeping():
     [
         (dict(num_key_value_layers=9), r"num_key_value_layers=9 is out of range: .*\[1, 8\]"),
         (dict(num_key_value_layers=0), r"num_key_value_layers=0 is out of range"),
-        (dict(num_key_value_layers=5, key_value_group_size=2), r"key_value_group_size=2 must divide .* = 3.*\[1, 3\]"),
+        (
+            dict(num_key_value_layers=5, key_value_group_size=2),
+            r"key_value_group_size=2 must divide .* = 3.*\[1, 3\]",
+        ),
         (dict(key_value_group_size=0), r"key_value_group_size=0 must be a positive integer"),
         (dict(swiftkv=False, serving_only=True), r"serving_only"),
     ],

@@ -11,8 +11,11 @@ from swiftkv_core import LlamaSwiftKVForCausalLM, Qwen2SwiftKVForCausalLM
 from swiftkv_core.convert import convert, export_for_serving, save_checkpoint, swiftkv_parameter_names
 from tests.conftest import tiny_base
 
-EXPECTED_CLASS = {"llama": LlamaSwiftKVForCausalLM, "mistral": LlamaSwiftKVForCausalLM,
-                  "qwen2": Qwen2SwiftKVForCausalLM}
+EXPECTED_CLASS = {
+    "llama": LlamaSwiftKVForCausalLM,
+    "mistral": LlamaSwiftKVForCausalLM,
+    "qwen2": Qwen2SwiftKVForCausalLM,
+}
 
 
 @torch.no_grad()
@@ -24,13 +27,19 @@ def test_published_init_recipe_and_trainable_split(family):
     layers = model.model.layers
     assert_close(model.model.norm_swiftkv.weight, reference["model.layers.1.input_layernorm.weight"])
     for j in (1, 2, 3):
-        assert_close(layers[j].self_attn.q_proj_swiftkv.weight, reference[f"model.layers.{j}.self_attn.q_proj.weight"])
+        assert_close(
+            layers[j].self_attn.q_proj_swiftkv.weight, reference[f"model.layers.{j}.self_attn.q_proj.weight"]
+        )
     for name in ("k_proj", "v_proj"):
-        mean = torch.stack([reference[f"model.layers.{j}.self_attn.{name}.weight"] for j in (1, 2, 3)]).mean(0)
+        mean = torch.stack([reference[f"model.layers.{j}.self_attn.{name}.weight"] for j in (1, 2, 3)]).mean(
+            0
+        )
         assert_close(getattr(layers[1].self_attn, f"{name}_swiftkv").weight, mean)
         assert not hasattr(layers[2].self_attn, f"{name}_swiftkv")  # only the group leader owns K/V
     if family == "qwen2":  # Qwen2's projections carry biases, and so do the SwiftKV ones
-        assert_close(layers[2].self_attn.q_proj_swiftkv.bias, reference["model.layers.2.self_attn.q_proj.bias"])
+        assert_close(
+            layers[2].self_attn.q_proj_swiftkv.bias, reference["model.layers.2.self_attn.q_proj.bias"]
+        )
         assert layers[1].self_attn.k_proj_swiftkv.bias is not None
     trainable = {n for n, p in model.named_parameters() if p.requires_grad}
     assert trainable == set(swiftkv_parameter_names(model))
@@ -50,8 +59,16 @@ def test_convert_refuses_unknown_architectures_and_bad_settings():
         convert(tiny_base("llama"), 1, 2)
     from transformers import MistralConfig, MistralForCausalLM
 
-    sliding = MistralForCausalLM(MistralConfig(num_hidden_layers=2, hidden_size=32, intermediate_size=64,
-                                               num_attention_heads=2, num_key_value_heads=1, sliding_window=16))
+    sliding = MistralForCausalLM(
+        MistralConfig(
+            num_hidden_layers=2,
+            hidden_size=32,
+            intermediate_size=64,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            sliding_window=16,
+        )
+    )
     with pytest.raises(ValueError, match="sliding_window=16"):
         convert(sliding, 1)
 
@@ -69,12 +86,18 @@ def test_checkpoint_round_trip_and_serving_export(family, tmp_path):
     assert served.config.swiftkv and served.config.serving_only
     assert_close(full(ids).logits, expected)
     assert_close(served(ids).logits, expected)
-    assert (tmp_path / "serve/model.safetensors").stat().st_size < (tmp_path / "full/model.safetensors").stat().st_size
-    assert not any(n.endswith(("layers.3.self_attn.q_proj.weight", "layers.2.self_attn.k_proj.weight"))
-                   for n, _ in served.named_parameters())  # teacher projections never allocated
+    assert (tmp_path / "serve/model.safetensors").stat().st_size < (
+        tmp_path / "full/model.safetensors"
+    ).stat().st_size
+    assert not any(
+        n.endswith(("layers.3.self_attn.q_proj.weight", "layers.2.self_attn.k_proj.weight"))
+        for n, _ in served.named_parameters()
+    )  # teacher projections never allocated
     with pytest.raises(ValueError, match="serving export"):
         served.swiftkv(False)
-    assert_close(full.swiftkv(False)(ids).logits, tiny_base(family)(ids).logits)  # the teacher survives a save
+    assert_close(
+        full.swiftkv(False)(ids).logits, tiny_base(family)(ids).logits
+    )  # the teacher survives a save
     with pytest.raises(ValueError, match="teacher mode"):
         export_for_serving(full, tmp_path / "other")
 
@@ -95,7 +118,9 @@ def test_mismatched_weights_fail_at_load_time(tmp_path):
     config = json.loads((tmp_path / "config.json").read_text())
     config["num_key_value_layers"] = 3
     (tmp_path / "config.json").write_text(json.dumps(config))
-    with pytest.raises(ValueError, match=r"do not match its config .*num_key_value_layers=3.*unexpected_keys"):
+    with pytest.raises(
+        ValueError, match=r"do not match its config .*num_key_value_layers=3.*unexpected_keys"
+    ):
         AutoModelForCausalLM.from_pretrained(tmp_path)
 
 

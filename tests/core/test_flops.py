@@ -8,8 +8,8 @@ from swiftkv_core.flops import (
     LLAMA_3_1_70B,
     PAPER_TABLE1_GFLOPS,
     PAPER_TABLE1_RELATIVE,
-    count_flops,
     ModelShape,
+    count_flops,
     kv_cache_bytes_per_token,
     prefill_flops,
     prefill_flops_total,
@@ -41,8 +41,9 @@ def test_measured_prefill_flops_match_the_model(l, g, seq_len):
     model = base if l is None else convert(tiny_base("llama"), l, g)
     ids = torch.randint(0, 128, (2, seq_len))
     measured, _ = count_flops(model, ids, use_cache=True, logits_to_keep=1)
-    expected = prefill_flops_total(ModelShape.from_config(model.config), seq_len, l, g, logits_to_keep=1,
-                                   attention="dense", batch_size=2)
+    expected = prefill_flops_total(
+        ModelShape.from_config(model.config), seq_len, l, g, logits_to_keep=1, attention="dense", batch_size=2
+    )
     assert measured == pytest.approx(expected, rel=1e-9)
 
 

@@ -27,8 +27,10 @@ def test_no_skipped_layers_matches_stock_hf(family):
     base, model = swift(family, l=4)
     ids = torch.randint(0, 128, (2, 12))
     assert_close(model(ids).logits, base(ids).logits)
-    assert torch.equal(model.generate(ids, max_new_tokens=6, do_sample=False),
-                       base.generate(ids, max_new_tokens=6, do_sample=False))
+    assert torch.equal(
+        model.generate(ids, max_new_tokens=6, do_sample=False),
+        base.generate(ids, max_new_tokens=6, do_sample=False),
+    )
 
 
 @torch.no_grad()
@@ -44,8 +46,9 @@ def count_rows(model):
     """Records the number of positions each decoder layer processes."""
     rows = {}
     for j, layer in enumerate(model.model.layers):
-        layer.register_forward_pre_hook(lambda mod, args, kwargs, j=j: rows.setdefault(j, []).append(args[0].shape[1]),
-                                        with_kwargs=True)
+        layer.register_forward_pre_hook(
+            lambda mod, args, kwargs, j=j: rows.setdefault(j, []).append(args[0].shape[1]), with_kwargs=True
+        )
     return rows
 
 
@@ -76,8 +79,11 @@ def test_generate_equals_full_forward_and_cache_holds_one_kv_per_group(family, l
     assert rows[3][0] == 1 and rows[0][0] == 16  # the prefill skipped layers >= l for prompt tokens
     assert torch.equal(out.sequences, greedy_reference(model, ids, 8))
     L, tokens = 4, out.sequences.shape[1] - 1  # the last generated token is never fed back
-    stored = sum(layer.keys.shape[2] for layer in out.past_key_values.layers
-                 if getattr(layer, "keys", None) is not None and layer.keys.numel())
+    stored = sum(
+        layer.keys.shape[2]
+        for layer in out.past_key_values.layers
+        if getattr(layer, "keys", None) is not None and layer.keys.numel()
+    )
     assert stored == (l + (L - l) // g) * tokens
 
 
@@ -88,15 +94,19 @@ def test_chunked_prefill_equals_one_shot(family):
     one_shot = model(ids, use_cache=True, logits_to_keep=1)
     cache = DynamicCache(config=model.config)
     for start in range(0, 23, 7):
-        chunk = model(ids[:, start:start + 7], past_key_values=cache, use_cache=True, logits_to_keep=1)
+        chunk = model(ids[:, start : start + 7], past_key_values=cache, use_cache=True, logits_to_keep=1)
     assert_close(chunk.logits, one_shot.logits, atol=1e-5, rtol=1e-5)
-    for a, b in zip(cache.layers, one_shot.past_key_values.layers):
+    for a, b in zip(cache.layers, one_shot.past_key_values.layers, strict=True):
         if getattr(a, "keys", None) is not None and a.keys.numel():
             assert_close(a.keys, b.keys, atol=1e-5, rtol=1e-5)
     # decoding continues identically from either cache
     next_token = one_shot.logits[:, -1:].argmax(-1)
-    assert_close(model(next_token, past_key_values=cache).logits,
-                 model(next_token, past_key_values=one_shot.past_key_values).logits, atol=1e-5, rtol=1e-5)
+    assert_close(
+        model(next_token, past_key_values=cache).logits,
+        model(next_token, past_key_values=one_shot.past_key_values).logits,
+        atol=1e-5,
+        rtol=1e-5,
+    )
 
 
 @torch.no_grad()
@@ -107,11 +117,11 @@ def test_batched_generation_with_left_padding(family):
     ids = torch.zeros(len(prompts), width, dtype=torch.long)
     mask = torch.zeros_like(ids)
     for i, p in enumerate(prompts):
-        ids[i, width - len(p):], mask[i, width - len(p):] = p, 1
+        ids[i, width - len(p) :], mask[i, width - len(p) :] = p, 1
     batched = model.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0)
     for i, p in enumerate(prompts):
         alone = model.generate(p[None], max_new_tokens=6, do_sample=False, pad_token_id=0)
-        assert torch.equal(batched[i, width:], alone[0, len(p):]), f"prompt {i}"
+        assert torch.equal(batched[i, width:], alone[0, len(p) :]), f"prompt {i}"
 
 
 def test_gradients_reach_only_swiftkv_parameters():

@@ -7,6 +7,7 @@ Importing this package registers the SwiftKV configs and models with transformer
 from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
 
 from .configuration import LlamaSwiftKVConfig, Qwen2SwiftKVConfig
+from .convert import convert, export_for_serving, save_checkpoint
 from .modeling import (
     LlamaSwiftKVForCausalLM,
     LlamaSwiftKVModel,
@@ -28,6 +29,9 @@ def _register() -> None:
 _register()
 
 __all__ = [
+    "convert",
+    "export_for_serving",
+    "save_checkpoint",
     "LlamaSwiftKVConfig",
     "LlamaSwiftKVForCausalLM",
     "LlamaSwiftKVModel",

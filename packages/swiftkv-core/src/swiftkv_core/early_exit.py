@@ -46,8 +46,11 @@ class EarlyExitHead(nn.Module):
     def save(self, out_dir: str | os.PathLike) -> Path:
         path = Path(out_dir) / EARLY_EXIT_FILE
         tensors = {k: v.detach().contiguous().cpu() for k, v in self.state_dict().items()}
-        meta = {"hidden_size": self.lm_head.in_features, "vocab_size": self.lm_head.out_features,
-                "eps": self.norm.variance_epsilon}
+        meta = {
+            "hidden_size": self.lm_head.in_features,
+            "vocab_size": self.lm_head.out_features,
+            "eps": self.norm.variance_epsilon,
+        }
         save_file(tensors, path, metadata={"early_exit": json.dumps(meta)})
         return path
 
@@ -69,8 +72,14 @@ class EarlyExitHead(nn.Module):
 
 
 @torch.inference_mode()
-def generate_with_early_exit(model, head: EarlyExitHead, input_ids: torch.Tensor, max_new_tokens: int = 32,
-                             threshold: float = 0.9, eos_token_id: int | None = None) -> tuple[torch.Tensor, int]:
+def generate_with_early_exit(
+    model,
+    head: EarlyExitHead,
+    input_ids: torch.Tensor,
+    max_new_tokens: int = 32,
+    threshold: float = 0.9,
+    eos_token_id: int | None = None,
+) -> tuple[torch.Tensor, int]:
     """Greedy decoding (batch 1) that exits at layer ``l`` when ``head``'s top probability >= ``threshold``.
 
     Needs a SwiftKV model with ``swiftkv`` on (the exited tokens' later K/V come from the SwiftKV projections).

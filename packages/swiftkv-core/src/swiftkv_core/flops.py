@@ -39,9 +39,15 @@ class ModelShape:
     @classmethod
     def from_config(cls, config) -> ModelShape:
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        return cls(config.num_hidden_layers, config.hidden_size, config.num_attention_heads,
-                   config.num_key_value_heads or config.num_attention_heads, head_dim,
-                   config.intermediate_size, config.vocab_size)
+        return cls(
+            config.num_hidden_layers,
+            config.hidden_size,
+            config.num_attention_heads,
+            config.num_key_value_heads or config.num_attention_heads,
+            head_dim,
+            config.intermediate_size,
+            config.vocab_size,
+        )
 
 
 @dataclass
@@ -69,11 +75,18 @@ def _keys_per_query(seq_len: int, attention: str) -> float:
         return (seq_len + 1) / 2
     if attention == "dense":
         return float(seq_len)
-    raise ValueError(f"attention={attention!r}: use 'causal' (keys a causal query sees) or 'dense' (all keys).")
+    raise ValueError(
+        f"attention={attention!r}: use 'causal' (keys a causal query sees) or 'dense' (all keys)."
+    )
 
 
-def prefill_flops(shape: ModelShape, seq_len: int, num_key_value_layers: int | None = None,
-                  key_value_group_size: int = 1, attention: str = "causal") -> PrefillFlops:
+def prefill_flops(
+    shape: ModelShape,
+    seq_len: int,
+    num_key_value_layers: int | None = None,
+    key_value_group_size: int = 1,
+    attention: str = "causal",
+) -> PrefillFlops:
     """FLOPs per prompt token of a prefill of ``seq_len`` tokens (the paper's Table 1 rows).
 
     ``num_key_value_layers=None`` is the original model. Every token is counted as needing logits (as Table 1
@@ -83,7 +96,11 @@ def prefill_flops(shape: ModelShape, seq_len: int, num_key_value_layers: int | N
     l = L if num_key_value_layers is None else num_key_value_layers
     full_layers = l  # layers that run query, attention, output and MLP for every prompt token
     kv_layers = l + (L - l) / key_value_group_size
-    h, q_dim, kv_dim = shape.hidden_size, shape.num_attention_heads * shape.head_dim, shape.num_key_value_heads * shape.head_dim
+    h, q_dim, kv_dim = (
+        shape.hidden_size,
+        shape.num_attention_heads * shape.head_dim,
+        shape.num_key_value_heads * shape.head_dim,
+    )
     return PrefillFlops(
         vocab=2 * h * shape.vocab_size,
         q=2 * h * q_dim * full_layers,
@@ -95,9 +112,15 @@ def prefill_flops(shape: ModelShape, seq_len: int, num_key_value_layers: int | N
     )
 
 
-def prefill_flops_total(shape: ModelShape, seq_len: int, num_key_value_layers: int | None = None,
-                        key_value_group_size: int = 1, logits_to_keep: int = 1, attention: str = "dense",
-                        batch_size: int = 1) -> float:
+def prefill_flops_total(
+    shape: ModelShape,
+    seq_len: int,
+    num_key_value_layers: int | None = None,
+    key_value_group_size: int = 1,
+    logits_to_keep: int = 1,
+    attention: str = "dense",
+    batch_size: int = 1,
+) -> float:
     """Exact FLOPs of one prefill forward that returns the last ``logits_to_keep`` logits (as ``generate``).
 
     Under SwiftKV the kept positions also run layers ``>= l`` (query over all ``seq_len`` keys). With
@@ -117,8 +140,12 @@ def prefill_flops_total(shape: ModelShape, seq_len: int, num_key_value_layers: i
     return total * batch_size
 
 
-def kv_cache_bytes_per_token(shape: ModelShape, num_key_value_layers: int | None = None,
-                             key_value_group_size: int = 1, bytes_per_element: int = 2) -> float:
+def kv_cache_bytes_per_token(
+    shape: ModelShape,
+    num_key_value_layers: int | None = None,
+    key_value_group_size: int = 1,
+    bytes_per_element: int = 2,
+) -> float:
     """K and V bytes one token occupies in the cache: ``2 * (l + (L - l) / g) * kv_heads * head_dim * bytes``."""
     L = shape.num_hidden_layers
     l = L if num_key_value_layers is None else num_key_value_layers
@@ -127,14 +154,37 @@ def kv_cache_bytes_per_token(shape: ModelShape, num_key_value_layers: int | None
 
 
 # The paper's Table 1 (arXiv 2410.03960): Llama-3.1-70B, 128K context, GFLOPs per prefill token.
-LLAMA_3_1_70B = ModelShape(num_hidden_layers=80, hidden_size=8192, num_attention_heads=64, num_key_value_heads=8,
-                           head_dim=128, intermediate_size=28672, vocab_size=128256)
-PAPER_TABLE1_GFLOPS = {"vocab": 4.3, "q": 10.7, "o": 10.7, "k": 1.34, "v": 1.34, "mlp": 113, "attention": 160,
-                       "total": 302}
-PAPER_TABLE1_RELATIVE = {"baseline": 1.0, "25% SingleInputKV": 0.755, "50% SingleInputKV": 0.510,
-                         "50% SingleInputKV + 4-way AcrossKV": 0.507}
-PAPER_TABLE1_SETTINGS = {"baseline": (80, 1), "25% SingleInputKV": (60, 1), "50% SingleInputKV": (40, 1),
-                         "50% SingleInputKV + 4-way AcrossKV": (40, 4)}
+LLAMA_3_1_70B = ModelShape(
+    num_hidden_layers=80,
+    hidden_size=8192,
+    num_attention_heads=64,
+    num_key_value_heads=8,
+    head_dim=128,
+    intermediate_size=28672,
+    vocab_size=128256,
+)
+PAPER_TABLE1_GFLOPS = {
+    "vocab": 4.3,
+    "q": 10.7,
+    "o": 10.7,
+    "k": 1.34,
+    "v": 1.34,
+    "mlp": 113,
+    "attention": 160,
+    "total": 302,
+}
+PAPER_TABLE1_RELATIVE = {
+    "baseline": 1.0,
+    "25% SingleInputKV": 0.755,
+    "50% SingleInputKV": 0.510,
+    "50% SingleInputKV + 4-way AcrossKV": 0.507,
+}
+PAPER_TABLE1_SETTINGS = {
+    "baseline": (80, 1),
+    "25% SingleInputKV": (60, 1),
+    "50% SingleInputKV": (40, 1),
+    "50% SingleInputKV + 4-way AcrossKV": (40, 4),
+}
 
 
 def table1(seq_len: int = 128 * 1024, attention: str = "causal") -> dict:

@@ -30,9 +30,13 @@ def load(model: str | Path | None = None, dtype: torch.dtype = torch.float32, ne
     The tokenizer is ``None`` when the folder has none and ``need_tokenizer`` is off.
     """
     path = resolve_model_path(model)
-    has_tokenizer = any((path / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model"))
+    has_tokenizer = any(
+        (path / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+    )
     if need_tokenizer and not has_tokenizer:
-        raise FileNotFoundError(f"{path} has no tokenizer files; save the tokenizer into the checkpoint folder.")
+        raise FileNotFoundError(
+            f"{path} has no tokenizer files; save the tokenizer into the checkpoint folder."
+        )
     tokenizer = AutoTokenizer.from_pretrained(path) if has_tokenizer else None
     return AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval(), tokenizer
 

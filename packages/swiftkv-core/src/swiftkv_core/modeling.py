@@ -77,18 +77,35 @@ class SwiftKVAttentionMixin:
         value = self.v_proj_swiftkv(swiftkv_input).view(shape).transpose(1, 2)
         return _rope(key, position_embeddings), value
 
-    def forward(self, hidden_states, position_embeddings, attention_mask, past_key_values=None,
-                swiftkv_key_value=None, **kwargs):
+    def forward(
+        self,
+        hidden_states,
+        position_embeddings,
+        attention_mask,
+        past_key_values=None,
+        swiftkv_key_value=None,
+        **kwargs,
+    ):
         if swiftkv_key_value is None:  # original attention (layers < l, or the teacher)
-            return super().forward(hidden_states, position_embeddings, attention_mask, past_key_values, **kwargs)
+            return super().forward(
+                hidden_states, position_embeddings, attention_mask, past_key_values, **kwargs
+            )
         input_shape = hidden_states.shape[:-1]
         query = self.q_proj_swiftkv(hidden_states).view(*input_shape, -1, self.head_dim).transpose(1, 2)
         query = _rope(query, position_embeddings)
         key, value = swiftkv_key_value
-        attention = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation, eager_attention_forward)
+        attention = ALL_ATTENTION_FUNCTIONS.get_interface(
+            self.config._attn_implementation, eager_attention_forward
+        )
         output, weights = attention(
-            self, query, key, value, attention_mask,
-            dropout=0.0 if not self.training else self.attention_dropout, scaling=self.scaling, **kwargs,
+            self,
+            query,
+            key,
+            value,
+            attention_mask,
+            dropout=0.0 if not self.training else self.attention_dropout,
+            scaling=self.scaling,
+            **kwargs,
         )
         return self.o_proj(output.reshape(*input_shape, -1).contiguous()), weights
 
@@ -100,26 +117,55 @@ class SwiftKVModelMixin:
 
     def __init__(self, config):
         super().__init__(config)
-        self.layers = nn.ModuleList(self.decoder_layer_class(config, i) for i in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(
+            self.decoder_layer_class(config, i) for i in range(config.num_hidden_layers)
+        )
         self.norm_swiftkv = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_init()
 
     @merge_with_config_defaults
     @capture_outputs
-    def forward(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None,
-                inputs_embeds=None, use_cache=None, keep_positions: int | torch.Tensor | None = None,
-                **kwargs) -> BaseModelOutputWithPast:
+    def forward(
+        self,
+        input_ids=None,
+        attention_mask=None,
+        position_ids=None,
+        past_key_values=None,
+        inputs_embeds=None,
+        use_cache=None,
+        keep_positions: int | torch.Tensor | None = None,
+        **kwargs,
+    ) -> BaseModelOutputWithPast:
         """As the HF model, plus ``keep_positions``: return only these positions (an int N: the last N).
 
         With SwiftKV on, layers ``>= l`` run only for the kept positions; every position still gets its K/V.
         """
-        hidden, context = self.forward_prefix(input_ids, attention_mask, position_ids, past_key_values,
-                                              inputs_embeds, use_cache, keep_positions, **kwargs)
+        hidden, context = self.forward_prefix(
+            input_ids,
+            attention_mask,
+            position_ids,
+            past_key_values,
+            inputs_embeds,
+            use_cache,
+            keep_positions,
+            **kwargs,
+        )
         hidden = self.forward_suffix(hidden, context, swiftkv=self.config.swiftkv)
-        return BaseModelOutputWithPast(last_hidden_state=self.norm(hidden), past_key_values=context.past_key_values)
+        return BaseModelOutputWithPast(
+            last_hidden_state=self.norm(hidden), past_key_values=context.past_key_values
+        )
 
-    def forward_prefix(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None,
-                       inputs_embeds=None, use_cache=None, keep_positions=None, **kwargs):
+    def forward_prefix(
+        self,
+        input_ids=None,
+        attention_mask=None,
+        position_ids=None,
+        past_key_values=None,
+        inputs_embeds=None,
+        use_cache=None,
+        keep_positions=None,
+        **kwargs,
+    ):
         """Embeddings and layers ``< l`` (identical in teacher and student): ``(hidden entering layer l, context)``.
 
         Distillation runs this once and ``forward_suffix`` twice (teacher and student) on its output.
@@ -137,22 +183,36 @@ class SwiftKVModelMixin:
 
         keep = _keep_index(keep_positions, inputs_embeds.shape[1])
         subset = config.swiftkv and keep is not None and config._attn_implementation in _SUBSET_ATTENTION
-        mask_kwargs = dict(config=config, inputs_embeds=inputs_embeds, attention_mask=attention_mask,
-                           past_key_values=past_key_values, position_ids=position_ids)
+        mask_kwargs = dict(
+            config=config,
+            inputs_embeds=inputs_embeds,
+            attention_mask=attention_mask,
+            past_key_values=past_key_values,
+            position_ids=position_ids,
+        )
         causal_mask = create_causal_mask(**mask_kwargs)
         # The kept query rows of layers >= l need an explicit mask (sdpa's is_causal aligns the wrong corner).
-        subset_mask = create_causal_mask(**mask_kwargs, allow_is_causal_skip=False)[:, :, keep] if subset else None
+        subset_mask = (
+            create_causal_mask(**mask_kwargs, allow_is_causal_skip=False)[:, :, keep] if subset else None
+        )
         context = LayerContext(
-            attention_mask=causal_mask, position_embeddings=self.rotary_emb(inputs_embeds, position_ids=position_ids),
-            position_ids=position_ids, past_key_values=past_key_values, use_cache=use_cache, keep=keep,
-            subset_mask=subset_mask, kwargs=kwargs,
+            attention_mask=causal_mask,
+            position_embeddings=self.rotary_emb(inputs_embeds, position_ids=position_ids),
+            position_ids=position_ids,
+            past_key_values=past_key_values,
+            use_cache=use_cache,
+            keep=keep,
+            subset_mask=subset_mask,
+            kwargs=kwargs,
         )
         hidden = inputs_embeds
         for layer in self.layers[: config.num_key_value_layers]:
             hidden = layer(hidden, **context.layer_kwargs())
         return hidden, context
 
-    def forward_suffix(self, hidden, context: LayerContext, swiftkv: bool, return_last_layer_input: bool = False):
+    def forward_suffix(
+        self, hidden, context: LayerContext, swiftkv: bool, return_last_layer_input: bool = False
+    ):
         """Layers ``>= l`` from ``hidden`` (the input of layer ``l``), before the final norm.
 
         ``swiftkv=False`` runs the original layers (the teacher); ``swiftkv=True`` the rewired ones (the student),
@@ -163,7 +223,7 @@ class SwiftKVModelMixin:
         layer_kwargs = context.layer_kwargs()
         last_input = hidden
         if not swiftkv:
-            for layer in self.layers[config.num_key_value_layers:]:
+            for layer in self.layers[config.num_key_value_layers :]:
                 last_input = hidden
                 hidden = layer(hidden, **layer_kwargs)
         else:
@@ -177,8 +237,9 @@ class SwiftKVModelMixin:
                 layer_kwargs["position_ids"] = context.position_ids[:, keep]
             for j in range(config.num_key_value_layers, config.num_hidden_layers):
                 last_input = hidden
-                hidden = self.layers[j](hidden, swiftkv_key_value=key_values[config.kv_group_leader(j)],
-                                        **layer_kwargs)
+                hidden = self.layers[j](
+                    hidden, swiftkv_key_value=key_values[config.kv_group_leader(j)], **layer_kwargs
+                )
         if context.keep is not None and not (swiftkv and context.subset):
             hidden, last_input = hidden[:, context.keep], last_input[:, context.keep]
         return (hidden, last_input) if return_last_layer_input else hidden
@@ -209,7 +270,9 @@ class LayerContext:
     past_key_values: object | None
     use_cache: bool | None
     keep: slice | torch.Tensor | None  # positions whose output is wanted (None: all)
-    subset_mask: torch.Tensor | None  # set when SwiftKV layers run for the kept positions only: their mask rows
+    subset_mask: (
+        torch.Tensor | None
+    )  # set when SwiftKV layers run for the kept positions only: their mask rows
     kwargs: dict
 
     @property
@@ -217,9 +280,14 @@ class LayerContext:
         return self.subset_mask is not None
 
     def layer_kwargs(self) -> dict:
-        return dict(attention_mask=self.attention_mask, position_embeddings=self.position_embeddings,
-                    position_ids=self.position_ids, past_key_values=self.past_key_values,
-                    use_cache=self.use_cache, **self.kwargs)
+        return dict(
+            attention_mask=self.attention_mask,
+            position_embeddings=self.position_embeddings,
+            position_ids=self.position_ids,
+            past_key_values=self.past_key_values,
+            use_cache=self.use_cache,
+            **self.kwargs,
+        )
 
 
 def _keep_index(keep_positions, seq_len: int):
@@ -254,7 +322,10 @@ class SwiftKVForCausalLMMixin:
         """
         return_info = kwargs.pop("output_loading_info", False)
         model, info = super().from_pretrained(*args, output_loading_info=True, **kwargs)
-        problems = {kind: sorted(info.get(kind) or []) for kind in ("missing_keys", "unexpected_keys", "mismatched_keys")}
+        problems = {
+            kind: sorted(info.get(kind) or [])
+            for kind in ("missing_keys", "unexpected_keys", "mismatched_keys")
+        }
         problems = {kind: names for kind, names in problems.items() if names}
         if problems:
             c = model.config
@@ -262,26 +333,50 @@ class SwiftKVForCausalLMMixin:
                 f"The checkpoint's weights do not match its config (num_hidden_layers={c.num_hidden_layers}, "
                 f"num_key_value_layers={c.num_key_value_layers}, key_value_group_size={c.key_value_group_size}, "
                 f"serving_only={c.serving_only}): "
-                + "; ".join(f"{kind}: {names[:6]}{' ...' if len(names) > 6 else ''}" for kind, names in problems.items())
+                + "; ".join(
+                    f"{kind}: {names[:6]}{' ...' if len(names) > 6 else ''}"
+                    for kind, names in problems.items()
+                )
                 + ". Fix config.json to the values the weights were trained with, or re-export the checkpoint."
             )
         return (model, info) if return_info else model
 
-    def forward(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None,
-                inputs_embeds=None, labels=None, use_cache=None, logits_to_keep: int | torch.Tensor = 0,
-                **kwargs) -> CausalLMOutputWithPast:
+    def forward(
+        self,
+        input_ids=None,
+        attention_mask=None,
+        position_ids=None,
+        past_key_values=None,
+        inputs_embeds=None,
+        labels=None,
+        use_cache=None,
+        logits_to_keep: int | torch.Tensor = 0,
+        **kwargs,
+    ) -> CausalLMOutputWithPast:
         """As the HF model; ``logits_to_keep`` also decides which positions run layers ``>= l`` under SwiftKV."""
         outputs = self.model(
-            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-            past_key_values=past_key_values, inputs_embeds=inputs_embeds, use_cache=use_cache,
-            keep_positions=logits_to_keep if labels is None else None, **kwargs,
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            past_key_values=past_key_values,
+            inputs_embeds=inputs_embeds,
+            use_cache=use_cache,
+            keep_positions=logits_to_keep if labels is None else None,
+            **kwargs,
         )
         logits = self.lm_head(outputs.last_hidden_state)
         loss = None
         if labels is not None:
-            loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)
-        return CausalLMOutputWithPast(loss=loss, logits=logits, past_key_values=outputs.past_key_values,
-                                      hidden_states=outputs.hidden_states, attentions=outputs.attentions)
+            loss = self.loss_function(
+                logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs
+            )
+        return CausalLMOutputWithPast(
+            loss=loss,
+            logits=logits,
+            past_key_values=outputs.past_key_values,
+            hidden_states=outputs.hidden_states,
+            attentions=outputs.attentions,
+        )
 
 
 # --- Llama (and Mistral checkpoints, converted to Llama) ---

@@ -1,0 +1,105 @@
+"""Integration: the real pretrained SmolLM2-135M-Instruct (30 layers), converted at l=15."""
+
+import pytest
+import torch
+from torch.testing import assert_close
+
+from swiftkv_core.cli import main
+from swiftkv_core.convert import convert, export_for_serving
+from swiftkv_core.flops import ModelShape, count_flops, prefill_flops_total
+
+PROMPTS = ["What is the capital of France?", "Write a haiku about the sea.", "List three prime numbers."]
+
+
+def chat_batch(tokenizer, prompts):
+    texts = [
+        tokenizer.apply_chat_template(
+            [{"role": "user", "content": p}], add_generation_prompt=True, tokenize=False
+        )
+        for p in prompts
+    ]
+    tokenizer.padding_side = "left"
+    return tokenizer(texts, return_tensors="pt", padding=True)
+
+
+@pytest.fixture(scope="module")
+def swift(smollm2):
+    base, _ = smollm2
+    return convert(base, 15)
+
+
+def test_default_model_is_the_real_pretrained_smollm2(smollm2):
+    model, tokenizer = smollm2
+    assert model.config.num_hidden_layers == 30 and model.config.hidden_size == 576
+    ids = tokenizer("The capital of France is", return_tensors="pt")
+    out = model.generate(**ids, max_new_tokens=3, do_sample=False)
+    assert "Paris" in tokenizer.decode(out[0, ids.input_ids.shape[1] :])
+
+
+@torch.no_grad()
+def test_teacher_mode_equals_the_base_model(smollm2, swift):
+    base, tokenizer = smollm2
+    ids = tokenizer("SwiftKV skips the later layers for prompt tokens.", return_tensors="pt").input_ids
+    assert_close(swift.swiftkv(False)(ids).logits, base(ids).logits)
+    swift.swiftkv(True)
+
+
+@torch.no_grad()
+def test_swiftkv_generate_equals_the_full_forward(smollm2, swift):
+    _, tokenizer = smollm2
+    batch = chat_batch(tokenizer, PROMPTS)
+    generated = swift.generate(
+        **batch, max_new_tokens=12, do_sample=False, pad_token_id=tokenizer.pad_token_id
+    )
+    for i, prompt in enumerate(PROMPTS):  # each alone, token by token with no cache: every layer, every token
+        ids = chat_batch(tokenizer, [prompt]).input_ids
+        for _ in range(12):
+            ids = torch.cat([ids, swift(ids, use_cache=False).logits[:, -1:].argmax(-1)], 1)
+        width = batch.input_ids.shape[1]
+        n = ids.shape[1] - 12
+        assert torch.equal(generated[i, width:], ids[0, n:]), prompt
+    # and the last-position logits of a cached prefill match the full forward
+    ids = batch.input_ids[-1:]
+    assert_close(
+        swift(ids, use_cache=True, logits_to_keep=1).logits[:, -1],
+        swift(ids).logits[:, -1],
+        atol=1e-4,
+        rtol=1e-4,
+    )
+
+
+@torch.no_grad()
+def test_measured_prefill_flops_match_the_analytic_model(swift, smollm2):
+    _, tokenizer = smollm2
+    ids = tokenizer("word " * 300, return_tensors="pt").input_ids
+    shape = ModelShape.from_config(swift.config)
+    for l in (None, 15):
+        model = swift.swiftkv(l is not None)
+        measured, _ = count_flops(model, ids, use_cache=True, logits_to_keep=1)
+        assert measured == pytest.approx(
+            prefill_flops_total(shape, ids.shape[1], l, attention="dense"), rel=1e-9
+        )
+    swift.swiftkv(True)
+
+
+def test_serving_export_is_smaller_and_generates_the_same(swift, smollm2, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    _, tokenizer = smollm2
+    export_for_serving(swift, tmp_path, tokenizer=tokenizer)
+    served = AutoModelForCausalLM.from_pretrained(tmp_path)
+    batch = chat_batch(tokenizer, PROMPTS[:1])
+    kwargs = dict(max_new_tokens=8, do_sample=False)
+    assert torch.equal(served.generate(**batch, **kwargs), swift.generate(**batch, **kwargs))
+    full = sum(p.numel() for p in swift.parameters())
+    assert sum(p.numel() for p in served.parameters()) < full
+
+
+def test_cli_generate_and_analyze(tmp_path, capsys):
+    main(["generate", "--prompt", "What is the capital of France?", "--max_new_tokens", "8"])
+    out = capsys.readouterr().out
+    assert "Paris" in out and "prefill" in out
+    main(["generate", "--num_key_value_layers", "15", "--max_new_tokens", "4"])
+    assert "SwiftKV l=15/30" in capsys.readouterr().out
+    main(["analyze", "--out_dir", str(tmp_path), "--max_length", "64"])
+    assert (tmp_path / "similarity.png").is_file() and (tmp_path / "similarity.json").is_file()
