@@ -20,8 +20,17 @@ def layer_input_similarity(model, tokenizer, texts: Sequence[str], max_length: i
     """Eq. 1 for every layer ``i < L - 1`` of a HF causal LM, averaged over ``texts`` (one at a time)."""
     if not texts:
         raise ValueError("layer_input_similarity needs at least one text.")
-    if hasattr(model, "swiftkv") and getattr(model.config, "swiftkv", False):
-        model = model.swiftkv(False)  # the similarity of the ORIGINAL model's layer inputs
+    was_swiftkv = getattr(model.config, "swiftkv", False)
+    if was_swiftkv:
+        model.swiftkv(False)  # the similarity of the ORIGINAL model's layer inputs
+    try:
+        return _similarity(model, tokenizer, texts, max_length)
+    finally:
+        if was_swiftkv:
+            model.swiftkv(True)
+
+
+def _similarity(model, tokenizer, texts, max_length):
     num_layers = model.config.num_hidden_layers
     sums = torch.zeros(num_layers - 1, dtype=torch.float64)
     tokens = 0
