@@ -71,6 +71,9 @@ def test_cli_convert_and_flops(tmp_path, capsys):
     assert config["serving_only"] is True
     main(["flops"])
     assert "50% SingleInputKV" in capsys.readouterr().out
+    main(["flops", "--model", str(tmp_path / "swift"), "--seq_len", "64"])
+    out = capsys.readouterr().out
+    assert "SwiftKV l=2/4, g=2" in out and "1.33x more tokens" in out  # 4 / (2 + 2/2) KV layers
 
 
 def test_cli_rejects_a_folder_that_is_no_checkpoint(tmp_path):

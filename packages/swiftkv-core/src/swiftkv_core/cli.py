@@ -125,11 +125,49 @@ def generate(
     )
 
 
-def flops() -> None:
-    """The analytic FLOPs model against the paper's Table 1 (Llama-3.1-70B, 128K context)."""
-    from .flops import format_table1
+def flops(
+    model: str | None = None,
+    num_key_value_layers: int | None = None,
+    key_value_group_size: int | None = None,
+    seq_len: int = 8192,
+    attention: str = "causal",
+) -> None:
+    """Analytic prefill FLOPs and KV-cache size per token; without --model, our model against paper Table 1.
 
-    print(format_table1())
+    Args:
+        model: A checkpoint folder (only config.json is read) or 'default'; omit for the paper's Table 1.
+        num_key_value_layers: l to account for (default: the checkpoint's own, or half the layers).
+        key_value_group_size: AcrossKV group size g (default: the checkpoint's own, or 1).
+        seq_len: Prompt length the attention row is averaged over.
+        attention: 'causal' (keys a causal query sees) or 'dense' (all keys, as dense kernels compute).
+    """
+    from transformers import AutoConfig
+
+    from .flops import ROWS, ModelShape, format_table1, kv_cache_bytes_per_token, prefill_flops
+    from .generation import resolve_model_path
+
+    if model is None:
+        print(format_table1())
+        return
+    config = AutoConfig.from_pretrained(resolve_model_path(model))
+    shape = ModelShape.from_config(config)
+    L = shape.num_hidden_layers
+    l = num_key_value_layers or getattr(config, "num_key_value_layers", None) or L // 2
+    g = key_value_group_size or getattr(config, "key_value_group_size", 1)
+    base, swift = (
+        prefill_flops(shape, seq_len, attention=attention),
+        prefill_flops(shape, seq_len, l, g, attention),
+    )
+    print(f"GFLOPs per prefill token ({seq_len} tokens, attention={attention}); SwiftKV l={l}/{L}, g={g}")
+    print(f"{'row':<12}{'original':>12}{'SwiftKV':>12}")
+    for row in (*ROWS, "total"):
+        print(f"{row:<12}{getattr(base, row) / 1e9:>12.4f}{getattr(swift, row) / 1e9:>12.4f}")
+    print(f"relative prefill compute: {swift.total / base.total:.1%}")
+    kv_base, kv_swift = kv_cache_bytes_per_token(shape), kv_cache_bytes_per_token(shape, l, g)
+    print(
+        f"KV cache per token (bf16): {kv_base / 1024:.1f} KiB -> {kv_swift / 1024:.1f} KiB "
+        f"({kv_base / kv_swift:.2f}x more tokens in the same memory)"
+    )
 
 
 def _sample_texts() -> list[str]:
