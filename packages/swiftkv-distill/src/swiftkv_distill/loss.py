@@ -23,18 +23,21 @@ from torch import Tensor
 
 
 class ChunkedDistillationKL(torch.autograd.Function):
-    """``sum_i weight_i * T^2 * KL_i`` over rows of ``student_hidden @ weight.T`` vs ``teacher_hidden @ weight.T``.
+    """``sum_i weight_i * T^2 * KL_i`` over rows of ``student_hidden @ head_weight.T`` (student logits) vs
+    ``teacher_hidden @ teacher_weight.T`` (teacher logits, a constant; ``teacher_weight`` defaults to ``head_weight``).
 
     ``student_hidden`` (N, H) and ``teacher_hidden`` (N, H) are the final-normed hidden states of the masked
-    positions; ``head_weight`` (V, H) the LM head. Also returns, without gradient, the per-row KL at T (nats)
-    and whether the student's top-1 token equals the teacher's.
+    positions; ``head_weight`` (V, H) the LM head (a gradient is computed for it only if it requires grad: the
+    early-exit head). Also returns, without gradient, the per-row KL at T (nats) and whether the student's top-1
+    token equals the teacher's.
     """
 
     @staticmethod
     def forward(ctx, student_hidden: Tensor, teacher_hidden: Tensor, head_weight: Tensor, row_weight: Tensor,
-                temperature: float, chunk_size: int):
+                temperature: float, chunk_size: int, teacher_weight: Tensor | None):
         with torch.autocast(device_type=student_hidden.device.type, enabled=False):
             weight = head_weight.detach().float()
+            t_weight = weight if teacher_weight is None else teacher_weight.detach().float()
             need_weight_grad = ctx.needs_input_grad[2]
             grad_hidden = torch.empty_like(student_hidden, dtype=torch.float32)
             grad_weight = torch.zeros_like(weight) if need_weight_grad else None
@@ -44,7 +47,7 @@ class ChunkedDistillationKL(torch.autograd.Function):
             for start in range(0, student_hidden.shape[0], chunk_size):
                 rows = slice(start, start + chunk_size)
                 s = student_hidden[rows].detach().float()
-                t_logits = teacher_hidden[rows].detach().float() @ weight.T
+                t_logits = teacher_hidden[rows].detach().float() @ t_weight.T
                 s_logits = s @ weight.T
                 agree[rows] = s_logits.argmax(-1) == t_logits.argmax(-1)
                 log_pt = torch.log_softmax(t_logits.div_(temperature), dim=-1)
@@ -74,16 +77,17 @@ class ChunkedDistillationKL(torch.autograd.Function):
         grad_hidden = (grad_hidden * grad_total).to(hidden_dtype)
         if grad_weight is not None:
             grad_weight = (grad_weight * grad_total).to(weight_dtype)
-        return grad_hidden, None, grad_weight, None, None, None
+        return grad_hidden, None, grad_weight, None, None, None, None
 
 
 def distillation_kl(student_hidden: Tensor, teacher_hidden: Tensor, head_weight: Tensor, row_weight: Tensor,
-                    temperature: float = 2.0, chunk_size: int = 512) -> tuple[Tensor, Tensor, Tensor]:
+                    temperature: float = 2.0, chunk_size: int = 512,
+                    teacher_weight: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
     """``(weighted T^2-scaled KL sum, per-row KL at T, per-row top-1 agreement)``; see ``ChunkedDistillationKL``."""
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
     return ChunkedDistillationKL.apply(student_hidden, teacher_hidden, head_weight, row_weight, float(temperature),
-                                       int(chunk_size))
+                                       int(chunk_size), teacher_weight)
 
 
 @dataclass

@@ -112,7 +112,7 @@ class DistillationStep(nn.Module):
         out.update(kl=kl_rows.detach().mean(), agreement=agree.float().mean(), hidden_mse=mse_rows.detach().mean())
         if early is not None:
             early_sum, early_kl, early_agree = distillation_kl(early, teacher, self.early_exit_head.lm_head.weight,
-                                                               rows, temperature, chunk_size)
+                                                               rows, temperature, chunk_size, teacher_weight=head_weight)
             loss = loss + early_exit_weight * early_sum
             out.update(early_kl=early_kl.mean(), early_agreement=early_agree.float().mean())
         out["loss"] = loss

@@ -1,0 +1,93 @@
+"""Data: record formats, chat template, packing boundaries (in the collator AND in the model), split, errors."""
+
+import json
+
+import pytest
+import torch
+from swiftkv_distill.data import DataError, DistillDataModule, collate, load_records, pack, split_indices
+from swiftkv_distill.module import build_swiftkv_model
+from transformers import AutoTokenizer
+
+from conftest import write_jsonl
+
+
+def test_pack_and_collate_positions_and_labels():
+    rows = pack([[1, 2, 3], [4, 5], [6, 7, 8, 9, 10]], max_length=4)
+    assert [r["input_ids"] for r in rows] == [[1, 2, 3, 4], [5, 6, 7, 8], [9, 10]]
+    assert [r["segments"] for r in rows] == [[3, 1], [1, 3], [2]]
+    batch = collate(rows, pad_id=0, pad_to=4)
+    assert batch["position_ids"].tolist() == [[0, 1, 2, 0], [0, 0, 1, 2], [0, 1, 0, 1]]
+    assert batch["labels"].tolist() == [[2, 3, -100, -100], [-100, 7, 8, -100], [10, -100, -100, -100]]
+    assert batch["loss_mask"].tolist() == [[True] * 4, [True] * 4, [True, True, False, False]]
+
+
+def test_packed_sequences_do_not_attend_to_each_other(tiny_model):
+    """A packed row gives each sequence exactly the logits it gets alone (teacher and student passes)."""
+    model = build_swiftkv_model(str(tiny_model), num_key_value_layers=2)
+    seqs = [[5, 17, 300, 42, 9], [77, 1000, 3], [12, 13, 14, 15, 16, 17]]
+    batch = collate(pack(seqs, max_length=16), pad_id=0, pad_to=16)
+    for swiftkv in (False, True):
+        model.swiftkv(swiftkv)
+        with torch.no_grad():
+            # use_cache=False as in training: with a cache transformers does not look for packed sequences
+            packed = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False).logits[0]
+            start = 0
+            for seq in seqs:
+                alone = model(input_ids=torch.tensor([seq])).logits[0]
+                torch.testing.assert_close(packed[start : start + len(seq)], alone, rtol=1e-4, atol=1e-5)
+                start += len(seq)
+            # and without the position ids the sequences DO mix (the check above is not vacuous)
+            mixed = model(input_ids=batch["input_ids"], use_cache=False).logits[0]
+            assert not torch.allclose(mixed[5:8], packed[5:8], atol=1e-4)
+
+
+def test_split_is_deterministic_and_disjoint():
+    train, val = split_indices(100, 0.1, seed=3)
+    assert (train, val) == split_indices(100, 0.1, seed=3)
+    assert len(val) == 10 and not set(train) & set(val) and len(train) + len(val) == 100
+    assert split_indices(100, 0.1, seed=4)[1] != val
+
+
+def test_formats_and_chat_template(tiny_model, text_file, chat_file):
+    dm = DistillDataModule(str(tiny_model), [str(text_file), str(chat_file)], max_length=64, batch_size=2,
+                           val_fraction=0.2)
+    dm.setup()
+    tok = AutoTokenizer.from_pretrained(tiny_model)
+    text = tok.decode(sum((r["input_ids"] for r in dm.train_rows + dm.val_rows), []))
+    assert "<|im_start|>user\nName a colour.<|im_end|>\n<|im_start|>assistant\n" in text  # prompt-only
+    assert "<|im_start|>assistant\nHi!<|im_end|>" in text  # prompt + response
+    assert "Water falling from clouds." in text and "The jury said" in text
+    assert all(len(r["input_ids"]) == 64 for r in dm.train_rows[:-1])
+    batch = next(iter(dm.train_dataloader()))
+    assert batch["input_ids"].shape == (2, 64)
+
+
+def test_data_errors(tmp_path, tiny_model, text_file):
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"text": "fine"}\n{"text": broken\n')
+    wrong = write_jsonl(tmp_path / "wrong.jsonl", [{"title": "no usable field"}])
+    for path, message in ((empty, "is empty"), (bad, "could not be read"), (wrong, "expected a 'messages'"),
+                          (tmp_path / "missing.jsonl", "does not exist"), (tmp_path / "x.csv", "does not exist")):
+        with pytest.raises(DataError, match=message):
+            load_records([path])
+    with pytest.raises(DataError, match="exceeds the model's context"):
+        DistillDataModule(str(tiny_model), [str(text_file)], max_length=100_000).setup()
+    with pytest.raises(DataError, match="train_files is empty"):
+        DistillDataModule(str(tiny_model), [])
+
+
+def test_chat_data_needs_a_chat_template(tmp_path, tiny_model, chat_file, text_file):
+    import shutil
+
+    no_template = tmp_path / "no-template"
+    shutil.copytree(tiny_model, no_template)
+    config = json.loads((no_template / "tokenizer_config.json").read_text())
+    config.pop("chat_template", None)
+    (no_template / "tokenizer_config.json").write_text(json.dumps(config))
+    for extra in ("chat_template.jinja", "chat_template.json"):
+        (no_template / extra).unlink(missing_ok=True)
+    with pytest.raises(DataError, match="no chat template"):
+        DistillDataModule(str(no_template), [str(chat_file)], max_length=64).setup()
+    DistillDataModule(str(no_template), [str(text_file)], max_length=64).setup()  # plain text still works

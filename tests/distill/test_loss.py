@@ -1,0 +1,79 @@
+"""The chunked distillation loss against a hand computation over full logits."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from swiftkv_distill.loss import distillation_kl, eval_stats
+
+
+def reference(student, teacher, weight, rows, temperature):
+    log_ps = F.log_softmax(student @ weight.T / temperature, dim=-1)
+    log_pt = F.log_softmax(teacher @ weight.detach().T / temperature, dim=-1)  # the teacher is a constant
+    kl = (log_pt.exp() * (log_pt - log_ps)).sum(-1)
+    return (kl * rows).sum() * temperature**2, kl
+
+
+@pytest.mark.parametrize("temperature,chunk", [(2.0, 3), (1.0, 100), (0.5, 1)])
+def test_loss_and_gradients_match_hand_computation(temperature, chunk):
+    torch.manual_seed(0)
+    n, hidden, vocab = 11, 16, 50
+    teacher = torch.randn(n, hidden, dtype=torch.float64)
+    student = (teacher + 0.3 * torch.randn(n, hidden, dtype=torch.float64)).requires_grad_()
+    weight = torch.randn(vocab, hidden, dtype=torch.float64, requires_grad=True)
+    rows = torch.rand(n, dtype=torch.float64)
+
+    loss, kl_rows, agree = distillation_kl(student, teacher, weight, rows, temperature, chunk, teacher_weight=weight)
+    loss.backward()
+    grad_student, grad_weight = student.grad.clone(), weight.grad.clone()
+
+    student.grad = weight.grad = None
+    expected, expected_rows = reference(student, teacher, weight, rows, temperature)
+    expected.backward()
+    # the kernel computes in fp32
+    torch.testing.assert_close(loss.double(), expected, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(kl_rows.double(), expected_rows.detach(), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(grad_student, student.grad, rtol=1e-4, atol=1e-6)
+    torch.testing.assert_close(grad_weight, weight.grad, rtol=1e-4, atol=1e-6)
+    assert torch.equal(agree, (student @ weight.T).argmax(-1) == (teacher @ weight.T).argmax(-1))
+
+
+def test_kl_is_zero_for_identical_inputs_and_frozen_head_gets_no_grad():
+    torch.manual_seed(0)
+    hidden = torch.randn(5, 8)
+    weight = torch.randn(20, 8)  # frozen head
+    student = hidden.clone().requires_grad_()
+    loss, kl_rows, agree = distillation_kl(student, hidden, weight, torch.ones(5), 2.0, 2)
+    assert loss.item() == pytest.approx(0.0, abs=1e-6) and agree.all()
+    loss.backward()
+    assert student.grad.abs().max() < 1e-6 and weight.grad is None
+
+
+def test_eval_stats_match_full_logits():
+    torch.manual_seed(1)
+    student, teacher, weight = torch.randn(7, 8), torch.randn(7, 8), torch.randn(30, 8)
+    labels = torch.tensor([3, -100, 5, 0, 29, -100, 7])
+    stats = eval_stats(student, teacher, weight, labels, chunk_size=3)
+    _, kl = reference(student, teacher, weight, torch.ones(7), 1.0)
+    torch.testing.assert_close(stats.kl, kl)
+    valid = labels >= 0
+    nll = F.cross_entropy(student @ weight.T, labels.clamp(min=0), reduction="none")
+    torch.testing.assert_close(stats.student_nll[valid], nll[valid])
+    assert torch.isnan(stats.student_nll[~valid]).all()
+
+
+def test_separate_teacher_head():
+    """The early-exit head: student logits from its own (trainable) head, teacher logits from the final head."""
+    torch.manual_seed(2)
+    student, teacher = torch.randn(6, 8, requires_grad=True), torch.randn(6, 8)
+    head, final_head = torch.randn(25, 8, requires_grad=True), torch.randn(25, 8)
+    loss, _, _ = distillation_kl(student, teacher, head, torch.ones(6), 2.0, 4, teacher_weight=final_head)
+    loss.backward()
+    grads = student.grad.clone(), head.grad.clone()
+    student.grad = head.grad = None
+    log_ps = F.log_softmax(student @ head.T / 2, -1)
+    log_pt = F.log_softmax(teacher @ final_head.T / 2, -1)
+    expected = (log_pt.exp() * (log_pt - log_ps)).sum() * 4
+    expected.backward()
+    torch.testing.assert_close(loss, expected)
+    torch.testing.assert_close(grads[0], student.grad)
+    torch.testing.assert_close(grads[1], head.grad)
