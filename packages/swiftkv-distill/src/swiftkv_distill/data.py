@@ -172,6 +172,44 @@ class RowsDataset(Dataset):
         return self.rows[index]
 
 
+class SkippingDistributedSampler(DistributedSampler):
+    """``DistributedSampler`` (a seeded permutation per epoch) that can start mid-epoch (after ``skip`` indices)."""
+
+    skip = 0
+
+    def __iter__(self):
+        indices = list(super().__iter__())
+        skip, self.skip = self.skip, 0
+        return iter(indices[skip:])
+
+
+class ResumableDataLoader(DataLoader):
+    """A DataLoader whose position inside an epoch travels in Lightning checkpoints, so resuming from a mid-epoch
+    checkpoint continues with exactly the batches an uninterrupted run would have seen.
+
+    ``progress()`` returns the batches processed so far in the current epoch (Lightning's counter: the loader's own
+    count would include the batch Lightning prefetches)."""
+
+    def __init__(self, *args, progress=None, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._progress = progress
+        self._resume: tuple[int, int] | None = None
+
+    def state_dict(self) -> dict:
+        return {"epoch": self.sampler.epoch, "batches_done": int(self._progress()) if self._progress else 0}
+
+    def load_state_dict(self, state: dict) -> None:
+        self._resume = (state["epoch"], state["batches_done"])
+
+    def __iter__(self):
+        if self._resume is not None:
+            epoch, done = self._resume
+            self._resume = None
+            if epoch == self.sampler.epoch:
+                self.sampler.skip = done * self.batch_size
+        return super().__iter__()
+
+
 class DistillDataModule(L.LightningDataModule):
     """Local files -> tokenised, packed, deterministically split distillation batches.
 
@@ -269,13 +307,18 @@ class DistillDataModule(L.LightningDataModule):
         rank = trainer.global_rank if trainer is not None else 0
         # Explicit DistributedSampler (also for one process): a seeded permutation per epoch, which Lightning
         # keeps as is and advances with set_epoch, so a resumed run sees the same batches.
-        return DistributedSampler(dataset, num_replicas=replicas, rank=rank, shuffle=shuffle,
-                                  seed=self.hparams.seed, drop_last=shuffle)
+        return SkippingDistributedSampler(dataset, num_replicas=replicas, rank=rank, shuffle=shuffle,
+                                          seed=self.hparams.seed, drop_last=shuffle)
+
+    def _batches_done(self) -> int:
+        trainer = getattr(self, "trainer", None)
+        return trainer.fit_loop.epoch_loop.batch_progress.current.processed if trainer is not None else 0
 
     def train_dataloader(self) -> DataLoader:
         dataset = RowsDataset(self.train_rows)
-        return DataLoader(dataset, batch_size=self.hparams.batch_size, sampler=self._sampler(dataset, True),
-                          collate_fn=self._collate, num_workers=self.hparams.num_workers, drop_last=True)
+        return ResumableDataLoader(dataset, batch_size=self.hparams.batch_size, sampler=self._sampler(dataset, True),
+                                   collate_fn=self._collate, num_workers=self.hparams.num_workers, drop_last=True,
+                                   progress=self._batches_done)
 
     def val_dataloader(self) -> DataLoader:
         dataset = RowsDataset(self.val_rows)
