@@ -38,8 +38,9 @@ def swiftkv_checkpoint(base: Path, out_dir: Path, num_key_value_layers: int, key
     The noise makes the SwiftKV projections differ from the teacher's, so a server that used the wrong
     weights (or the teacher path) would not match.
     """
-    from swiftkv_core.convert import convert, export_for_serving, save_checkpoint
     from transformers import AutoTokenizer
+
+    from swiftkv_core.convert import convert, export_for_serving, save_checkpoint
 
     model = convert(base, num_key_value_layers, key_value_group_size)
     if noise:

@@ -1,0 +1,118 @@
+"""SwiftKV through vLLM's offline engine (``vllm.LLM``): outputs, prefill savings, KV capacity, guards."""
+
+from __future__ import annotations
+
+import pytest
+from checkpoints import hf_greedy, swiftkv_checkpoint
+from conftest import PROMPT_LENGTHS, greedy, random_prompts, vllm_engine
+
+pytestmark = pytest.mark.vllm
+
+MAX_TOKENS = 12
+
+
+@pytest.fixture(scope="module")
+def tiny_engine(tiny_swiftkv):
+    with vllm_engine(tiny_swiftkv) as llm:
+        yield llm
+
+
+def test_tiny_acrosskv_matches_hf(tiny_engine, tiny_swiftkv):
+    """A batch of prompts of different lengths, chunked prefill splitting them (chunks of 48 tokens)."""
+    prompts = random_prompts()
+    assert max(PROMPT_LENGTHS) > 2 * 48
+    assert greedy(tiny_engine, prompts, MAX_TOKENS) == hf_greedy(tiny_swiftkv, prompts, MAX_TOKENS)
+    assert tiny_engine.llm_engine.vllm_config.cache_config.kv_sharing_fast_prefill
+
+
+def test_later_layers_run_only_for_sampled_tokens(tiny_engine):
+    """Layers >= l see one token per prompt chunk (the one whose logits are sampled); layer 0 sees them all."""
+    seen: dict[str, list[int]] = {"first": [], "swiftkv": [], "last": []}
+
+    def install(model):
+        layers = model.model.layers
+        l = model.config.num_key_value_layers
+        return [layers[i].register_forward_hook(lambda m, args, out, key=key: seen[key].append(args[1].shape[0]))
+                for i, key in ((0, "first"), (l, "swiftkv"), (len(layers) - 1, "last"))]
+
+    handles = tiny_engine.apply_model(install)[0]
+    try:
+        greedy(tiny_engine, random_prompts(lengths=(130,), seed=5), 3)
+    finally:
+        for handle in handles:
+            handle.remove()
+    # 130 prompt tokens in chunks of 48, 48, 34, then 2 decode steps (the third token is sampled from the last).
+    assert seen["first"] == [48, 48, 34, 1, 1]
+    assert seen["swiftkv"] == seen["last"] == [1, 1, 1, 1, 1]
+
+
+def test_prompt_logprobs_rejected(tiny_engine):
+    from vllm import SamplingParams
+    from vllm.exceptions import VLLMValidationError
+    from vllm.inputs import TokensPrompt
+
+    prompt = TokensPrompt(prompt_token_ids=random_prompts(lengths=(20,))[0])
+    with pytest.raises(VLLMValidationError, match="prompt_logprobs are not supported by SwiftKV"):
+        tiny_engine.generate([prompt], SamplingParams(max_tokens=2, prompt_logprobs=1), use_tqdm=False)
+    # The engine keeps serving, and sampled-token logprobs are fine.
+    out = tiny_engine.generate([prompt], SamplingParams(temperature=0.0, max_tokens=2, logprobs=2), use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 2 and out[0].outputs[0].logprobs
+
+
+def test_serving_export_matches_hf(tiny_swiftkv_serving):
+    """A checkpoint without the teacher q/k/v of layers >= l (export_for_serving), AcrossKV off."""
+    prompts = random_prompts(seed=3)
+    with vllm_engine(tiny_swiftkv_serving) as llm:
+        got = greedy(llm, prompts, MAX_TOKENS)
+    assert got == hf_greedy(tiny_swiftkv_serving, prompts, MAX_TOKENS)
+
+
+# --- SmolLM2-135M-Instruct (30 layers), converted at l=15 ---
+SMOLLM2_VARIANTS = {"l30": (30, 1), "l15-g1": (15, 1), "l15-g3": (15, 3)}
+
+
+@pytest.fixture(scope="module")
+def smollm2_runs(checkpoints, smollm2):
+    """Greedy outputs and KV capacity of the stock base model and of its SwiftKV versions, same prompts."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(smollm2)
+    text = (
+        "The history of the bicycle begins in the early nineteenth century, when inventors in Europe built "
+        "two-wheeled machines pushed along by the rider's feet. Pedals arrived decades later, and the safety "
+        "bicycle, with two wheels of equal size and a chain drive, made cycling popular around the world. "
+        "Today bicycles are used for transport, sport and leisure, and cities build lanes to keep riders safe. "
+    ) * 3
+    ids = tokenizer(text)["input_ids"]
+    prompts = [ids[:n] for n in PROMPT_LENGTHS]
+    paths = {"base": smollm2}
+    for name, (l, g) in SMOLLM2_VARIANTS.items():
+        paths[name] = swiftkv_checkpoint(smollm2, checkpoints / f"smollm2-{name}", l, g)
+    runs = {}
+    for name, path in paths.items():
+        with vllm_engine(path) as llm:
+            cache_config = llm.llm_engine.vllm_config.cache_config
+            runs[name] = {"tokens": greedy(llm, prompts, MAX_TOKENS), "blocks": cache_config.num_gpu_blocks,
+                          "fast_prefill": cache_config.kv_sharing_fast_prefill}
+    return prompts, paths, runs
+
+
+@pytest.mark.parametrize("variant", ["l15-g1", "l15-g3"])
+def test_smollm2_swiftkv_matches_hf(smollm2_runs, variant):
+    prompts, paths, runs = smollm2_runs
+    assert runs[variant]["fast_prefill"]
+    assert runs[variant]["tokens"] == hf_greedy(paths[variant], prompts, MAX_TOKENS)
+
+
+def test_smollm2_no_skipped_layer_equals_stock_llama(smollm2_runs):
+    """num_key_value_layers == num_hidden_layers: the SwiftKV model is the base Llama, token for token."""
+    _, _, runs = smollm2_runs
+    assert runs["l30"]["tokens"] == runs["base"]["tokens"]
+    assert not runs["l30"]["fast_prefill"]
+
+
+@pytest.mark.parametrize(("variant", "factor"), [("l30", 1.0), ("l15-g1", 1.0), ("l15-g3", 30 / (15 + 15 / 3))])
+def test_kv_capacity_grows_with_acrosskv(smollm2_runs, variant, factor):
+    """Same cache space: capacity grows by L / (l + (L - l) / g) (1.5x for l=15, g=3 on 30 layers)."""
+    _, _, runs = smollm2_runs
+    assert runs[variant]["blocks"] / runs["base"]["blocks"] == pytest.approx(factor, rel=0.01)
