@@ -188,9 +188,15 @@ class SwiftKVDistillation(L.LightningModule):
             from torch.distributed.fsdp import fully_shard
 
             data_parallel = mesh["data_parallel"]
+            kwargs = dict(mesh=data_parallel, reshard_after_forward=hp.reshard_after_forward)
             for layer in model.model.layers:
-                fully_shard(layer, mesh=data_parallel, reshard_after_forward=hp.reshard_after_forward)
-            fully_shard(self.step, mesh=data_parallel, reshard_after_forward=hp.reshard_after_forward)
+                # The shared K/V projections run outside their layer's forward (all at once, from the input of
+                # layer l): they need their own FSDP2 units, or their weights would still be sharded when called.
+                for name in ("k_proj_swiftkv", "v_proj_swiftkv"):
+                    if hasattr(layer.self_attn, name):
+                        fully_shard(getattr(layer.self_attn, name), **kwargs)
+                fully_shard(layer, **kwargs)
+            fully_shard(self.step, **kwargs)
 
     @property
     def swiftkv_model(self):
