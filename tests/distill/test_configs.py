@@ -1,5 +1,6 @@
 """Every recipe under configs/distill/ parses against the CLI's signatures; the CPU recipe builds its objects."""
 
+import json
 import re
 from pathlib import Path
 
@@ -49,3 +50,25 @@ def test_gpu_recipe_strategy_is_fsdp2():
     raw = yaml.safe_load(path.read_text())
     assert raw["trainer"]["strategy"]["class_path"].endswith(ModelParallelStrategy.__name__)
     assert raw["trainer"]["precision"] == "bf16-mixed" and raw["model"]["num_key_value_layers"] == 16
+
+
+def test_cli_fit_writes_logs_plot_summary_and_exports(tmp_path, tiny_model, text_file):
+    from swiftkv_distill.cli import main
+
+    out = tmp_path / "run"
+    main(["fit", "--model.model", str(tiny_model), "--model.num_key_value_layers", "2",
+          "--model.early_exit", "true", "--data.train_files", f"[{text_file}]", "--data.max_length", "16",
+          "--data.batch_size", "2", "--trainer.max_steps", "3", "--trainer.enable_progress_bar", "false",
+          "--trainer.logger+=lightning.pytorch.loggers.CSVLogger", f"--trainer.logger.save_dir={out}",
+          "--trainer.logger+=lightning.pytorch.loggers.TensorBoardLogger", f"--trainer.logger.save_dir={out}",
+          "--trainer.callbacks+=swiftkv_distill.callbacks.RunReport",
+          "--trainer.callbacks+=swiftkv_distill.callbacks.ExportHF", f"--trainer.callbacks.dirpath={out}/export",
+          f"--trainer.default_root_dir={out}"])
+    (log_dir,) = [p.parent for p in out.rglob("metrics.csv")]
+    summary = json.loads((log_dir / "summary.json").read_text())
+    assert {"kl", "agreement", "student_ppl", "teacher_ppl", "early_exit_agreement"} <= summary["before"].keys()
+    assert {"kl", "agreement", "early_exit_agreement"} <= summary["after"].keys()
+    assert (log_dir / "metrics.png").stat().st_size > 1000
+    assert list(out.rglob("events.out.tfevents.*"))
+    assert (out / "export" / "hf" / "early_exit_head.safetensors").is_file()
+    assert (out / "export" / "hf-serving" / "config.json").is_file()

@@ -87,3 +87,15 @@ def test_chunked_loss_memory_is_bounded():
     loss, _, _ = distillation_kl(student, torch.randn(64, 16), torch.randn(5000, 16), torch.ones(64), 2.0, 8)
     saved = [t for t in loss.grad_fn.saved_tensors if t is not None]
     assert all(t.numel() <= 64 * 16 for t in saved)
+
+
+def test_bf16_mixed_trains(tiny_model, text_file, tmp_path):
+    module = SwiftKVDistillation(str(tiny_model), num_key_value_layers=2, learning_rate=1e-2,
+                                 evaluate_before_training=False)
+    dm = DistillDataModule(str(tiny_model), [str(text_file)], max_length=32, batch_size=2)
+    trainer = L.Trainer(max_steps=2, precision="bf16-mixed", logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, use_distributed_sampler=False, limit_val_batches=1,
+                        num_sanity_val_steps=0, default_root_dir=tmp_path)
+    trainer.fit(module, dm)
+    assert torch.isfinite(trainer.callback_metrics["train/loss"])
+    assert all(p.dtype == torch.float32 for p in module.trainable_parameters())  # fp32 master weights

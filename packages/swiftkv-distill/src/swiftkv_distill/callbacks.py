@@ -38,7 +38,8 @@ class RunReport(L.Callback):
             logger.save()
         folder = _log_dir(trainer)
         folder.mkdir(parents=True, exist_ok=True)
-        after = {k.removeprefix("val/"): float(v) for k, v in trainer.callback_metrics.items() if k.startswith("val/")}
+        after = dict(getattr(pl_module, "last_val_metrics", {})) or {
+            k.removeprefix("val/"): float(v) for k, v in trainer.callback_metrics.items() if k.startswith("val/")}
         seconds = time.perf_counter() - self._start if self._start else None
         tokens = getattr(pl_module, "_tokens_seen", None)
         summary = {

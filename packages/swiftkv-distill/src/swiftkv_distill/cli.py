@@ -2,20 +2,15 @@
 
 from __future__ import annotations
 
-from jsonargparse import lazy_instance
 from lightning.pytorch.cli import LightningCLI
-from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 
-from .callbacks import RunReport
 from .data import DistillDataModule
 from .module import SwiftKVDistillation
 
 TRAINER_DEFAULTS = {
     # The data module builds its own DistributedSampler (a seeded permutation per epoch, also for one process).
+    # Loggers (CSV + TensorBoard) and callbacks (RunReport, ExportHF, ModelCheckpoint) are set by each recipe.
     "use_distributed_sampler": False,
-    "logger": [lazy_instance(CSVLogger, save_dir="outputs/distill"),
-               lazy_instance(TensorBoardLogger, save_dir="outputs/distill")],
-    "callbacks": [lazy_instance(RunReport)],
 }
 
 

@@ -171,6 +171,8 @@ class SwiftKVDistillation(L.LightningModule):
         self.val_metrics = nn.ModuleDict({name: MeanMetric() for name in
                                           ("kl", "agreement", "student_nll", "teacher_nll", "early_exit_agreement")})
         self.before_metrics: dict[str, float] = {}
+        self.last_val_metrics: dict[str, float] = {}
+        self.last_val_step = -1
         self._tokens_seen = 0
         self._step_started: float | None = None
 
@@ -292,7 +294,9 @@ class SwiftKVDistillation(L.LightningModule):
             for metric in self.val_metrics.values():
                 metric.reset()
             return
-        for name, value in self._compute_metrics().items():
+        self.last_val_metrics = self._compute_metrics()
+        self.last_val_step = self.global_step
+        for name, value in self.last_val_metrics.items():
             self.log(f"val/{name}", value, prog_bar=name in ("kl", "agreement"), sync_dist=False)
 
     @torch.no_grad()
@@ -305,11 +309,14 @@ class SwiftKVDistillation(L.LightningModule):
         self.train(was_training)
         return self._compute_metrics()
 
+    def _val_loader(self):
+        datamodule = getattr(self.trainer, "datamodule", None)
+        return datamodule.val_dataloader() if datamodule is not None else self.trainer.val_dataloaders
+
     def on_train_start(self) -> None:
         if not self.hparams.evaluate_before_training or self.global_step > 0 or self.before_metrics:
             return
-        datamodule = getattr(self.trainer, "datamodule", None)
-        loader = datamodule.val_dataloader() if datamodule is not None else self.trainer.val_dataloaders
+        loader = self._val_loader()
         if loader is None:
             return
         self.before_metrics = self.evaluate(loader)
@@ -317,6 +324,18 @@ class SwiftKVDistillation(L.LightningModule):
             logger.log_metrics({f"before/{k}": v for k, v in self.before_metrics.items()}, step=0)
         if self.trainer.is_global_zero:
             print("before distillation: " + ", ".join(f"{k}={v:.4f}" for k, v in self.before_metrics.items()))
+
+    def on_train_end(self) -> None:
+        """Make sure the final weights are measured: validate once more unless the last validation was at the end."""
+        if self.last_val_step == self.global_step or self.trainer.limit_val_batches == 0:
+            return
+        loader = self._val_loader()
+        if loader is None:
+            return
+        self.last_val_metrics = self.evaluate(loader)
+        self.last_val_step = self.global_step
+        for logger in self.loggers:
+            logger.log_metrics({f"val/{k}": v for k, v in self.last_val_metrics.items()}, step=self.global_step)
 
     # --- checkpoints -------------------------------------------------------------------------------------------
     def on_save_checkpoint(self, checkpoint: dict) -> None:
