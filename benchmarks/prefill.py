@@ -9,11 +9,9 @@ logits of the last position only. Also prints measured (FlopCounterMode) vs anal
 
 from __future__ import annotations
 
-import inspect
 import json
 import platform
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -21,34 +19,9 @@ from jsonargparse import auto_cli
 
 from swiftkv_core.convert import convert
 from swiftkv_core.flops import ModelShape, count_flops, prefill_flops_total
-from swiftkv_core.generation import load
+from swiftkv_core.generation import load, sample_prompt_ids, time_prefill
 
 RESULTS = Path(__file__).parent / "results"
-
-
-def real_prompt(tokenizer, num_tokens: int) -> torch.Tensor:
-    """``num_tokens`` tokens of real English text (the standard library's documentation)."""
-    import argparse
-    import collections
-    import email
-    import json as json_module
-    import logging
-
-    text = "\n\n".join(
-        inspect.getdoc(m) or "" for m in (argparse, collections, email, json_module, logging, inspect)
-    )
-    text += "\n\n".join(inspect.getdoc(getattr(collections, n)) or "" for n in dir(collections))
-    ids = tokenizer(text, return_tensors="pt").input_ids
-    if ids.shape[1] < num_tokens:
-        ids = ids.repeat(1, num_tokens // ids.shape[1] + 1)
-    return ids[:, :num_tokens]
-
-
-@torch.inference_mode()
-def prefill_seconds(model, ids: torch.Tensor) -> float:
-    start = time.perf_counter()
-    model(ids, use_cache=True, logits_to_keep=1)
-    return time.perf_counter() - start
 
 
 def main(
@@ -74,13 +47,13 @@ def main(
     shape = ModelShape.from_config(model.config)
     rows = []
     for length in prompt_lengths:
-        ids = real_prompt(tokenizer, length)
+        ids = sample_prompt_ids(tokenizer, length)
         for enabled in (False, True):  # warm-up
-            prefill_seconds(model.swiftkv(enabled), ids)
+            time_prefill(model.swiftkv(enabled), ids, repeats=1, warmup=0)
         times = {False: [], True: []}
         for _ in range(repeats):  # interleaved, so machine noise hits both sides alike
             for enabled in (False, True):
-                times[enabled].append(prefill_seconds(model.swiftkv(enabled), ids))
+                times[enabled].append(time_prefill(model.swiftkv(enabled), ids, repeats=1, warmup=0))
         median = {k: sorted(v)[len(v) // 2] for k, v in times.items()}
         with torch.inference_mode():
             measured = {

@@ -41,6 +41,25 @@ def load(model: str | Path | None = None, dtype: torch.dtype = torch.float32, ne
     return AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval(), tokenizer
 
 
+def sample_prompt_ids(tokenizer, num_tokens: int) -> torch.Tensor:
+    """``[1, num_tokens]`` ids of real English text (the standard library's documentation), for timing prefills."""
+    import argparse
+    import collections
+    import email
+    import inspect
+    import json
+    import logging
+
+    text = "\n\n".join(
+        inspect.getdoc(m) or "" for m in (argparse, collections, email, json, logging, inspect)
+    )
+    text += "\n\n".join(inspect.getdoc(getattr(collections, n)) or "" for n in dir(collections))
+    ids = tokenizer(text, return_tensors="pt").input_ids
+    if ids.shape[1] < num_tokens:
+        ids = ids.repeat(1, num_tokens // ids.shape[1] + 1)
+    return ids[:, :num_tokens]
+
+
 @torch.inference_mode()
 def time_prefill(model, input_ids: torch.Tensor, repeats: int = 3, warmup: int = 1) -> float:
     """Median seconds of a prefill (with KV cache, last-position logits only, as ``generate`` runs it)."""
