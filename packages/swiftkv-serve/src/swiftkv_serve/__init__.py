@@ -66,8 +66,9 @@ def register() -> None:
         print(f"[swiftkv-serve] {error}", flush=True)
         return
 
-    import swiftkv_core  # noqa: F401  (registers the SwiftKV configs with transformers' AutoConfig)
     from vllm import ModelRegistry
+
+    import swiftkv_core  # noqa: F401  (registers the SwiftKV configs with transformers' AutoConfig)
 
     from .engine_config import register_engine_config_hooks
 

@@ -1,0 +1,205 @@
+"""Serving benchmark: the base model in stock vLLM vs its SwiftKV version (l = L/2) through the swiftkv_serve plugin.
+
+Same run, same prompts, same engine settings. For each workload (prompt tokens / output tokens) a burst of
+requests is submitted at once to vLLM's async engine (the engine behind ``vllm serve``), streaming, and we
+measure per request the time to first token (TTFT) and time per output token after the first (TPOT), and the
+combined throughput (prompt + output tokens / wall time of the burst). Each model runs in its own process.
+
+    flock /tmp/swiftkv-heavy.lock .venv/bin/python benchmarks/serve.py            # default model, l=15, CPU
+
+Writes ``benchmarks/results/serve.{json,png,md}``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+RESULTS = Path(__file__).parent / "results"
+WORKLOADS = {"2000/200": (2000, 200), "500/500": (500, 500)}
+
+
+def make_prompts(num_requests: int, prompt_len: int, vocab_low: int = 100, vocab_high: int = 49000, seed: int = 0):
+    rng = random.Random(seed + prompt_len)
+    return [[rng.randrange(vocab_low, vocab_high) for _ in range(prompt_len)] for _ in range(num_requests)]
+
+
+async def _burst(engine, prompts, max_tokens: int) -> dict:
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+
+    async def one(i: int, prompt: list[int]) -> dict:
+        start = time.perf_counter()
+        first = None
+        n_out = 0
+        async for out in engine.generate(TokensPrompt(prompt_token_ids=prompt), params, request_id=f"r{i}-{start}"):
+            n_out = len(out.outputs[0].token_ids)
+            if first is None and n_out:
+                first = time.perf_counter()
+        end = time.perf_counter()
+        return {"ttft": first - start, "tpot": (end - first) / max(n_out - 1, 1), "n_in": len(prompt), "n_out": n_out}
+
+    start = time.perf_counter()
+    per_request = await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts)))
+    wall = time.perf_counter() - start
+    tokens = sum(r["n_in"] + r["n_out"] for r in per_request)
+    return {
+        "num_requests": len(prompts), "wall_s": wall, "combined_tok_s": tokens / wall,
+        "output_tok_s": sum(r["n_out"] for r in per_request) / wall,
+        "ttft_mean_s": statistics.mean(r["ttft"] for r in per_request),
+        "ttft_median_s": statistics.median(r["ttft"] for r in per_request),
+        "tpot_mean_s": statistics.mean(r["tpot"] for r in per_request),
+        "tpot_median_s": statistics.median(r["tpot"] for r in per_request),
+    }
+
+
+def run_one(model: str, num_requests: int, max_num_seqs: int, enforce_eager: bool) -> dict:
+    """Runs in a child process: one engine, every workload, a short warm-up first."""
+    from vllm import AsyncEngineArgs
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    args = AsyncEngineArgs(model=model, dtype="float32", enforce_eager=enforce_eager, max_model_len=2304,
+                           max_num_seqs=max_num_seqs, max_num_batched_tokens=2048, enable_prefix_caching=False,
+                           seed=0)
+    start = time.perf_counter()
+    engine = AsyncLLM.from_engine_args(args)
+    startup = time.perf_counter() - start
+    config = engine.vllm_config
+    results = {"startup_s": startup, "kv_cache_tokens": config.cache_config.kv_cache_size_tokens
+               if hasattr(config.cache_config, "kv_cache_size_tokens") else None,
+               "kv_sharing_fast_prefill": config.cache_config.kv_sharing_fast_prefill, "workloads": {}}
+
+    async def main():
+        await _burst(engine, make_prompts(2, 64, seed=99), 4)  # warm-up
+        for name, (prompt_len, out_len) in WORKLOADS.items():
+            results["workloads"][name] = await _burst(engine, make_prompts(num_requests, prompt_len), out_len)
+
+    try:
+        asyncio.run(main())
+    finally:
+        engine.shutdown()
+    return results
+
+
+def prepare_swiftkv(base: Path, num_key_value_layers: int, out_dir: Path) -> Path:
+    from transformers import AutoTokenizer
+
+    from swiftkv_core.convert import convert, export_for_serving
+
+    if not (out_dir / "config.json").is_file():
+        export_for_serving(convert(base, num_key_value_layers), out_dir, tokenizer=AutoTokenizer.from_pretrained(base))
+    return out_dir
+
+
+def plot(results: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    metrics = [("combined_tok_s", "combined throughput (tok/s), higher is better"),
+               ("ttft_mean_s", "mean TTFT (s), lower is better"), ("tpot_mean_s", "mean TPOT (s), lower is better")]
+    workloads = list(WORKLOADS)
+    fig, axes = plt.subplots(1, len(metrics), figsize=(15, 4))
+    for ax, (key, title) in zip(axes, metrics, strict=True):
+        width = 0.38
+        for k, (label, run) in enumerate(results["runs"].items()):
+            values = [run["workloads"][w][key] for w in workloads]
+            bars = ax.bar([i + (k - 0.5) * width for i in range(len(workloads))], values, width, label=label)
+            ax.bar_label(bars, fmt="%.3g", fontsize=8)
+        ax.set_xticks(range(len(workloads)), [f"{w} (prompt/output)" for w in workloads])
+        ax.set_title(title, fontsize=10)
+    axes[0].legend(fontsize=8)
+    fig.suptitle(f"vLLM {results['vllm_version']} on {results['device']}: {results['model']} stock vs SwiftKV "
+                 f"(l={results['num_key_value_layers']}), {results['num_requests']} requests per burst", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="default", help="base HF checkpoint (default: SmolLM2-135M-Instruct)")
+    parser.add_argument("--num-key-value-layers", type=int, default=None, help="l (default: num_hidden_layers / 2)")
+    parser.add_argument("--num-requests", type=int, default=8, help="requests per workload burst")
+    parser.add_argument("--max-num-seqs", type=int, default=8)
+    parser.add_argument("--compile", action="store_true", help="torch.compile (default: eager, both models)")
+    parser.add_argument("--out", type=Path, default=RESULTS / "serve")
+    parser.add_argument("--run-one", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+
+    if args.run_one:  # child process
+        print("RESULT " + json.dumps(run_one(args.run_one, args.num_requests, args.max_num_seqs, not args.compile)))
+        return
+
+    from transformers import AutoConfig
+
+    from swiftkv_core.generation import resolve_model_path
+
+    base = resolve_model_path(args.model)
+    num_layers = AutoConfig.from_pretrained(base).num_hidden_layers
+    l = args.num_key_value_layers or num_layers // 2
+    swiftkv = prepare_swiftkv(base, l, Path.home() / ".cache" / "swiftkv" / "bench" / f"{base.name}-swiftkv-l{l}")
+
+    import vllm
+
+    runs = {}
+    for label, path in (("stock vLLM (base)", base), (f"SwiftKV l={l}", swiftkv)):
+        print(f"== {label}: {path}", flush=True)
+        command = [sys.executable, __file__, "--run-one", str(path), "--num-requests", str(args.num_requests),
+                   "--max-num-seqs", str(args.max_num_seqs)] + (["--compile"] if args.compile else [])
+        proc = subprocess.run(command, capture_output=True, text=True, env={**os.environ})
+        lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+        if proc.returncode or not lines:
+            sys.stderr.write(proc.stderr[-5000:])
+            raise SystemExit(f"benchmark of {label} failed (exit {proc.returncode})")
+        runs[label] = json.loads(lines[-1][len("RESULT "):])
+
+    (stock, stock_run), (swift, swift_run) = runs.items()
+    ratios = {}
+    for w in WORKLOADS:
+        a, b = stock_run["workloads"][w], swift_run["workloads"][w]
+        ratios[w] = {"combined_throughput_x": b["combined_tok_s"] / a["combined_tok_s"],
+                     "ttft_lower_x": a["ttft_mean_s"] / b["ttft_mean_s"],
+                     "tpot_lower_x": a["tpot_mean_s"] / b["tpot_mean_s"]}
+    command = " ".join(["flock /tmp/swiftkv-heavy.lock .venv/bin/python benchmarks/serve.py", *sys.argv[1:]])
+    results = {"model": base.name, "num_hidden_layers": num_layers, "num_key_value_layers": l,
+               "vllm_version": vllm.__version__, "device": f"CPU ({os.cpu_count()} cores), fp32",
+               "enforce_eager": not args.compile, "num_requests": args.num_requests,
+               "max_num_seqs": args.max_num_seqs, "workloads": {w: {"prompt_tokens": p, "output_tokens": o}
+                                                                for w, (p, o) in WORKLOADS.items()},
+               "runs": runs, "ratios_swiftkv_over_stock": ratios, "command": command}
+
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.with_suffix(".json").write_text(json.dumps(results, indent=2))
+    plot(results, args.out.with_suffix(".png"))
+    lines = [f"# Serving benchmark: {base.name} in stock vLLM vs SwiftKV (l={l} of {num_layers})", "",
+             f"vLLM {vllm.__version__}, {results['device']}, eager={not args.compile}, bursts of "
+             f"{args.num_requests} requests (max_num_seqs={args.max_num_seqs}), greedy, ignore_eos.", "",
+             "| workload (prompt/output) | model | combined tok/s | mean TTFT (s) | mean TPOT (ms) |",
+             "|---|---|---|---|---|"]
+    for w in WORKLOADS:
+        for label, run in runs.items():
+            r = run["workloads"][w]
+            lines.append(f"| {w} | {label} | {r['combined_tok_s']:.0f} | {r['ttft_mean_s']:.2f} | "
+                         f"{1000 * r['tpot_mean_s']:.1f} |")
+    lines += ["", "| workload | throughput (SwiftKV / stock) | TTFT (stock / SwiftKV) | TPOT (stock / SwiftKV) |",
+              "|---|---|---|---|"]
+    for w, r in ratios.items():
+        lines.append(f"| {w} | {r['combined_throughput_x']:.2f}x | {r['ttft_lower_x']:.2f}x | {r['tpot_lower_x']:.2f}x |")
+    lines += ["", "Command:", "", f"    {command}", ""]
+    args.out.with_suffix(".md").write_text("\n".join(lines))
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
