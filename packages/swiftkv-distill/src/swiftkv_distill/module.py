@@ -150,6 +150,9 @@ class SwiftKVDistillation(L.LightningModule):
         evaluate_before_training: run the validation metrics once before the first step (the undistilled model)
             and log them as ``before/*``.
         reshard_after_forward: FSDP2 (ModelParallelStrategy only): free gathered layer weights after each forward.
+        schedule_seconds: run the warm-up + cosine schedule over this much wall time (from the first step) instead
+            of over ``max_steps``, for a run with a time budget (pair with ``trainer.max_time``). The schedule then
+            depends on the machine's speed, so a resumed run is no longer bit-identical to an uninterrupted one.
     """
 
     def __init__(self, model: str = "default", num_key_value_layers: int = 15, key_value_group_size: int = 1,
@@ -157,7 +160,7 @@ class SwiftKVDistillation(L.LightningModule):
                  early_exit_weight: float = 1.0, learning_rate: float = 2e-4, weight_decay: float = 0.0,
                  betas: tuple[float, float] = (0.9, 0.999), warmup_fraction: float = 0.05, min_lr_ratio: float = 0.1,
                  logits_chunk_size: int = 512, model_dtype: str = "float32", evaluate_before_training: bool = True,
-                 reshard_after_forward: bool = True):
+                 reshard_after_forward: bool = True, schedule_seconds: float | None = None):
         super().__init__()
         if model_dtype not in _DTYPES:
             raise ValueError(f"model_dtype must be one of {sorted(_DTYPES)}, got {model_dtype!r}.")
@@ -175,6 +178,7 @@ class SwiftKVDistillation(L.LightningModule):
         self.last_val_step = -1
         self._tokens_seen = 0
         self._step_started: float | None = None
+        self._fit_started: float | None = None
 
     # --- model -------------------------------------------------------------------------------------------------
     def configure_model(self) -> None:
@@ -235,6 +239,8 @@ class SwiftKVDistillation(L.LightningModule):
 
     def on_train_batch_start(self, batch, batch_idx) -> None:
         self._step_started = time.perf_counter()
+        if self._fit_started is None:
+            self._fit_started = self._step_started
 
     def on_train_batch_end(self, outputs, batch, batch_idx) -> None:
         if self._step_started is not None:
@@ -248,13 +254,18 @@ class SwiftKVDistillation(L.LightningModule):
         optimizer = torch.optim.AdamW(self.trainable_parameters(), lr=hp.learning_rate, betas=tuple(hp.betas),
                                       weight_decay=hp.weight_decay)
         total = max(1, int(self.trainer.estimated_stepping_batches)) if self._trainer is not None else 1
-        warmup = int(round(total * hp.warmup_fraction))
+        budget = hp.schedule_seconds
 
         def factor(step: int) -> float:
-            if step < warmup:
-                return (step + 1) / (warmup + 1)
-            progress = min(1.0, (step - warmup) / max(1, total - warmup))
-            return hp.min_lr_ratio + (1 - hp.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+            # progress through the run: by steps, or (schedule_seconds) by wall time, whichever is further
+            progress = step / total
+            if budget and self._fit_started is not None:
+                progress = max(progress, (time.perf_counter() - self._fit_started) / budget)
+            progress = min(progress, 1.0)
+            if progress < hp.warmup_fraction:
+                return max(progress / hp.warmup_fraction, 1.0 / (total + 1), 0.01)
+            decay = (progress - hp.warmup_fraction) / max(1e-9, 1 - hp.warmup_fraction)
+            return hp.min_lr_ratio + (1 - hp.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * decay))
 
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
