@@ -24,8 +24,12 @@ import sys
 from swiftkv_distill.cli import main
 
 SUBCOMMANDS = {"fit", "validate", "test", "predict"}
-LAUNCHER_ENV = {"LT_ACCELERATOR": "accelerator", "LT_DEVICES": "devices", "LT_NUM_NODES": "num_nodes",
-                "LT_PRECISION": "precision"}
+LAUNCHER_ENV = {
+    "LT_ACCELERATOR": "accelerator",
+    "LT_DEVICES": "devices",
+    "LT_NUM_NODES": "num_nodes",
+    "LT_PRECISION": "precision",
+}
 
 
 def job_arguments(argv: list[str], environ: dict[str, str]) -> list[str]:

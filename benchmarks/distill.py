@@ -30,15 +30,16 @@ def _batches(tokenizer, steps: int, batch_size: int, seq_len: int):
 
     records = [json.loads(line) for line in prepare("brown_train").open()][:4000]
     rows = pack([encode_record(r, tokenizer) for r in records], seq_len)
-    return [collate(rows[i * batch_size:(i + 1) * batch_size], 0, seq_len) for i in range(steps)]
+    return [collate(rows[i * batch_size : (i + 1) * batch_size], 0, seq_len) for i in range(steps)]
 
 
 def run_one(setup: str, steps: int, warmup: int, batch_size: int, seq_len: int, l: int) -> dict:
     import torch
     import torch.nn.functional as F
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
     from swiftkv_core.convert import convert
     from swiftkv_core.default_model import default_model_path
-    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     torch.manual_seed(0)
     path = default_model_path()
@@ -66,8 +67,15 @@ def run_one(setup: str, steps: int, warmup: int, batch_size: int, seq_len: int, 
             with torch.no_grad():
                 t_logits = teacher(**kwargs).logits[mask] / temperature
             s_logits = student(**kwargs).logits[mask] / temperature
-            return F.kl_div(F.log_softmax(s_logits, -1), F.log_softmax(t_logits, -1), log_target=True,
-                            reduction="batchmean") * temperature**2
+            return (
+                F.kl_div(
+                    F.log_softmax(s_logits, -1),
+                    F.log_softmax(t_logits, -1),
+                    log_target=True,
+                    reduction="batchmean",
+                )
+                * temperature**2
+            )
 
     optimizer = torch.optim.AdamW(params, lr=1e-4)
     losses, start = [], None
@@ -81,12 +89,20 @@ def run_one(setup: str, steps: int, warmup: int, batch_size: int, seq_len: int, 
         losses.append(float(loss))
     seconds = time.perf_counter() - start
     tokens = steps * batch_size * seq_len
-    return {"setup": setup, "tokens_per_s": tokens / seconds, "seconds": seconds, "tokens": tokens,
-            "peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, "losses": losses}
+    return {
+        "setup": setup,
+        "tokens_per_s": tokens / seconds,
+        "seconds": seconds,
+        "tokens": tokens,
+        "peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
+        "losses": losses,
+    }
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--batch-size", type=int, default=4)
@@ -100,24 +116,49 @@ def main() -> None:
         return
     results = {}
     for setup in ("ours", "naive"):  # separate processes: separate peak memory
-        out = subprocess.run([sys.executable, __file__, "--one", setup, "--steps", str(args.steps), "--warmup",
-                              str(args.warmup), "--batch-size", str(args.batch_size), "--seq-len", str(args.seq_len),
-                              "--num-key-value-layers", str(args.num_key_value_layers)],
-                             check=True, capture_output=True, text=True)
+        out = subprocess.run(
+            [
+                sys.executable,
+                __file__,
+                "--one",
+                setup,
+                "--steps",
+                str(args.steps),
+                "--warmup",
+                str(args.warmup),
+                "--batch-size",
+                str(args.batch_size),
+                "--seq-len",
+                str(args.seq_len),
+                "--num-key-value-layers",
+                str(args.num_key_value_layers),
+            ],
+            check=True,
+            capture_output=True,
+            text=True,
+        )
         results[setup] = json.loads(out.stdout.strip().splitlines()[-1])
-        print(f"{setup}: {results[setup]['tokens_per_s']:.1f} tokens/s, peak RSS {results[setup]['peak_rss_gib']:.2f} GiB")
+        print(
+            f"{setup}: {results[setup]['tokens_per_s']:.1f} tokens/s, peak RSS {results[setup]['peak_rss_gib']:.2f} GiB"
+        )
     ours, naive = results["ours"], results["naive"]
     summary = {
-        "model": "SmolLM2-135M-Instruct", "num_key_value_layers": args.num_key_value_layers,
-        "batch": f"{args.batch_size} x {args.seq_len} tokens", "steps_timed": args.steps,
+        "model": "SmolLM2-135M-Instruct",
+        "num_key_value_layers": args.num_key_value_layers,
+        "batch": f"{args.batch_size} x {args.seq_len} tokens",
+        "steps_timed": args.steps,
         "speedup_tokens_per_s": ours["tokens_per_s"] / naive["tokens_per_s"],
         "peak_memory_ratio_ours_over_naive": ours["peak_rss_gib"] / naive["peak_rss_gib"],
-        "first_loss_equal": abs(ours["losses"][0] - naive["losses"][0]) < 1e-3 * max(1.0, abs(naive["losses"][0])),
-        "ours": ours, "naive": naive,
+        "first_loss_equal": abs(ours["losses"][0] - naive["losses"][0])
+        < 1e-3 * max(1.0, abs(naive["losses"][0])),
+        "ours": ours,
+        "naive": naive,
         "command": "flock /tmp/swiftkv-heavy.lock .venv/bin/python benchmarks/distill.py",
     }
-    print(f"speed-up {summary['speedup_tokens_per_s']:.2f}x tokens/s; peak memory ours/naive "
-          f"{summary['peak_memory_ratio_ours_over_naive']:.2f}; same first loss: {summary['first_loss_equal']}")
+    print(
+        f"speed-up {summary['speedup_tokens_per_s']:.2f}x tokens/s; peak memory ours/naive "
+        f"{summary['peak_memory_ratio_ours_over_naive']:.2f}; same first loss: {summary['first_loss_equal']}"
+    )
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / "distill-bench.json").write_text(json.dumps(summary, indent=2))
     (RESULTS / "distill-bench.md").write_text(
@@ -129,7 +170,8 @@ def main() -> None:
         f"| naive (teacher + student copies, full logits) | {naive['tokens_per_s']:.1f} | {naive['peak_rss_gib']:.2f} |\n"
         f"| **ratio** | **{summary['speedup_tokens_per_s']:.2f}x** | **{summary['peak_memory_ratio_ours_over_naive']:.2f}x** |\n\n"
         f"Same loss on the first batch: {summary['first_loss_equal']} "
-        f"({ours['losses'][0]:.5f} vs {naive['losses'][0]:.5f}).\n\nCommand: `{summary['command']}`\n")
+        f"({ours['losses'][0]:.5f} vs {naive['losses'][0]:.5f}).\n\nCommand: `{summary['command']}`\n"
+    )
 
 
 if __name__ == "__main__":

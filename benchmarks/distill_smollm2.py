@@ -29,15 +29,26 @@ def main(overrides: list[str]) -> None:
     log_dir = Path(cli.trainer.loggers[0].log_dir)
     summary = json.loads((log_dir / "summary.json").read_text())
     before, after = summary["before"], summary["after"]
-    command = " ".join(["flock /tmp/swiftkv-heavy.lock .venv/bin/python benchmarks/distill_smollm2.py", *overrides])
+    command = " ".join(
+        ["flock /tmp/swiftkv-heavy.lock .venv/bin/python benchmarks/distill_smollm2.py", *overrides]
+    )
     result = {
-        "model": "SmolLM2-135M-Instruct", "num_key_value_layers": 15, "num_hidden_layers": 30,
+        "model": "SmolLM2-135M-Instruct",
+        "num_key_value_layers": 15,
+        "num_hidden_layers": 30,
         "held_out": "Brown corpus: every 5th file of each genre (never trained on), packed 256-token rows",
-        "converted_not_distilled": before, "distilled": after,
+        "converted_not_distilled": before,
+        "distilled": after,
         "kl_reduction_factor": before["kl"] / after["kl"],
-        "wall_seconds_total": wall, "fit_seconds": summary["fit_seconds"], "train_tokens": summary["train_tokens"],
-        "train_tokens_per_s": summary["train_tokens_per_s"], "global_step": summary["global_step"],
-        "hparams": summary["hparams"], "config": CONFIG, "command": command, "log_dir": str(log_dir),
+        "wall_seconds_total": wall,
+        "fit_seconds": summary["fit_seconds"],
+        "train_tokens": summary["train_tokens"],
+        "train_tokens_per_s": summary["train_tokens_per_s"],
+        "global_step": summary["global_step"],
+        "hparams": summary["hparams"],
+        "config": CONFIG,
+        "command": command,
+        "log_dir": str(log_dir),
     }
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / "distill-smollm2.json").write_text(json.dumps(result, indent=2))
@@ -57,7 +68,8 @@ def main(overrides: list[str]) -> None:
         f"{after.get('student_ppl', float('nan')):.1f} | {after.get('teacher_ppl', float('nan')):.1f} |\n\n"
         f"KL reduced {result['kl_reduction_factor']:.2f}x (goal >= 3x: {'met' if goal_kl else 'not met'}); "
         f"agreement {after['agreement']:.1%} (goal >= 80%: {'met' if goal_agree else 'not met'}).\n\n"
-        "Plot: `distill-smollm2.png` (training KL/agreement per step, validation, undistilled baseline dashed).\n")
+        "Plot: `distill-smollm2.png` (training KL/agreement per step, validation, undistilled baseline dashed).\n"
+    )
     print((RESULTS / "distill-smollm2.md").read_text())
 
 

@@ -24,10 +24,19 @@ def tiny_llama(path: Path, layers: int = 4, hidden: int = 64, seed: int = 0) -> 
 
     tokenizer = AutoTokenizer.from_pretrained(default_model_path())
     torch.manual_seed(seed)
-    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=2 * hidden,
-                         num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
-                         max_position_embeddings=256, tie_word_embeddings=True, rms_norm_eps=1e-5,
-                         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        tie_word_embeddings=True,
+        rms_norm_eps=1e-5,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+    )
     model = LlamaForCausalLM(config)
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
@@ -51,7 +60,14 @@ def text_file(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def chat_file(tmp_path_factory) -> Path:
-    records = [{"messages": [{"role": "user", "content": "What is rain?"},
-                             {"role": "assistant", "content": "Water falling from clouds."}]},
-               {"prompt": "Name a colour."}, {"prompt": "Say hi.", "response": "Hi!"}] * 4
+    records = [
+        {
+            "messages": [
+                {"role": "user", "content": "What is rain?"},
+                {"role": "assistant", "content": "Water falling from clouds."},
+            ]
+        },
+        {"prompt": "Name a colour."},
+        {"prompt": "Say hi.", "response": "Hi!"},
+    ] * 4
     return write_jsonl(tmp_path_factory.mktemp("data") / "chat.jsonl", records)

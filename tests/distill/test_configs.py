@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 import yaml
 from lightning.pytorch.strategies import ModelParallelStrategy
+
 from swiftkv_distill.cli import DistillCLI, make_cli
 
 CONFIGS = sorted((Path(__file__).parents[2] / "configs" / "distill").glob("*.yaml"))
@@ -20,8 +21,12 @@ class ParseOnly(DistillCLI):
 
 
 def test_the_four_recipes_exist():
-    assert {p.stem for p in CONFIGS} >= {"smollm2-135m-cpu", "llama-3.1-8b-instruct", "llama-3.1-70b-instruct",
-                                         "qwen2.5-7b-instruct"}
+    assert {p.stem for p in CONFIGS} >= {
+        "smollm2-135m-cpu",
+        "llama-3.1-8b-instruct",
+        "llama-3.1-70b-instruct",
+        "qwen2.5-7b-instruct",
+    }
 
 
 @pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.stem)
@@ -32,7 +37,12 @@ def test_recipe_parses_and_every_option_is_commented(path):
     # every option with a value carries a comment (nested init_args of callbacks/loggers excepted)
     for line in path.read_text().splitlines():
         option = re.match(r"^(\s*)([a-z_]+):\s*(\S.*)?$", line)
-        if option and option.group(3) and option.group(2) not in ("class_path", "init_args") and len(option.group(1)) <= 6:
+        if (
+            option
+            and option.group(3)
+            and option.group(2) not in ("class_path", "init_args")
+            and len(option.group(1)) <= 6
+        ):
             assert "#" in line, f"uncommented option in {path.name}: {line}"
     raw = yaml.safe_load(path.read_text())
     assert "model" not in raw["data"], "data.model is linked from model.model"
@@ -56,17 +66,40 @@ def test_cli_fit_writes_logs_plot_summary_and_exports(tmp_path, tiny_model, text
     from swiftkv_distill.cli import main
 
     out = tmp_path / "run"
-    main(["fit", "--model.model", str(tiny_model), "--model.num_key_value_layers", "2",
-          "--model.early_exit", "true", "--data.train_files", f"[{text_file}]", "--data.max_length", "16",
-          "--data.batch_size", "2", "--trainer.max_steps", "3", "--trainer.enable_progress_bar", "false",
-          "--trainer.logger+=lightning.pytorch.loggers.CSVLogger", f"--trainer.logger.save_dir={out}",
-          "--trainer.logger+=lightning.pytorch.loggers.TensorBoardLogger", f"--trainer.logger.save_dir={out}",
-          "--trainer.callbacks+=swiftkv_distill.callbacks.RunReport",
-          "--trainer.callbacks+=swiftkv_distill.callbacks.ExportHF", f"--trainer.callbacks.dirpath={out}/export",
-          f"--trainer.default_root_dir={out}"])
+    main(
+        [
+            "fit",
+            "--model.model",
+            str(tiny_model),
+            "--model.num_key_value_layers",
+            "2",
+            "--model.early_exit",
+            "true",
+            "--data.train_files",
+            f"[{text_file}]",
+            "--data.max_length",
+            "16",
+            "--data.batch_size",
+            "2",
+            "--trainer.max_steps",
+            "3",
+            "--trainer.enable_progress_bar",
+            "false",
+            "--trainer.logger+=lightning.pytorch.loggers.CSVLogger",
+            f"--trainer.logger.save_dir={out}",
+            "--trainer.logger+=lightning.pytorch.loggers.TensorBoardLogger",
+            f"--trainer.logger.save_dir={out}",
+            "--trainer.callbacks+=swiftkv_distill.callbacks.RunReport",
+            "--trainer.callbacks+=swiftkv_distill.callbacks.ExportHF",
+            f"--trainer.callbacks.dirpath={out}/export",
+            f"--trainer.default_root_dir={out}",
+        ]
+    )
     (log_dir,) = [p.parent for p in out.rglob("metrics.csv")]
     summary = json.loads((log_dir / "summary.json").read_text())
-    assert {"kl", "agreement", "student_ppl", "teacher_ppl", "early_exit_agreement"} <= summary["before"].keys()
+    assert {"kl", "agreement", "student_ppl", "teacher_ppl", "early_exit_agreement"} <= summary[
+        "before"
+    ].keys()
     assert {"kl", "agreement", "early_exit_agreement"} <= summary["after"].keys()
     assert (log_dir / "metrics.png").stat().st_size > 1000
     assert list(out.rglob("events.out.tfevents.*"))

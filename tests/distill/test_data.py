@@ -4,11 +4,11 @@ import json
 
 import pytest
 import torch
-from swiftkv_distill.data import DataError, DistillDataModule, collate, load_records, pack, split_indices
-from swiftkv_distill.module import build_swiftkv_model
+from conftest import write_jsonl
 from transformers import AutoTokenizer
 
-from conftest import write_jsonl
+from swiftkv_distill.data import DataError, DistillDataModule, collate, load_records, pack, split_indices
+from swiftkv_distill.module import build_swiftkv_model
 
 
 def test_pack_and_collate_positions_and_labels():
@@ -30,7 +30,9 @@ def test_packed_sequences_do_not_attend_to_each_other(tiny_model):
         model.swiftkv(swiftkv)
         with torch.no_grad():
             # use_cache=False as in training: with a cache transformers does not look for packed sequences
-            packed = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False).logits[0]
+            packed = model(
+                input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False
+            ).logits[0]
             start = 0
             for seq in seqs:
                 alone = model(input_ids=torch.tensor([seq])).logits[0]
@@ -49,8 +51,9 @@ def test_split_is_deterministic_and_disjoint():
 
 
 def test_formats_and_chat_template(tiny_model, text_file, chat_file):
-    dm = DistillDataModule(str(tiny_model), [str(text_file), str(chat_file)], max_length=64, batch_size=2,
-                           val_fraction=0.2)
+    dm = DistillDataModule(
+        str(tiny_model), [str(text_file), str(chat_file)], max_length=64, batch_size=2, val_fraction=0.2
+    )
     dm.setup()
     tok = AutoTokenizer.from_pretrained(tiny_model)
     text = tok.decode(sum((r["input_ids"] for r in dm.train_rows + dm.val_rows), []))
@@ -68,8 +71,13 @@ def test_data_errors(tmp_path, tiny_model, text_file):
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"text": "fine"}\n{"text": broken\n')
     wrong = write_jsonl(tmp_path / "wrong.jsonl", [{"title": "no usable field"}])
-    for path, message in ((empty, "is empty"), (bad, "could not be read"), (wrong, "expected a 'messages'"),
-                          (tmp_path / "missing.jsonl", "does not exist"), (tmp_path / "x.csv", "does not exist")):
+    for path, message in (
+        (empty, "is empty"),
+        (bad, "could not be read"),
+        (wrong, "expected a 'messages'"),
+        (tmp_path / "missing.jsonl", "does not exist"),
+        (tmp_path / "x.csv", "does not exist"),
+    ):
         with pytest.raises(DataError, match=message):
             load_records([path])
     with pytest.raises(DataError, match="exceeds the model's context"):

@@ -21,18 +21,43 @@ def _config(tmp_path, tiny_model, text_file, name, batch_size, strategy):
     config = {
         "seed_everything": 0,
         "trainer": {
-            "accelerator": "cpu", "max_steps": 4, "limit_val_batches": 0, "num_sanity_val_steps": 0,
-            "log_every_n_steps": 1, "enable_progress_bar": False, "enable_checkpointing": False,
-            "use_distributed_sampler": False, "default_root_dir": str(out), "strategy": strategy,
-            "logger": [{"class_path": "lightning.pytorch.loggers.CSVLogger",
-                        "init_args": {"save_dir": str(out), "name": "logs"}}],
-            "callbacks": [{"class_path": "swiftkv_distill.callbacks.ExportHF",
-                           "init_args": {"dirpath": str(out / "export"), "serving": False}}],
+            "accelerator": "cpu",
+            "max_steps": 4,
+            "limit_val_batches": 0,
+            "num_sanity_val_steps": 0,
+            "log_every_n_steps": 1,
+            "enable_progress_bar": False,
+            "enable_checkpointing": False,
+            "use_distributed_sampler": False,
+            "default_root_dir": str(out),
+            "strategy": strategy,
+            "logger": [
+                {
+                    "class_path": "lightning.pytorch.loggers.CSVLogger",
+                    "init_args": {"save_dir": str(out), "name": "logs"},
+                }
+            ],
+            "callbacks": [
+                {
+                    "class_path": "swiftkv_distill.callbacks.ExportHF",
+                    "init_args": {"dirpath": str(out / "export"), "serving": False},
+                }
+            ],
         },
-        "model": {"model": str(tiny_model), "num_key_value_layers": 2, "learning_rate": 3e-3,
-                  "hidden_loss_weight": 0.5, "evaluate_before_training": False},
-        "data": {"train_files": [str(text_file)], "max_length": 16, "batch_size": batch_size, "val_fraction": 0.1,
-                 "max_train_rows": 16},
+        "model": {
+            "model": str(tiny_model),
+            "num_key_value_layers": 2,
+            "learning_rate": 3e-3,
+            "hidden_loss_weight": 0.5,
+            "evaluate_before_training": False,
+        },
+        "data": {
+            "train_files": [str(text_file)],
+            "max_length": 16,
+            "batch_size": batch_size,
+            "val_fraction": 0.1,
+            "max_train_rows": 16,
+        },
     }
     path = tmp_path / f"{name}.yaml"
     path.write_text(yaml.safe_dump(config))
@@ -53,16 +78,30 @@ def _trained(out):
 @pytest.mark.distributed
 def test_two_process_fsdp2_matches_single_process(tmp_path, tiny_model, text_file):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    fsdp2 = {"class_path": "lightning.pytorch.strategies.ModelParallelStrategy",
-             "init_args": {"data_parallel_size": 2, "tensor_parallel_size": 1}}
+    fsdp2 = {
+        "class_path": "lightning.pytorch.strategies.ModelParallelStrategy",
+        "init_args": {"data_parallel_size": 2, "tensor_parallel_size": 1},
+    }
     single_cfg, single_out = _config(tmp_path, tiny_model, text_file, "single", batch_size=4, strategy="auto")
-    sharded_cfg, sharded_out = _config(tmp_path, tiny_model, text_file, "sharded", batch_size=2, strategy=fsdp2)
+    sharded_cfg, sharded_out = _config(
+        tmp_path, tiny_model, text_file, "sharded", batch_size=2, strategy=fsdp2
+    )
     app = str(ROOT / "apps" / "distill.py")
-    subprocess.run([sys.executable, app, "--config", str(single_cfg), "--trainer.devices", "1"], check=True,
-                   env=env, cwd=tmp_path, timeout=300)
+    subprocess.run(
+        [sys.executable, app, "--config", str(single_cfg), "--trainer.devices", "1"],
+        check=True,
+        env=env,
+        cwd=tmp_path,
+        timeout=300,
+    )
     fabric = shutil.which("fabric", path=str(Path(sys.executable).parent))
-    subprocess.run([fabric, "run", "--accelerator", "cpu", "--devices", "2", app, "--config", str(sharded_cfg)],
-                   check=True, env=env, cwd=tmp_path, timeout=300)
+    subprocess.run(
+        [fabric, "run", "--accelerator", "cpu", "--devices", "2", app, "--config", str(sharded_cfg)],
+        check=True,
+        env=env,
+        cwd=tmp_path,
+        timeout=300,
+    )
 
     single, sharded = _losses(single_out), _losses(sharded_out)
     assert len(single) == len(sharded) == 4

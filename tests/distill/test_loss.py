@@ -3,6 +3,7 @@
 import pytest
 import torch
 import torch.nn.functional as F
+
 from swiftkv_distill.loss import distillation_kl, eval_stats
 
 
@@ -22,7 +23,9 @@ def test_loss_and_gradients_match_hand_computation(temperature, chunk):
     weight = torch.randn(vocab, hidden, dtype=torch.float64, requires_grad=True)
     rows = torch.rand(n, dtype=torch.float64)
 
-    loss, kl_rows, agree = distillation_kl(student, teacher, weight, rows, temperature, chunk, teacher_weight=weight)
+    loss, kl_rows, agree = distillation_kl(
+        student, teacher, weight, rows, temperature, chunk, teacher_weight=weight
+    )
     loss.backward()
     grad_student, grad_weight = student.grad.clone(), weight.grad.clone()
 

@@ -5,6 +5,7 @@ import json
 import lightning as L
 import pytest
 import torch
+
 from swiftkv_core.convert import swiftkv_parameter_names
 from swiftkv_distill import DistillDataModule, SwiftKVDistillation
 from swiftkv_distill.data import collate, pack
@@ -34,7 +35,9 @@ def test_shared_prefix_step_equals_two_full_passes(tiny_model):
 
 
 def test_early_exit_loss_and_hidden_loss_are_added(tiny_model):
-    module = SwiftKVDistillation(str(tiny_model), num_key_value_layers=2, hidden_loss_weight=0.5, early_exit=True)
+    module = SwiftKVDistillation(
+        str(tiny_model), num_key_value_layers=2, hidden_loss_weight=0.5, early_exit=True
+    )
     module.configure_model()
     batch = collate(pack([[5, 17, 300, 42, 9, 8, 7, 6]], max_length=8), 0, 8)
     out = module.step(batch, 1 / 8, 2.0, 0.5, 1.0, chunk_size=3)
@@ -46,16 +49,24 @@ def test_early_exit_loss_and_hidden_loss_are_added(tiny_model):
 
 
 def test_only_swiftkv_parameters_train_and_teacher_is_bit_identical(tiny_model, text_file, tmp_path):
-    module = SwiftKVDistillation(str(tiny_model), num_key_value_layers=2, learning_rate=1e-2,
-                                 evaluate_before_training=False)
+    module = SwiftKVDistillation(
+        str(tiny_model), num_key_value_layers=2, learning_rate=1e-2, evaluate_before_training=False
+    )
     module.configure_model()
     model = module.swiftkv_model
     trainable = {n for n, p in model.named_parameters() if p.requires_grad}
     assert trainable == set(swiftkv_parameter_names(model)) and trainable
     before = {n: p.detach().clone() for n, p in model.state_dict().items()}
     dm = DistillDataModule(str(tiny_model), [str(text_file)], max_length=32, batch_size=2)
-    trainer = L.Trainer(max_steps=4, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                        use_distributed_sampler=False, limit_val_batches=0, default_root_dir=tmp_path)
+    trainer = L.Trainer(
+        max_steps=4,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        use_distributed_sampler=False,
+        limit_val_batches=0,
+        default_root_dir=tmp_path,
+    )
     trainer.fit(module, dm)
     after = model.state_dict()
     for name, value in before.items():
@@ -69,7 +80,9 @@ def test_unknown_family_and_bad_l_fail_before_loading(tmp_path, tiny_model):
     config = json.loads((tiny_model / "config.json").read_text())
     gpt2 = tmp_path / "gpt2"
     gpt2.mkdir()
-    (gpt2 / "config.json").write_text(json.dumps({"model_type": "gpt2", "n_layer": 2, "n_embd": 32, "n_head": 2}))
+    (gpt2 / "config.json").write_text(
+        json.dumps({"model_type": "gpt2", "n_layer": 2, "n_embd": 32, "n_head": 2})
+    )
     with pytest.raises(ValueError, match="Unknown model family model_type='gpt2'"):
         SwiftKVDistillation(str(gpt2), num_key_value_layers=1)
     for l in (0, config["num_hidden_layers"], 99):
@@ -90,12 +103,21 @@ def test_chunked_loss_memory_is_bounded():
 
 
 def test_bf16_mixed_trains(tiny_model, text_file, tmp_path):
-    module = SwiftKVDistillation(str(tiny_model), num_key_value_layers=2, learning_rate=1e-2,
-                                 evaluate_before_training=False)
+    module = SwiftKVDistillation(
+        str(tiny_model), num_key_value_layers=2, learning_rate=1e-2, evaluate_before_training=False
+    )
     dm = DistillDataModule(str(tiny_model), [str(text_file)], max_length=32, batch_size=2)
-    trainer = L.Trainer(max_steps=2, precision="bf16-mixed", logger=False, enable_checkpointing=False,
-                        enable_progress_bar=False, use_distributed_sampler=False, limit_val_batches=1,
-                        num_sanity_val_steps=0, default_root_dir=tmp_path)
+    trainer = L.Trainer(
+        max_steps=2,
+        precision="bf16-mixed",
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        use_distributed_sampler=False,
+        limit_val_batches=1,
+        num_sanity_val_steps=0,
+        default_root_dir=tmp_path,
+    )
     trainer.fit(module, dm)
     assert torch.isfinite(trainer.callback_metrics["train/loss"])
     assert all(p.dtype == torch.float32 for p in module.trainable_parameters())  # fp32 master weights

@@ -3,9 +3,10 @@
 import lightning as L
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
+from transformers import AutoModelForCausalLM
+
 from swiftkv_core.early_exit import EarlyExitHead, generate_with_early_exit
 from swiftkv_distill import DistillDataModule, SwiftKVDistillation, export
-from transformers import AutoModelForCausalLM
 
 
 class Interrupt(L.Callback):
@@ -21,14 +22,28 @@ class Interrupt(L.Callback):
 
 def _run(tiny_model, text_file, root, max_steps, ckpt_path=None, early_exit=False, interrupt_at=None):
     L.seed_everything(0)
-    module = SwiftKVDistillation(str(tiny_model), num_key_value_layers=2, learning_rate=3e-3, warmup_fraction=0.2,
-                                 hidden_loss_weight=0.5, early_exit=early_exit, evaluate_before_training=False)
+    module = SwiftKVDistillation(
+        str(tiny_model),
+        num_key_value_layers=2,
+        learning_rate=3e-3,
+        warmup_fraction=0.2,
+        hidden_loss_weight=0.5,
+        early_exit=early_exit,
+        evaluate_before_training=False,
+    )
     dm = DistillDataModule(str(tiny_model), [str(text_file)], max_length=16, batch_size=2, val_fraction=0.1)
     checkpoint = ModelCheckpoint(dirpath=root / "ckpt", save_last=True, every_n_train_steps=1, save_top_k=0)
     callbacks = [checkpoint] + ([Interrupt(interrupt_at)] if interrupt_at else [])
-    trainer = L.Trainer(max_steps=max_steps, logger=False, callbacks=callbacks, enable_progress_bar=False,
-                        use_distributed_sampler=False, limit_val_batches=0, default_root_dir=root,
-                        enable_model_summary=False)
+    trainer = L.Trainer(
+        max_steps=max_steps,
+        logger=False,
+        callbacks=callbacks,
+        enable_progress_bar=False,
+        use_distributed_sampler=False,
+        limit_val_batches=0,
+        default_root_dir=root,
+        enable_model_summary=False,
+    )
     trainer.fit(module, dm, ckpt_path=ckpt_path)
     return module, trainer
 
@@ -74,7 +89,9 @@ def test_export_round_trip(tiny_model, text_file, tmp_path):
     # the early-exit head travels with the checkpoint and drives early-exit decoding
     head = EarlyExitHead.load(full)
     torch.testing.assert_close(head.lm_head.weight, module.step.early_exit_head.lm_head.weight)
-    always, exited = generate_with_early_exit(loaded.swiftkv(True), head, ids, max_new_tokens=5, threshold=0.0)
+    always, exited = generate_with_early_exit(
+        loaded.swiftkv(True), head, ids, max_new_tokens=5, threshold=0.0
+    )
     assert exited == 4 and always.shape == (1, 13)
     never, exited = generate_with_early_exit(loaded, head, ids, max_new_tokens=5, threshold=1.01)
     greedy = loaded.generate(ids, max_new_tokens=5, do_sample=False)

@@ -3,4 +3,11 @@
 from .data import DataError, DistillDataModule
 from .module import DistillationStep, SwiftKVDistillation, build_swiftkv_model, export
 
-__all__ = ["DataError", "DistillDataModule", "DistillationStep", "SwiftKVDistillation", "build_swiftkv_model", "export"]
+__all__ = [
+    "DataError",
+    "DistillDataModule",
+    "DistillationStep",
+    "SwiftKVDistillation",
+    "build_swiftkv_model",
+    "export",
+]

@@ -39,14 +39,22 @@ class RunReport(L.Callback):
         folder = _log_dir(trainer)
         folder.mkdir(parents=True, exist_ok=True)
         after = dict(getattr(pl_module, "last_val_metrics", {})) or {
-            k.removeprefix("val/"): float(v) for k, v in trainer.callback_metrics.items() if k.startswith("val/")}
+            k.removeprefix("val/"): float(v)
+            for k, v in trainer.callback_metrics.items()
+            if k.startswith("val/")
+        }
         seconds = time.perf_counter() - self._start if self._start else None
         tokens = getattr(pl_module, "_tokens_seen", None)
         summary = {
-            "before": getattr(pl_module, "before_metrics", {}), "after": after, "global_step": trainer.global_step,
-            "train_tokens": tokens, "fit_seconds": seconds,
+            "before": getattr(pl_module, "before_metrics", {}),
+            "after": after,
+            "global_step": trainer.global_step,
+            "train_tokens": tokens,
+            "fit_seconds": seconds,
             "train_tokens_per_s": tokens / seconds if tokens and seconds else None,
-            "hparams": {k: v for k, v in dict(pl_module.hparams).items() if isinstance(v, (int, float, str, bool))},
+            "hparams": {
+                k: v for k, v in dict(pl_module.hparams).items() if isinstance(v, (int, float, str, bool))
+            },
         }
         (folder / "summary.json").write_text(json.dumps(summary, indent=2))
         if self.plot and (folder / "metrics.csv").is_file():
@@ -67,8 +75,10 @@ def plot_metrics(csv_path: Path, png_path: Path, before: dict | None = None) -> 
             for key, value in row.items():
                 if key != "step" and value not in (None, ""):
                     series.setdefault(key, []).append((step, float(value)))
-    panels = [("train/loss", "val/kl", "KL to teacher (nats)", "before/kl"),
-              ("train/agreement", "val/agreement", "top-1 agreement", "before/agreement")]
+    panels = [
+        ("train/loss", "val/kl", "KL to teacher (nats)", "before/kl"),
+        ("train/agreement", "val/agreement", "top-1 agreement", "before/agreement"),
+    ]
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     for ax, (train_key, val_key, title, before_key) in zip(axes, panels, strict=True):
         for key, style in ((train_key, "-"), (val_key, "o-")):
@@ -76,7 +86,10 @@ def plot_metrics(csv_path: Path, png_path: Path, before: dict | None = None) -> 
                 xs, ys = zip(*series[key], strict=True)
                 if style == "-" and len(ys) > 20:  # smooth the noisy per-step curve
                     k = max(1, len(ys) // 20)
-                    ys = [sum(ys[max(0, i - k):i + 1]) / len(ys[max(0, i - k):i + 1]) for i in range(len(ys))]
+                    ys = [
+                        sum(ys[max(0, i - k) : i + 1]) / len(ys[max(0, i - k) : i + 1])
+                        for i in range(len(ys))
+                    ]
                 ax.plot(xs, ys, style, label=key)
         name = before_key.split("/")[1]
         if before and name in before and not math.isnan(before[name]):

@@ -21,8 +21,15 @@ class DistillCLI(LightningCLI):
 
 
 def make_cli(args=None, run: bool = True, cli_class: type[LightningCLI] = DistillCLI) -> LightningCLI:
-    return cli_class(SwiftKVDistillation, DistillDataModule, trainer_defaults=TRAINER_DEFAULTS, args=args, run=run,
-                     save_config_kwargs={"overwrite": True}, seed_everything_default=0)
+    return cli_class(
+        SwiftKVDistillation,
+        DistillDataModule,
+        trainer_defaults=TRAINER_DEFAULTS,
+        args=args,
+        run=run,
+        save_config_kwargs={"overwrite": True},
+        seed_everything_default=0,
+    )
 
 
 def main(args=None) -> None:

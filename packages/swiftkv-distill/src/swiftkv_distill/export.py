@@ -10,8 +10,9 @@ from pathlib import Path
 from swiftkv_core.convert import export_for_serving, save_checkpoint
 
 
-def write_checkpoint(model, out_dir: str | os.PathLike, tokenizer=None, serving: bool = False,
-                     early_exit_head=None) -> Path:
+def write_checkpoint(
+    model, out_dir: str | os.PathLike, tokenizer=None, serving: bool = False, early_exit_head=None
+) -> Path:
     """Write ``model`` (+ tokenizer, + ``early_exit_head``) to ``out_dir``: everything is written into a temporary
     folder beside it and renamed into place at the end, so a failure leaves an earlier export intact."""
     out_dir = Path(out_dir)

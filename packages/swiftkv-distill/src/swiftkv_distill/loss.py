@@ -33,8 +33,16 @@ class ChunkedDistillationKL(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, student_hidden: Tensor, teacher_hidden: Tensor, head_weight: Tensor, row_weight: Tensor,
-                temperature: float, chunk_size: int, teacher_weight: Tensor | None):
+    def forward(
+        ctx,
+        student_hidden: Tensor,
+        teacher_hidden: Tensor,
+        head_weight: Tensor,
+        row_weight: Tensor,
+        temperature: float,
+        chunk_size: int,
+        teacher_weight: Tensor | None,
+    ):
         with torch.autocast(device_type=student_hidden.device.type, enabled=False):
             weight = head_weight.detach().float()
             t_weight = weight if teacher_weight is None else teacher_weight.detach().float()
@@ -80,14 +88,27 @@ class ChunkedDistillationKL(torch.autograd.Function):
         return grad_hidden, None, grad_weight, None, None, None, None
 
 
-def distillation_kl(student_hidden: Tensor, teacher_hidden: Tensor, head_weight: Tensor, row_weight: Tensor,
-                    temperature: float = 2.0, chunk_size: int = 512,
-                    teacher_weight: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
+def distillation_kl(
+    student_hidden: Tensor,
+    teacher_hidden: Tensor,
+    head_weight: Tensor,
+    row_weight: Tensor,
+    temperature: float = 2.0,
+    chunk_size: int = 512,
+    teacher_weight: Tensor | None = None,
+) -> tuple[Tensor, Tensor, Tensor]:
     """``(weighted T^2-scaled KL sum, per-row KL at T, per-row top-1 agreement)``; see ``ChunkedDistillationKL``."""
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
-    return ChunkedDistillationKL.apply(student_hidden, teacher_hidden, head_weight, row_weight, float(temperature),
-                                       int(chunk_size), teacher_weight)
+    return ChunkedDistillationKL.apply(
+        student_hidden,
+        teacher_hidden,
+        head_weight,
+        row_weight,
+        float(temperature),
+        int(chunk_size),
+        teacher_weight,
+    )
 
 
 @dataclass
@@ -101,8 +122,9 @@ class EvalStats:
 
 
 @torch.no_grad()
-def eval_stats(student_hidden: Tensor, teacher_hidden: Tensor, head_weight: Tensor, labels: Tensor,
-               chunk_size: int = 512) -> EvalStats:
+def eval_stats(
+    student_hidden: Tensor, teacher_hidden: Tensor, head_weight: Tensor, labels: Tensor, chunk_size: int = 512
+) -> EvalStats:
     """KL, top-1 agreement and both next-token NLLs at T=1, chunked over positions like the loss."""
     weight = head_weight.float()
     n = student_hidden.shape[0]

@@ -21,10 +21,11 @@ from pathlib import Path
 
 import lightning as L
 import torch
-from swiftkv_core.convert import FAMILIES, SWIFTKV_FAMILIES, convert
-from swiftkv_core.early_exit import EarlyExitHead
 from torch import nn
 from torchmetrics import MeanMetric
+
+from swiftkv_core.convert import FAMILIES, SWIFTKV_FAMILIES, convert
+from swiftkv_core.early_exit import EarlyExitHead
 
 from .loss import distillation_kl, eval_stats
 
@@ -33,34 +34,44 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 
 def check_model_config(model: str, num_key_value_layers: int, key_value_group_size: int = 1):
     """The model's HF config, after checking family and ``l`` (cheap: reads config.json only)."""
-    from swiftkv_core.generation import resolve_model_path
     from transformers import AutoConfig
 
     import swiftkv_core  # noqa: F401  (registers the SwiftKV configs)
+    from swiftkv_core.generation import resolve_model_path
 
     path = resolve_model_path(model)
     config = AutoConfig.from_pretrained(path)
     if config.model_type not in FAMILIES and config.model_type not in SWIFTKV_FAMILIES:
-        raise ValueError(f"Unknown model family model_type={config.model_type!r} in {path}: swiftkv-distill "
-                         f"supports {sorted(FAMILIES)} (and their SwiftKV checkpoints).")
+        raise ValueError(
+            f"Unknown model family model_type={config.model_type!r} in {path}: swiftkv-distill "
+            f"supports {sorted(FAMILIES)} (and their SwiftKV checkpoints)."
+        )
     layers = config.num_hidden_layers
     if not 1 <= num_key_value_layers < layers:
-        raise ValueError(f"num_key_value_layers={num_key_value_layers} is out of range for {path}: it must be in "
-                         f"[1, {layers - 1}] (the model has {layers} layers; l={layers} would skip nothing).")
+        raise ValueError(
+            f"num_key_value_layers={num_key_value_layers} is out of range for {path}: it must be in "
+            f"[1, {layers - 1}] (the model has {layers} layers; l={layers} would skip nothing)."
+        )
     if key_value_group_size < 1 or (layers - num_key_value_layers) % key_value_group_size:
-        raise ValueError(f"key_value_group_size={key_value_group_size} must divide the {layers - num_key_value_layers} "
-                         f"layers >= l={num_key_value_layers}.")
+        raise ValueError(
+            f"key_value_group_size={key_value_group_size} must divide the {layers - num_key_value_layers} "
+            f"layers >= l={num_key_value_layers}."
+        )
     if config.model_type in SWIFTKV_FAMILIES and (
-        config.num_key_value_layers != num_key_value_layers or config.key_value_group_size != key_value_group_size
+        config.num_key_value_layers != num_key_value_layers
+        or config.key_value_group_size != key_value_group_size
     ):
-        raise ValueError(f"{path} is a SwiftKV checkpoint with num_key_value_layers={config.num_key_value_layers}, "
-                         f"key_value_group_size={config.key_value_group_size}; the run asks for "
-                         f"{num_key_value_layers}, {key_value_group_size}.")
+        raise ValueError(
+            f"{path} is a SwiftKV checkpoint with num_key_value_layers={config.num_key_value_layers}, "
+            f"key_value_group_size={config.key_value_group_size}; the run asks for "
+            f"{num_key_value_layers}, {key_value_group_size}."
+        )
     return path, config
 
 
-def build_swiftkv_model(model: str, num_key_value_layers: int, key_value_group_size: int = 1,
-                        dtype: torch.dtype = torch.float32):
+def build_swiftkv_model(
+    model: str, num_key_value_layers: int, key_value_group_size: int = 1, dtype: torch.dtype = torch.float32
+):
     """A SwiftKV model ready to distil: converted from a base checkpoint, or a SwiftKV checkpoint loaded as is."""
     from transformers import AutoModelForCausalLM
 
@@ -82,37 +93,61 @@ class DistillationStep(nn.Module):
         self.model = model
         self.early_exit_head = early_exit_head
 
-    def forward(self, batch: dict, row_scale: float | torch.Tensor, temperature: float, hidden_loss_weight: float,
-                early_exit_weight: float, chunk_size: int, evaluate: bool = False) -> dict:
+    def forward(
+        self,
+        batch: dict,
+        row_scale: float | torch.Tensor,
+        temperature: float,
+        hidden_loss_weight: float,
+        early_exit_weight: float,
+        chunk_size: int,
+        evaluate: bool = False,
+    ) -> dict:
         inner, head_weight = self.model.model, self.model.lm_head.weight
         mask = batch["loss_mask"]
         with torch.no_grad():
-            hidden, context = inner.forward_prefix(input_ids=batch["input_ids"], position_ids=batch["position_ids"],
-                                                   attention_mask=None, use_cache=False)
-            teacher, teacher_last_input = inner.forward_suffix(hidden, context, swiftkv=False,
-                                                               return_last_layer_input=True)
+            hidden, context = inner.forward_prefix(
+                input_ids=batch["input_ids"],
+                position_ids=batch["position_ids"],
+                attention_mask=None,
+                use_cache=False,
+            )
+            teacher, teacher_last_input = inner.forward_suffix(
+                hidden, context, swiftkv=False, return_last_layer_input=True
+            )
             teacher = inner.norm(teacher)[mask]
         with torch.set_grad_enabled(torch.is_grad_enabled() and not evaluate):
-            student, student_last_input = inner.forward_suffix(hidden, context, swiftkv=True,
-                                                               return_last_layer_input=True)
+            student, student_last_input = inner.forward_suffix(
+                hidden, context, swiftkv=True, return_last_layer_input=True
+            )
             student = inner.norm(student)[mask]
             early = self.early_exit_head.norm(hidden[mask]) if self.early_exit_head is not None else None
         out: dict = {"tokens": mask.sum()}
         if evaluate:
             out["stats"] = eval_stats(student, teacher, head_weight, batch["labels"][mask], chunk_size)
             if early is not None:
-                out["early_agree"] = _top1_agreement(early, self.early_exit_head.lm_head.weight, teacher, head_weight,
-                                                     chunk_size)
+                out["early_agree"] = _top1_agreement(
+                    early, self.early_exit_head.lm_head.weight, teacher, head_weight, chunk_size
+                )
             return out
         rows = torch.full((student.shape[0],), 1.0, device=student.device) * row_scale
         kl_sum, kl_rows, agree = distillation_kl(student, teacher, head_weight, rows, temperature, chunk_size)
         diff = (student_last_input - teacher_last_input)[mask].float()
         mse_rows = diff.pow(2).mean(-1)
         loss = kl_sum + hidden_loss_weight * (mse_rows * rows).sum() if hidden_loss_weight else kl_sum
-        out.update(kl=kl_rows.detach().mean(), agreement=agree.float().mean(), hidden_mse=mse_rows.detach().mean())
+        out.update(
+            kl=kl_rows.detach().mean(), agreement=agree.float().mean(), hidden_mse=mse_rows.detach().mean()
+        )
         if early is not None:
-            early_sum, early_kl, early_agree = distillation_kl(early, teacher, self.early_exit_head.lm_head.weight,
-                                                               rows, temperature, chunk_size, teacher_weight=head_weight)
+            early_sum, early_kl, early_agree = distillation_kl(
+                early,
+                teacher,
+                self.early_exit_head.lm_head.weight,
+                rows,
+                temperature,
+                chunk_size,
+                teacher_weight=head_weight,
+            )
             loss = loss + early_exit_weight * early_sum
             out.update(early_kl=early_kl.mean(), early_agreement=early_agree.float().mean())
         out["loss"] = loss
@@ -155,12 +190,26 @@ class SwiftKVDistillation(L.LightningModule):
             depends on the machine's speed, so a resumed run is no longer bit-identical to an uninterrupted one.
     """
 
-    def __init__(self, model: str = "default", num_key_value_layers: int = 15, key_value_group_size: int = 1,
-                 temperature: float = 2.0, hidden_loss_weight: float = 0.0, early_exit: bool = False,
-                 early_exit_weight: float = 1.0, learning_rate: float = 2e-4, weight_decay: float = 0.0,
-                 betas: tuple[float, float] = (0.9, 0.999), warmup_fraction: float = 0.05, min_lr_ratio: float = 0.1,
-                 logits_chunk_size: int = 512, model_dtype: str = "float32", evaluate_before_training: bool = True,
-                 reshard_after_forward: bool = True, schedule_seconds: float | None = None):
+    def __init__(
+        self,
+        model: str = "default",
+        num_key_value_layers: int = 15,
+        key_value_group_size: int = 1,
+        temperature: float = 2.0,
+        hidden_loss_weight: float = 0.0,
+        early_exit: bool = False,
+        early_exit_weight: float = 1.0,
+        learning_rate: float = 2e-4,
+        weight_decay: float = 0.0,
+        betas: tuple[float, float] = (0.9, 0.999),
+        warmup_fraction: float = 0.05,
+        min_lr_ratio: float = 0.1,
+        logits_chunk_size: int = 512,
+        model_dtype: str = "float32",
+        evaluate_before_training: bool = True,
+        reshard_after_forward: bool = True,
+        schedule_seconds: float | None = None,
+    ):
         super().__init__()
         if model_dtype not in _DTYPES:
             raise ValueError(f"model_dtype must be one of {sorted(_DTYPES)}, got {model_dtype!r}.")
@@ -168,11 +217,19 @@ class SwiftKVDistillation(L.LightningModule):
             raise ValueError(f"temperature must be > 0, got {temperature}.")
         self.save_hyperparameters()
         # Fails here, before any weight is loaded, for an unknown family or an l out of range.
-        self.model_path, self.model_config = check_model_config(model, num_key_value_layers, key_value_group_size)
+        self.model_path, self.model_config = check_model_config(
+            model, num_key_value_layers, key_value_group_size
+        )
         self.step: DistillationStep | None = None
-        self.strict_loading = False  # Lightning checkpoints hold the trainable weights only (see on_save_checkpoint)
-        self.val_metrics = nn.ModuleDict({name: MeanMetric() for name in
-                                          ("kl", "agreement", "student_nll", "teacher_nll", "early_exit_agreement")})
+        self.strict_loading = (
+            False  # Lightning checkpoints hold the trainable weights only (see on_save_checkpoint)
+        )
+        self.val_metrics = nn.ModuleDict(
+            {
+                name: MeanMetric()
+                for name in ("kl", "agreement", "student_nll", "teacher_nll", "early_exit_agreement")
+            }
+        )
         self.before_metrics: dict[str, float] = {}
         self.last_val_metrics: dict[str, float] = {}
         self.last_val_step = -1
@@ -185,12 +242,16 @@ class SwiftKVDistillation(L.LightningModule):
         if self.step is not None:
             return
         hp = self.hparams
-        model = build_swiftkv_model(hp.model, hp.num_key_value_layers, hp.key_value_group_size, _DTYPES[hp.model_dtype])
+        model = build_swiftkv_model(
+            hp.model, hp.num_key_value_layers, hp.key_value_group_size, _DTYPES[hp.model_dtype]
+        )
         model.train()  # dropout is 0 in these families; train() only matters for the module flags
         head = EarlyExitHead.from_model(model) if hp.early_exit else None
         self.step = DistillationStep(model, head)
         mesh = self.device_mesh
-        if mesh is not None:  # ModelParallelStrategy: shard with FSDP2, one unit per decoder layer plus the root
+        if (
+            mesh is not None
+        ):  # ModelParallelStrategy: shard with FSDP2, one unit per decoder layer plus the root
             from torch.distributed.fsdp import fully_shard
 
             data_parallel = mesh["data_parallel"]
@@ -224,11 +285,19 @@ class SwiftKVDistillation(L.LightningModule):
         # single-process gradient of the same global batch.
         local = batch["loss_mask"].sum()
         row_scale = world / self._global_tokens(local).clamp(min=1)
-        out = self.step(batch, row_scale, hp.temperature, hp.hidden_loss_weight, hp.early_exit_weight,
-                        hp.logits_chunk_size)
+        out = self.step(
+            batch,
+            row_scale,
+            hp.temperature,
+            hp.hidden_loss_weight,
+            hp.early_exit_weight,
+            hp.logits_chunk_size,
+        )
         batch_size = batch["input_ids"].shape[0]
         log = dict(on_step=True, on_epoch=False, batch_size=batch_size)
-        self.log("train/loss", out["loss"].detach() / world, prog_bar=True, sync_dist=True, reduce_fx="sum", **log)
+        self.log(
+            "train/loss", out["loss"].detach() / world, prog_bar=True, sync_dist=True, reduce_fx="sum", **log
+        )
         self.log("train/kl", out["kl"], sync_dist=True, **log)
         self.log("train/agreement", out["agreement"], prog_bar=True, sync_dist=True, **log)
         self.log("train/hidden_mse", out["hidden_mse"], sync_dist=True, **log)
@@ -246,13 +315,19 @@ class SwiftKVDistillation(L.LightningModule):
         if self._step_started is not None:
             seconds = time.perf_counter() - self._step_started
             tokens = batch["input_ids"].numel() * self.trainer.world_size
-            self.log("train/tokens_per_s", tokens / max(seconds, 1e-9), on_step=True, on_epoch=False, batch_size=1)
+            self.log(
+                "train/tokens_per_s", tokens / max(seconds, 1e-9), on_step=True, on_epoch=False, batch_size=1
+            )
         self.log("train/tokens_seen", float(self._tokens_seen), on_step=True, on_epoch=False, batch_size=1)
 
     def configure_optimizers(self):
         hp = self.hparams
-        optimizer = torch.optim.AdamW(self.trainable_parameters(), lr=hp.learning_rate, betas=tuple(hp.betas),
-                                      weight_decay=hp.weight_decay)
+        optimizer = torch.optim.AdamW(
+            self.trainable_parameters(),
+            lr=hp.learning_rate,
+            betas=tuple(hp.betas),
+            weight_decay=hp.weight_decay,
+        )
         total = max(1, int(self.trainer.estimated_stepping_batches)) if self._trainer is not None else 1
         budget = hp.schedule_seconds
 
@@ -273,8 +348,15 @@ class SwiftKVDistillation(L.LightningModule):
     # --- validation --------------------------------------------------------------------------------------------
     def _update_metrics(self, batch: dict) -> None:
         hp = self.hparams
-        out = self.step(batch, 1.0, hp.temperature, hp.hidden_loss_weight, hp.early_exit_weight, hp.logits_chunk_size,
-                        evaluate=True)
+        out = self.step(
+            batch,
+            1.0,
+            hp.temperature,
+            hp.hidden_loss_weight,
+            hp.early_exit_weight,
+            hp.logits_chunk_size,
+            evaluate=True,
+        )
         stats, m = out["stats"], self.val_metrics
         m["kl"].update(stats.kl)
         m["agreement"].update(stats.agree.float())
@@ -346,7 +428,9 @@ class SwiftKVDistillation(L.LightningModule):
         self.last_val_metrics = self.evaluate(loader)
         self.last_val_step = self.global_step
         for logger in self.loggers:
-            logger.log_metrics({f"val/{k}": v for k, v in self.last_val_metrics.items()}, step=self.global_step)
+            logger.log_metrics(
+                {f"val/{k}": v for k, v in self.last_val_metrics.items()}, step=self.global_step
+            )
 
     # --- checkpoints -------------------------------------------------------------------------------------------
     def on_save_checkpoint(self, checkpoint: dict) -> None:
@@ -376,7 +460,9 @@ def trained_state_dict(module: SwiftKVDistillation) -> dict[str, torch.Tensor]:
     return {k: v.detach().cpu() for k, v in state.items() if _is_trained_name("step." + k)}
 
 
-def export(module: SwiftKVDistillation, out_dir: str | Path, serving: bool = False, tokenizer=None) -> Path | None:
+def export(
+    module: SwiftKVDistillation, out_dir: str | Path, serving: bool = False, tokenizer=None
+) -> Path | None:
     """Write the distilled model as a HF SwiftKV checkpoint (full, or the smaller serving export) atomically.
 
     The early-exit head, when trained, is written beside it (``early_exit_head.safetensors``). Under FSDP every
@@ -388,8 +474,12 @@ def export(module: SwiftKVDistillation, out_dir: str | Path, serving: bool = Fal
     if module.trainer is not None and module._trainer is not None and not module.trainer.is_global_zero:
         return None
     hp = module.hparams
-    if module.device_mesh is not None:  # the in-memory model is sharded: rebuild a plain one, load what trained
-        model = build_swiftkv_model(hp.model, hp.num_key_value_layers, hp.key_value_group_size, _DTYPES[hp.model_dtype])
+    if (
+        module.device_mesh is not None
+    ):  # the in-memory model is sharded: rebuild a plain one, load what trained
+        model = build_swiftkv_model(
+            hp.model, hp.num_key_value_layers, hp.key_value_group_size, _DTYPES[hp.model_dtype]
+        )
         head = EarlyExitHead.from_model(model) if hp.early_exit else None
         DistillationStep(model, head).load_state_dict(state, strict=False)
     else:
