@@ -17,15 +17,21 @@ def smollm2_path() -> Path:
     return default_model_path()
 
 
-def tiny_base(out_dir: Path, seed: int = 0) -> Path:
-    """A tiny random Llama (head_dim 32, the CPU kernels' smallest) with SmolLM2's tokenizer (vocab 49152)."""
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+def tiny_base(out_dir: Path, seed: int = 0, family: str = "llama") -> Path:
+    """A tiny random Llama or Qwen2 (head_dim 32, the CPU kernels' smallest) with SmolLM2's tokenizer."""
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
+    config_cls, model_cls = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM)}[family]
     tokenizer = AutoTokenizer.from_pretrained(smollm2_path())
     torch.manual_seed(seed)
-    config = LlamaConfig(vocab_size=len(tokenizer), bos_token_id=tokenizer.bos_token_id,
-                         eos_token_id=tokenizer.eos_token_id, **TINY)
-    model = LlamaForCausalLM(config).eval()
+    config = config_cls(vocab_size=len(tokenizer), bos_token_id=tokenizer.bos_token_id,
+                        eos_token_id=tokenizer.eos_token_id, **TINY)
+    model = model_cls(config).eval()
+    if family == "qwen2":  # random biases too, so that the q/k/v biases are exercised
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if name.endswith(".bias"):
+                    param.normal_(0, 0.1)
     model.save_pretrained(out_dir)
     tokenizer.save_pretrained(out_dir)
     return out_dir

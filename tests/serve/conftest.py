@@ -85,3 +85,10 @@ def tiny_swiftkv_serving(checkpoints, tiny_llama) -> Path:
 @pytest.fixture(scope="session")
 def smollm2() -> Path:
     return smollm2_path()
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2_swiftkv(checkpoints) -> Path:
+    """A tiny random Qwen2 (q/k/v biases), 8 layers, l=6, AcrossKV g=2."""
+    base = tiny_base(checkpoints / "tiny-qwen2", seed=2, family="qwen2")
+    return swiftkv_checkpoint(base, checkpoints / "tiny-qwen2-swiftkv-l6-g2", 6, 2, noise=0.5, seed=2)

@@ -67,6 +67,13 @@ def test_serving_export_matches_hf(tiny_swiftkv_serving):
     assert got == hf_greedy(tiny_swiftkv_serving, prompts, MAX_TOKENS)
 
 
+def test_qwen2_matches_hf(tiny_qwen2_swiftkv):
+    prompts = random_prompts(seed=4)
+    with vllm_engine(tiny_qwen2_swiftkv) as llm:
+        got = greedy(llm, prompts, MAX_TOKENS)
+    assert got == hf_greedy(tiny_qwen2_swiftkv, prompts, MAX_TOKENS)
+
+
 # --- SmolLM2-135M-Instruct (30 layers), converted at l=15 ---
 SMOLLM2_VARIANTS = {"l30": (30, 1), "l15-g1": (15, 1), "l15-g3": (15, 3)}
 

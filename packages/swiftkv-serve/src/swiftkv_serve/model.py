@@ -263,7 +263,7 @@ class SwiftKVModel(nn.Module):
             deps.append(_write_kv(leader, key, value))
             group_kv.append((key, value))
 
-        logits_indices, num_logits = self._logits_indices()
+        logits_indices, num_logits = self._logits_indices(num_tokens)
         if logits_indices is not None:
             hidden, sub_positions = stream[logits_indices], positions[logits_indices]
             group_kv = [(key[logits_indices], value[logits_indices]) for key, value in group_kv]
@@ -280,13 +280,16 @@ class SwiftKVModel(nn.Module):
         stream[logits_indices[:num_logits]] = hidden[:num_logits]
         return stream
 
-    def _logits_indices(self) -> tuple[torch.Tensor | None, int | None]:
+    def _logits_indices(self, num_tokens: int) -> tuple[torch.Tensor | None, int | None]:
         """The tokens layers ``>= l`` run for in this step (``None``: all of them)."""
         attn_metadata = get_forward_context().attn_metadata
         if not isinstance(attn_metadata, dict):  # profiling / dummy runs
             return None, None
         metadata = attn_metadata.get(self.layers[self.num_kv_layers].self_attn.attn.layer_name)
         if not isinstance(metadata, KVSharingFastPrefillMetadata) or metadata.logits_indices_padded is None:
+            return None, None
+        if metadata.num_logits_indices == num_tokens:
+            # Every scheduled token needs its logits (pure decode): the metadata is the full one, no gather.
             return None, None
         return metadata.logits_indices_padded, metadata.num_logits_indices
 
