@@ -130,12 +130,17 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="default", help="base HF checkpoint (default: SmolLM2-135M-Instruct)")
     parser.add_argument("--num-key-value-layers", type=int, default=None, help="l (default: num_hidden_layers / 2)")
-    parser.add_argument("--num-requests", type=int, default=8, help="requests per workload burst")
-    parser.add_argument("--max-num-seqs", type=int, default=8)
+    parser.add_argument("--num-requests", type=int, default=16, help="requests per workload burst")
+    parser.add_argument("--max-num-seqs", type=int, default=16)
     parser.add_argument("--compile", action="store_true", help="torch.compile (default: eager, both models)")
     parser.add_argument("--out", type=Path, default=RESULTS / "serve")
     parser.add_argument("--run-one", help=argparse.SUPPRESS)
+    parser.add_argument("--report-only", action="store_true", help="rewrite the .md/.png from the .json")
     args = parser.parse_args()
+
+    if args.report_only:
+        write_report(json.loads(args.out.with_suffix(".json").read_text()), args.out)
+        return
 
     if args.run_one:  # child process
         print("RESULT " + json.dumps(run_one(args.run_one, args.num_requests, args.max_num_seqs, not args.compile)))
@@ -181,12 +186,19 @@ def main() -> None:
                                                                 for w, (p, o) in WORKLOADS.items()},
                "runs": runs, "ratios_swiftkv_over_stock": ratios, "command": command}
 
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.with_suffix(".json").write_text(json.dumps(results, indent=2))
-    plot(results, args.out.with_suffix(".png"))
-    lines = [f"# Serving benchmark: {base.name} in stock vLLM vs SwiftKV (l={l} of {num_layers})", "",
-             f"vLLM {vllm.__version__}, {results['device']}, eager={not args.compile}, bursts of "
-             f"{args.num_requests} requests (max_num_seqs={args.max_num_seqs}), greedy, ignore_eos.", "",
+    write_report(results, args.out)
+
+
+def write_report(results: dict, out: Path) -> None:
+    """``out``.json, .png and .md from the results."""
+    runs, ratios = results["runs"], results["ratios_swiftkv_over_stock"]
+    l, num_layers, n = results["num_key_value_layers"], results["num_hidden_layers"], results["num_requests"]
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.with_suffix(".json").write_text(json.dumps(results, indent=2))
+    plot(results, out.with_suffix(".png"))
+    lines = [f"# Serving benchmark: {results['model']} in stock vLLM vs SwiftKV (l={l} of {num_layers})", "",
+             f"vLLM {results['vllm_version']}, {results['device']}, eager={results['enforce_eager']}, bursts of "
+             f"{n} requests (max_num_seqs={results['max_num_seqs']}), greedy, ignore_eos.", "",
              "| workload (prompt/output) | model | combined tok/s | mean TTFT (s) | mean TPOT (ms) |",
              "|---|---|---|---|---|"]
     for w in WORKLOADS:
@@ -198,8 +210,19 @@ def main() -> None:
               "|---|---|---|---|"]
     for w, r in ratios.items():
         lines.append(f"| {w} | {r['combined_throughput_x']:.2f}x | {r['ttft_lower_x']:.2f}x | {r['tpot_lower_x']:.2f}x |")
-    lines += ["", "Command:", "", f"    {command}", ""]
-    args.out.with_suffix(".md").write_text("\n".join(lines))
+    lines += [
+        "", "How it was measured:", "",
+        f"- Each workload is ONE burst of {n} requests submitted at once to vLLM's async engine (the engine behind "
+        "`vllm serve`), streamed; random prompt token ids (the same for both models), exact output lengths. "
+        f"Scaled down to {n} requests per workload so that the whole run takes about 6 minutes on 2 cores.",
+        "- TTFT includes queueing behind the other requests' prefill (chunked prefill, 2048 tokens per step); "
+        "TPOT is (last token - first token) / (output tokens - 1) per request, so it includes the decode steps "
+        "slowed down by other requests' prefill chunks.",
+        "- Both models eager (no torch.compile), fp32, prefix caching off, the same KV cache space (4 GiB). "
+        "The SwiftKV model is the base converted at l=L/2 (published init, not distilled: speed does not depend "
+        "on the weights) and exported for serving.",
+        "", "Command:", "", f"    {results['command']}", ""]
+    out.with_suffix(".md").write_text("\n".join(lines))
     print("\n".join(lines))
 
 
