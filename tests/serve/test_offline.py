@@ -67,6 +67,14 @@ def test_serving_export_matches_hf(tiny_swiftkv_serving):
     assert got == hf_greedy(tiny_swiftkv_serving, prompts, MAX_TOKENS)
 
 
+def test_default_compilation_mode_matches_hf(tiny_swiftkv):
+    """vLLM's default (torch.compile mode, what `vllm serve` runs without --enforce-eager)."""
+    prompts = random_prompts(seed=6)
+    with vllm_engine(tiny_swiftkv, enforce_eager=False) as llm:
+        got = greedy(llm, prompts, MAX_TOKENS)
+    assert got == hf_greedy(tiny_swiftkv, prompts, MAX_TOKENS)
+
+
 def test_qwen2_matches_hf(tiny_qwen2_swiftkv):
     prompts = random_prompts(seed=4)
     with vllm_engine(tiny_qwen2_swiftkv) as llm:
