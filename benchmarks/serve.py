@@ -218,7 +218,10 @@ def write_report(results: dict, out: Path) -> None:
         "- TTFT includes queueing behind the other requests' prefill (chunked prefill, 2048 tokens per step); "
         "TPOT is (last token - first token) / (output tokens - 1) per request, so it includes the decode steps "
         "slowed down by other requests' prefill chunks.",
-        "- Both models eager (no torch.compile), fp32, prefix caching off, the same KV cache space (4 GiB). "
+        ("- Both models eager (no torch.compile), " if results["enforce_eager"] else
+         "- vLLM's default compile mode: the stock model is torch.compiled, the SwiftKV model is not (it has no "
+         "compile support yet and runs eagerly); ") +
+        "fp32, prefix caching off, the same KV cache space (4 GiB). "
         "The SwiftKV model is the base converted at l=L/2 (published init, not distilled: speed does not depend "
         "on the weights) and exported for serving.",
         "", "Command:", "", f"    {results['command']}", ""]
