@@ -54,6 +54,24 @@ def run_one(setup: str, steps: int, warmup: int, batch_size: int, seq_len: int, 
 
         def loss_fn(batch):
             return step(batch, 1.0 / batch["loss_mask"].sum(), temperature, 0.0, 1.0, 512)["loss"]
+    elif setup == "prefix_twice":
+        # ours (one copy, chunked loss) but layers < l run in both passes, as the published trainer does
+        from swiftkv_distill.loss import distillation_kl
+
+        model = convert(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32), l)
+        params = [p for p in model.parameters() if p.requires_grad]
+        inner = model.model
+
+        def loss_fn(batch):
+            mask = batch["loss_mask"]
+            kwargs = dict(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False)
+            with torch.no_grad():
+                hidden, context = inner.forward_prefix(**kwargs)
+                teacher = inner.norm(inner.forward_suffix(hidden, context, swiftkv=False))[mask]
+            hidden, context = inner.forward_prefix(**kwargs)
+            student = inner.norm(inner.forward_suffix(hidden, context, swiftkv=True))[mask]
+            rows = torch.full((student.shape[0],), 1.0 / student.shape[0])
+            return distillation_kl(student, teacher, model.lm_head.weight, rows, temperature, 512)[0]
     else:
         teacher = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
         for p in teacher.parameters():
@@ -108,14 +126,18 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=4)
     parser.add_argument("--seq-len", type=int, default=256)
     parser.add_argument("--num-key-value-layers", type=int, default=15)
-    parser.add_argument("--one", choices=["ours", "naive"], help=argparse.SUPPRESS)
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--one", choices=["ours", "prefix_twice", "naive"], help=argparse.SUPPRESS)
     args = parser.parse_args()
     shape = (args.steps, args.warmup, args.batch_size, args.seq_len, args.num_key_value_layers)
     if args.one:
         print(json.dumps(run_one(args.one, *shape)))
         return
     results = {}
-    for setup in ("ours", "naive"):  # separate processes: separate peak memory
+    parser_rounds = args.rounds
+    # Separate processes: separate peak memory. Rounds alternate the setups and the best round of each counts, so
+    # a neighbour's load on this shared machine hits all setups alike rather than one.
+    for setup in [s for _ in range(parser_rounds) for s in ("ours", "prefix_twice", "naive")]:
         out = subprocess.run(
             [
                 sys.executable,
@@ -137,11 +159,13 @@ def main() -> None:
             capture_output=True,
             text=True,
         )
-        results[setup] = json.loads(out.stdout.strip().splitlines()[-1])
+        result = json.loads(out.stdout.strip().splitlines()[-1])
+        if setup not in results or result["tokens_per_s"] > results[setup]["tokens_per_s"]:
+            results[setup] = result
         print(
-            f"{setup}: {results[setup]['tokens_per_s']:.1f} tokens/s, peak RSS {results[setup]['peak_rss_gib']:.2f} GiB"
+            f"{setup}: {result['tokens_per_s']:.1f} tokens/s, peak RSS {result['peak_rss_gib']:.2f} GiB"
         )
-    ours, naive = results["ours"], results["naive"]
+    ours, naive, twice = results["ours"], results["naive"], results["prefix_twice"]
     summary = {
         "model": "SmolLM2-135M-Instruct",
         "num_key_value_layers": args.num_key_value_layers,
@@ -149,12 +173,15 @@ def main() -> None:
         "steps_timed": args.steps,
         "speedup_tokens_per_s": ours["tokens_per_s"] / naive["tokens_per_s"],
         "peak_memory_ratio_ours_over_naive": ours["peak_rss_gib"] / naive["peak_rss_gib"],
+        "prefix_once_speedup": ours["tokens_per_s"] / twice["tokens_per_s"],
         "first_loss_equal": abs(ours["losses"][0] - naive["losses"][0])
         < 1e-3 * max(1.0, abs(naive["losses"][0])),
         "ours": ours,
+        "prefix_twice": twice,
         "naive": naive,
         "command": "flock /tmp/swiftkv-heavy.lock .venv/bin/python benchmarks/distill.py",
     }
+    print(f"layers < l once instead of twice: {summary['prefix_once_speedup']:.2f}x tokens/s")
     print(
         f"speed-up {summary['speedup_tokens_per_s']:.2f}x tokens/s; peak memory ours/naive "
         f"{summary['peak_memory_ratio_ours_over_naive']:.2f}; same first loss: {summary['first_loss_equal']}"
@@ -164,11 +191,14 @@ def main() -> None:
     (RESULTS / "distill-bench.md").write_text(
         "# Distillation step: ours vs naive two-copy teacher/student\n\n"
         f"SmolLM2-135M-Instruct, l={args.num_key_value_layers}, {summary['batch']} per step, {args.steps} timed steps "
-        f"after {args.warmup} warm-up, fp32, 2-core CPU, one process per setup.\n\n"
+        f"after {args.warmup} warm-up, fp32, 2-core CPU (shared), one process per setup and round, best of "
+        f"{args.rounds} alternating rounds.\n\n"
         "| setup | tokens/s | peak RSS (GiB) |\n|---|---|---|\n"
         f"| ours (one copy, layers < l once, chunked logits) | {ours['tokens_per_s']:.1f} | {ours['peak_rss_gib']:.2f} |\n"
+        f"| ours, but layers < l run in both passes | {twice['tokens_per_s']:.1f} | {twice['peak_rss_gib']:.2f} |\n"
         f"| naive (teacher + student copies, full logits) | {naive['tokens_per_s']:.1f} | {naive['peak_rss_gib']:.2f} |\n"
         f"| **ratio** | **{summary['speedup_tokens_per_s']:.2f}x** | **{summary['peak_memory_ratio_ours_over_naive']:.2f}x** |\n\n"
+        f"Running layers < l once instead of twice, alone: {summary['prefix_once_speedup']:.2f}x tokens/s.\n\n"
         f"Same loss on the first batch: {summary['first_loss_equal']} "
         f"({ours['losses'][0]:.5f} vs {naive['losses'][0]:.5f}).\n\nCommand: `{summary['command']}`\n"
     )
