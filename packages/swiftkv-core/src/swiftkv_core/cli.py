@@ -59,14 +59,14 @@ def analyze(
         max_length: Tokens per text at most.
     """
     from .analysis import layer_input_similarity, write_report
-    from .generation import load
+    from .generation import load, resolve_model_path
 
     texts = list(texts or []) + [Path(f).read_text() for f in text_files or []]
     if not texts:
         texts = _sample_texts()
     base, tokenizer = load(model)
     similarity = layer_input_similarity(base, tokenizer, texts, max_length=max_length)
-    result = write_report(similarity, threshold, out_dir, title=f"{model}: layer input similarity")
+    result = write_report(similarity, threshold, out_dir, title=f"{resolve_model_path(model).name}: layer input similarity")
     print(json.dumps({k: v for k, v in result.items() if k != "similarity"}, indent=2))
     print(f"wrote {out_dir}/similarity.json and similarity.png")
 
