@@ -16,7 +16,7 @@ from safetensors.torch import load_file
 ROOT = Path(__file__).parents[2]
 
 
-def _config(tmp_path, tiny_model, text_file, name, batch_size, strategy):
+def _config(tmp_path, tiny_model, text_file, name, batch_size, strategy, checkpoint_dir=None):
     out = tmp_path / name
     config = {
         "seed_everything": 0,
@@ -27,7 +27,7 @@ def _config(tmp_path, tiny_model, text_file, name, batch_size, strategy):
             "num_sanity_val_steps": 0,
             "log_every_n_steps": 1,
             "enable_progress_bar": False,
-            "enable_checkpointing": False,
+            "enable_checkpointing": checkpoint_dir is not None,
             "use_distributed_sampler": False,
             "default_root_dir": str(out),
             "strategy": strategy,
@@ -44,10 +44,27 @@ def _config(tmp_path, tiny_model, text_file, name, batch_size, strategy):
                 }
             ],
         },
+    }
+    if checkpoint_dir is not None:  # sharded (distributed) Lightning checkpoints every 2 steps
+        config["trainer"]["callbacks"].append(
+            {
+                "class_path": "lightning.pytorch.callbacks.ModelCheckpoint",
+                "init_args": {
+                    "dirpath": str(checkpoint_dir),
+                    "save_last": True,
+                    "save_top_k": 0,
+                    "every_n_train_steps": 2,
+                },
+            }
+        )
+    config |= {
         "model": {
             "model": str(tiny_model),
             "num_key_value_layers": 2,
             "learning_rate": 3e-3,
+            # a constant learning rate: the schedule must not depend on max_steps for the resume check below
+            "warmup_fraction": 0.0,
+            "min_lr_ratio": 1.0,
             "hidden_loss_weight": 0.5,
             "evaluate_before_training": False,
         },
@@ -102,6 +119,19 @@ def test_two_process_fsdp2_matches_single_process(tmp_path, tiny_model, text_fil
         cwd=tmp_path,
         timeout=300,
     )
+
+    # interrupted after 2 steps (sharded checkpoint), resumed to 4: the same weights as the uninterrupted run
+    ckpt_dir = tmp_path / "ckpt"
+    part_cfg, part_out = _config(tmp_path, tiny_model, text_file, "part", 2, fsdp2, checkpoint_dir=ckpt_dir)
+    launch = [fabric, "run", "--accelerator", "cpu", "--devices", "2", app, "--config", str(part_cfg)]
+    subprocess.run([*launch, "--trainer.max_steps", "2"], check=True, env=env, cwd=tmp_path, timeout=300)
+    assert (ckpt_dir / "last.ckpt").is_dir()  # a distributed checkpoint: one shard file per rank
+    subprocess.run(
+        [*launch, "--ckpt_path", str(ckpt_dir / "last.ckpt")], check=True, env=env, cwd=tmp_path, timeout=300
+    )
+    resumed = _trained(part_out)
+    for name, value in _trained(sharded_out).items():
+        torch.testing.assert_close(resumed[name], value, rtol=0, atol=0, msg=name)
 
     single, sharded = _losses(single_out), _losses(sharded_out)
     assert len(single) == len(sharded) == 4

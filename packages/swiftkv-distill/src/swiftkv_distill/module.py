@@ -435,7 +435,10 @@ class SwiftKVDistillation(L.LightningModule):
     # --- checkpoints -------------------------------------------------------------------------------------------
     def on_save_checkpoint(self, checkpoint: dict) -> None:
         # The frozen base weights are the pretrained checkpoint (hparams.model): keep only what training changed.
-        checkpoint["state_dict"] = {k: v for k, v in checkpoint["state_dict"].items() if _is_trained_name(k)}
+        # Under FSDP2 (a distributed checkpoint: each rank writes its own shards) the loader wants every key, so
+        # the sharded state is kept whole there.
+        if self.device_mesh is None:
+            checkpoint["state_dict"] = {k: v for k, v in checkpoint["state_dict"].items() if _is_trained_name(k)}
         checkpoint["before_metrics"] = self.before_metrics
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
