@@ -162,9 +162,7 @@ def main() -> None:
         result = json.loads(out.stdout.strip().splitlines()[-1])
         if setup not in results or result["tokens_per_s"] > results[setup]["tokens_per_s"]:
             results[setup] = result
-        print(
-            f"{setup}: {result['tokens_per_s']:.1f} tokens/s, peak RSS {result['peak_rss_gib']:.2f} GiB"
-        )
+        print(f"{setup}: {result['tokens_per_s']:.1f} tokens/s, peak RSS {result['peak_rss_gib']:.2f} GiB")
     ours, naive, twice = results["ours"], results["naive"], results["prefix_twice"]
     summary = {
         "model": "SmolLM2-135M-Instruct",

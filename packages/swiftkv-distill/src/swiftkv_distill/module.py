@@ -438,7 +438,9 @@ class SwiftKVDistillation(L.LightningModule):
         # Under FSDP2 (a distributed checkpoint: each rank writes its own shards) the loader wants every key, so
         # the sharded state is kept whole there.
         if self.device_mesh is None:
-            checkpoint["state_dict"] = {k: v for k, v in checkpoint["state_dict"].items() if _is_trained_name(k)}
+            checkpoint["state_dict"] = {
+                k: v for k, v in checkpoint["state_dict"].items() if _is_trained_name(k)
+            }
         checkpoint["before_metrics"] = self.before_metrics
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
