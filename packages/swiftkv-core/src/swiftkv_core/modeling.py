@@ -169,6 +169,8 @@ class SwiftKVModelMixin:
         """Embeddings and layers ``< l`` (identical in teacher and student): ``(hidden entering layer l, context)``.
 
         Distillation runs this once and ``forward_suffix`` twice (teacher and student) on its output.
+        Packed sequences (``position_ids`` restarting at 0, no ``attention_mask``) are kept apart by the causal
+        mask only without a cache: pass ``use_cache=False`` (transformers' mask ignores packing with a cache).
         """
         config = self.config
         if (input_ids is None) ^ (inputs_embeds is not None):
