@@ -4,7 +4,7 @@ import json
 
 import pytest
 import torch
-from conftest import write_jsonl
+from tests.distill.conftest import write_jsonl
 from transformers import AutoTokenizer
 
 from swiftkv_distill.data import DataError, DistillDataModule, collate, load_records, pack, split_indices

@@ -16,7 +16,7 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 sys.path.insert(0, str(Path(__file__).parent))
 
-from checkpoints import smollm2_path, swiftkv_checkpoint, tiny_base  # noqa: E402
+from tests.serve.checkpoints import smollm2_path, swiftkv_checkpoint, tiny_base  # noqa: E402
 
 pytest.importorskip("vllm")
 

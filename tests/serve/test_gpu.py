@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import greedy, random_prompts, vllm_engine
+from tests.serve.conftest import greedy, random_prompts, vllm_engine
 
 pytestmark = [pytest.mark.vllm, pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]

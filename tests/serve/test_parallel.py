@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import pytest
-from checkpoints import hf_greedy
-from conftest import greedy, random_prompts, vllm_engine
+from tests.serve.checkpoints import hf_greedy
+from tests.serve.conftest import greedy, random_prompts, vllm_engine
 
 pytestmark = [pytest.mark.vllm, pytest.mark.distributed, pytest.mark.slow]
 

@@ -15,8 +15,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
-from checkpoints import hf_greedy
-from conftest import random_prompts
+from tests.serve.checkpoints import hf_greedy
+from tests.serve.conftest import random_prompts
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
