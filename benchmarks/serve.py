@@ -133,10 +133,13 @@ def main() -> None:
     parser.add_argument("--num-requests", type=int, default=16, help="requests per workload burst")
     parser.add_argument("--max-num-seqs", type=int, default=16)
     parser.add_argument("--compile", action="store_true", help="torch.compile (default: eager, both models)")
-    parser.add_argument("--out", type=Path, default=RESULTS / "serve")
+    parser.add_argument("--out", type=Path, default=None,
+                        help="output prefix (default: benchmarks/results/serve, or serve-compile with --compile)")
     parser.add_argument("--run-one", help=argparse.SUPPRESS)
     parser.add_argument("--report-only", action="store_true", help="rewrite the .md/.png from the .json")
     args = parser.parse_args()
+    if args.out is None:
+        args.out = RESULTS / ("serve-compile" if args.compile else "serve")
 
     if args.report_only:
         write_report(json.loads(args.out.with_suffix(".json").read_text()), args.out)
@@ -170,6 +173,9 @@ def main() -> None:
             sys.stderr.write("\n".join(line for line in proc.stderr.splitlines() if "ERROR" in line)[-8000:])
             raise SystemExit(f"benchmark of {label} failed (exit {proc.returncode})")
         runs[label] = json.loads(lines[-1][len("RESULT "):])
+        # Evidence of what was torch.compiled: vLLM tags the log lines of the SwiftKV model's compile units.
+        runs[label]["swiftkv_compile_units_in_log"] = sorted(
+            tag for tag in ("swiftkv_self_decoder", "swiftkv_cross_decoder") if f"[{tag}]" in proc.stdout + proc.stderr)
 
     (stock, stock_run), (swift, swift_run) = runs.items()
     ratios = {}
@@ -219,8 +225,9 @@ def write_report(results: dict, out: Path) -> None:
         "TPOT is (last token - first token) / (output tokens - 1) per request, so it includes the decode steps "
         "slowed down by other requests' prefill chunks.",
         ("- Both models eager (no torch.compile), " if results["enforce_eager"] else
-         "- vLLM's default compile mode: the stock model is torch.compiled, the SwiftKV model is not (it has no "
-         "compile support yet and runs eagerly); ") +
+         "- vLLM's default compile mode, both models torch.compiled (on CPU: dynamo + inductor, no CUDA graphs); "
+         "the SwiftKV model as two compile units, layers < l with the K/V projection and cache writes for all "
+         "tokens, and layers >= l for the gathered tokens whose logits are sampled; ") +
         "fp32, prefix caching off, the same KV cache space (4 GiB). "
         "The SwiftKV model is the base converted at l=L/2 (published init, not distilled: speed does not depend "
         "on the weights) and exported for serving.",

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import pytest
-from checkpoints import hf_greedy, swiftkv_checkpoint
-from conftest import PROMPT_LENGTHS, greedy, random_prompts, vllm_engine
+from tests.serve.checkpoints import hf_greedy, swiftkv_checkpoint
+from tests.serve.conftest import PROMPT_LENGTHS, greedy, random_prompts, vllm_engine
 
 pytestmark = pytest.mark.vllm
 
@@ -68,10 +68,25 @@ def test_serving_export_matches_hf(tiny_swiftkv_serving):
 
 
 def test_default_compilation_mode_matches_hf(tiny_swiftkv):
-    """vLLM's default (torch.compile mode, what `vllm serve` runs without --enforce-eager)."""
+    """vLLM's default (torch.compile mode, what `vllm serve` runs without --enforce-eager): the SwiftKV model's
+    two compile units (self-decoder, cross-decoder) are really compiled, and the outputs still match."""
+    from vllm.compilation.counter import compilation_counter
+
+    def compile_state(model):
+        # A compiled function in use: torch.compile's AOT artifact (vLLM's default with torch >= 2.10, compiled
+        # now or loaded from vLLM's compile cache) or dynamo's transformed bytecode.
+        return [(type(unit).__name__, unit.do_not_compile,
+                 getattr(unit, "aot_compiled_fn", None) is not None
+                 or getattr(unit, "_compiled_bytecode", None) is not None)
+                for unit in (model.model.self_decoder, model.model.cross_decoder)]
+
+    models_seen = compilation_counter.num_models_seen
     prompts = random_prompts(seed=6)
     with vllm_engine(tiny_swiftkv, enforce_eager=False) as llm:
         got = greedy(llm, prompts, MAX_TOKENS)
+        state = llm.apply_model(compile_state)[0]
+    assert compilation_counter.num_models_seen - models_seen == 2
+    assert state == [("SwiftKVSelfDecoder", False, True), ("SwiftKVCrossDecoder", False, True)]
     assert got == hf_greedy(tiny_swiftkv, prompts, MAX_TOKENS)
 
 

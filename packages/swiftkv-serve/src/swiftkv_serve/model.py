@@ -16,6 +16,12 @@ switched on by ``swiftkv_serve.engine_config``): the attention layers ``>= l`` u
 ``create_fast_prefill_custom_backend``, so their metadata covers only those tokens. With the flag off the same
 code runs layers ``>= l`` for every token (exact, no saving).
 
+torch.compile (vLLM's default mode): two compile units, as in vLLM's Gemma3n. ``SwiftKVSelfDecoder`` covers
+everything up to the cache writes (all scheduled tokens), ``SwiftKVCrossDecoder`` layers ``>= l`` and the final
+norm; the gather (into fixed buffers) and the scatter back run eagerly between them, since the number of sampled
+tokens is only known at run time. The cache writes' results are outputs of the first unit and inputs
+(``kv_cache_dummy_dep``) of the second, so inductor cannot drop them.
+
 AcrossKV: the non-leader layers of a group are built with ``kv_sharing_target_layer_name`` = the leader's
 attention, so vLLM allocates no cache for them. The teacher q/k/v of layers ``>= l`` are never allocated;
 ``load_weights`` skips them when a checkpoint (the published format) carries them.
@@ -28,6 +34,7 @@ from collections.abc import Iterable
 
 import torch
 from torch import nn
+from vllm.compilation.decorators import support_torch_compile
 from vllm.config import VllmConfig
 from vllm.distributed import get_pp_group, get_tensor_model_parallel_world_size
 from vllm.forward_context import get_forward_context
@@ -192,6 +199,83 @@ class SwiftKVDecoderLayer(nn.Module):
         return self.mlp(hidden_states), residual
 
 
+_TOKEN_DIMS = {"positions": 0, "hidden_states": 0, "kv": 0}
+
+
+@support_torch_compile(dynamic_arg_dims={"input_ids": 0, "positions": 0, "inputs_embeds": 0})
+class SwiftKVSelfDecoder(nn.Module):
+    """Compiled unit 1, every scheduled token: embeddings, layers ``< l``, ``norm_swiftkv``, the fused K/V
+    projection of every AcrossKV group, RoPE on K, and the cache writes of the group leaders.
+
+    Returns the residual stream entering layer ``l``, the rotated K and V (``[tokens, 2 * G * kv_size]``) and the
+    write results (one per group). Returning the write results keeps torch.compile from dropping the writes
+    (their op declares no mutation); the cross-decoder passes them to attention as ``kv_cache_dummy_dep``.
+    With ``l == L`` it is the whole model and returns the final hidden states.
+    """
+
+    def __init__(self, *, vllm_config: VllmConfig, prefix: str = "", model: SwiftKVModel):
+        super().__init__()
+        self.embed_tokens = model.embed_tokens
+        self.layers = model.layers[: model.num_kv_layers]
+        self.num_groups, self.kv_size = model.num_groups, model.kv_size
+        if self.num_groups:
+            self.norm_swiftkv, self.kv_proj_swiftkv = model.norm_swiftkv, model.kv_proj_swiftkv
+            self.rotary_emb = model.rotary_emb
+            self.leaders = [model.layers[model.num_kv_layers + g * model.group_size].self_attn.attn
+                            for g in range(self.num_groups)]
+            self.head_dim = model.layers[model.num_kv_layers].self_attn.head_dim
+        else:
+            self.norm = model.norm
+
+    def forward(self, input_ids: torch.Tensor | None, positions: torch.Tensor,
+                inputs_embeds: torch.Tensor | None = None):
+        hidden = inputs_embeds if inputs_embeds is not None else self.embed_tokens(input_ids)
+        residual = None
+        for layer in self.layers:
+            hidden, residual = layer(positions, hidden, residual)
+        if not self.num_groups:  # l == L: a plain Llama / Qwen2
+            hidden, _ = self.norm(hidden, residual)
+            return hidden
+        # The residual stream entering layer l, and the single input of every later K/V.
+        swiftkv_input, stream = self.norm_swiftkv(hidden, residual)
+        kv, _ = self.kv_proj_swiftkv(swiftkv_input)
+        keys, values = kv.split(self.num_groups * self.kv_size, dim=-1)
+        keys, _ = self.rotary_emb(positions, keys, None)  # the same positions (and RoPE) in every layer
+        num_tokens = kv.shape[0]
+        deps = []
+        for group, leader in enumerate(self.leaders):
+            cols = slice(group * self.kv_size, (group + 1) * self.kv_size)
+            deps.append(_write_kv(leader, keys[:, cols].view(num_tokens, -1, self.head_dim),
+                                  values[:, cols].reshape(num_tokens, -1, self.head_dim)))
+        return stream, torch.cat([keys, values], dim=-1), *deps
+
+
+@support_torch_compile(dynamic_arg_dims=_TOKEN_DIMS)
+class SwiftKVCrossDecoder(nn.Module):
+    """Compiled unit 2: layers ``>= l`` and the final norm, for the tokens whose logits are sampled (or all)."""
+
+    def __init__(self, *, vllm_config: VllmConfig, prefix: str = "", model: SwiftKVModel):
+        super().__init__()
+        self.layers = model.layers[model.num_kv_layers:]
+        self.norm = model.norm
+        self.num_groups, self.kv_size, self.group_size = model.num_groups, model.kv_size, model.group_size
+        self.head_dim = model.layers[model.num_kv_layers].self_attn.head_dim
+
+    def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor, kv: torch.Tensor,
+                deps: list[torch.Tensor]) -> torch.Tensor:
+        num_tokens = kv.shape[0]
+        keys, values = kv.split(self.num_groups * self.kv_size, dim=-1)
+        hidden, residual = hidden_states, None
+        for j, layer in enumerate(self.layers):
+            group = j // self.group_size
+            cols = slice(group * self.kv_size, (group + 1) * self.kv_size)
+            hidden, residual = layer(positions, hidden, residual,
+                                     keys[:, cols].reshape(num_tokens, -1, self.head_dim),
+                                     values[:, cols].reshape(num_tokens, -1, self.head_dim), deps[group])
+        hidden, _ = self.norm(hidden, residual)
+        return hidden
+
+
 class SwiftKVModel(nn.Module):
     def __init__(self, *, vllm_config: VllmConfig, family: _Family, prefix: str = ""):
         super().__init__()
@@ -232,6 +316,26 @@ class SwiftKVModel(nn.Module):
                 config.hidden_size, [config.num_key_value_heads * family.head_dim] * (2 * self.num_groups),
                 bias=family.qkv_bias, quant_config=quant_config, prefix=f"{prefix}.kv_proj_swiftkv",
             )
+        # Two torch.compile units (vLLM's default mode; eager with enforce_eager), as in vLLM's Gemma3n: the gather
+        # of the sampled tokens between them has a data-dependent size. They hold references to the modules
+        # above (registered after them, so parameter names are unchanged).
+        from vllm.compilation.backends import set_model_tag
+
+        with set_model_tag("swiftkv_self_decoder"):
+            self.self_decoder = SwiftKVSelfDecoder(vllm_config=vllm_config, prefix=f"{prefix}.self_decoder",
+                                                   model=self)
+        if self.num_groups:
+            with set_model_tag("swiftkv_cross_decoder"):
+                self.cross_decoder = SwiftKVCrossDecoder(vllm_config=vllm_config,
+                                                         prefix=f"{prefix}.cross_decoder", model=self)
+            # Fixed inputs of the cross-decoder for the gathered tokens (stable addresses, as Gemma3n keeps them
+            # for CUDA graphs); at most max_num_batched_tokens rows.
+            max_tokens = vllm_config.scheduler_config.max_num_batched_tokens
+            weight = self.embed_tokens.weight
+            self._sub_positions = torch.zeros(max_tokens, dtype=torch.int64, device=weight.device)
+            self._sub_hidden = torch.zeros(max_tokens, config.hidden_size, dtype=weight.dtype, device=weight.device)
+            self._sub_kv = torch.zeros(max_tokens, 2 * self.num_groups * self.kv_size, dtype=weight.dtype,
+                                       device=weight.device)
 
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.embed_tokens(input_ids)
@@ -240,43 +344,21 @@ class SwiftKVModel(nn.Module):
         return (layer_idx - self.num_kv_layers) // self.group_size
 
     def forward(self, input_ids, positions, inputs_embeds=None) -> torch.Tensor:
-        hidden = inputs_embeds if inputs_embeds is not None else self.embed_input_ids(input_ids)
-        residual = None
-        for layer in self.layers[: self.num_kv_layers]:
-            hidden, residual = layer(positions, hidden, residual)
         if not self.num_groups:  # l == L: a plain Llama / Qwen2
-            hidden, _ = self.norm(hidden, residual)
-            return hidden
-
-        # The residual stream entering layer l, and the single input of every later K/V.
-        swiftkv_input, stream = self.norm_swiftkv(hidden, residual)
-        kv, _ = self.kv_proj_swiftkv(swiftkv_input)
-        keys, values = kv.split(self.num_groups * self.kv_size, dim=-1)
-        keys, _ = self.rotary_emb(positions, keys, None)  # the same positions (and RoPE) in every layer
-        num_tokens, head_dim = kv.shape[0], self.layers[self.num_kv_layers].self_attn.head_dim
-        group_kv, deps = [], []
-        for group in range(self.num_groups):
-            cols = slice(group * self.kv_size, (group + 1) * self.kv_size)
-            key = keys[:, cols].view(num_tokens, -1, head_dim)
-            value = values[:, cols].view(num_tokens, -1, head_dim)
-            leader = self.layers[self.num_kv_layers + group * self.group_size].self_attn.attn
-            deps.append(_write_kv(leader, key, value))
-            group_kv.append((key, value))
-
-        logits_indices, num_logits = self._logits_indices(num_tokens)
-        if logits_indices is not None:
-            hidden, sub_positions = stream[logits_indices], positions[logits_indices]
-            group_kv = [(key[logits_indices], value[logits_indices]) for key, value in group_kv]
-        else:
-            hidden, sub_positions = stream, positions
-        residual = None
-        for j in range(self.num_kv_layers, self.num_layers):
-            group = self.group_index(j)
-            hidden, residual = self.layers[j](sub_positions, hidden, residual, *group_kv[group], deps[group])
-        hidden, _ = self.norm(hidden, residual)
+            return self.self_decoder(input_ids, positions, inputs_embeds)
+        stream, kv, *deps = self.self_decoder(input_ids, positions, inputs_embeds)
+        logits_indices, num_logits = self._logits_indices(kv.shape[0])
         if logits_indices is None:
-            return hidden
+            return self.cross_decoder(positions, stream, kv, deps)
+        # Gather the tokens whose logits are sampled into the fixed buffers, run layers >= l on them only.
+        n = logits_indices.shape[0]
+        self._sub_positions[:n].copy_(positions[logits_indices])
+        self._sub_hidden[:n].copy_(stream[logits_indices])
+        self._sub_kv[:n].copy_(kv[logits_indices])
+        hidden = self.cross_decoder(self._sub_positions[:n], self._sub_hidden[:n], self._sub_kv[:n], deps)
         # Back in place: only the logits rows are ever read; the others keep the (unused) residual stream.
+        # (A copy, not the compiled unit's own output buffer, as Gemma3n does.)
+        stream = stream.clone()
         stream[logits_indices[:num_logits]] = hidden[:num_logits]
         return stream
 
