@@ -27,7 +27,9 @@ RESULTS = Path(__file__).parent / "results"
 WORKLOADS = {"2000/200": (2000, 200), "500/500": (500, 500)}
 
 
-def make_prompts(num_requests: int, prompt_len: int, vocab_low: int = 100, vocab_high: int = 49000, seed: int = 0):
+def make_prompts(
+    num_requests: int, prompt_len: int, vocab_low: int = 100, vocab_high: int = 49000, seed: int = 0
+):
     rng = random.Random(seed + prompt_len)
     return [[rng.randrange(vocab_low, vocab_high) for _ in range(prompt_len)] for _ in range(num_requests)]
 
@@ -42,19 +44,28 @@ async def _burst(engine, prompts, max_tokens: int) -> dict:
         start = time.perf_counter()
         first = None
         n_out = 0
-        async for out in engine.generate(TokensPrompt(prompt_token_ids=prompt), params, request_id=f"r{i}-{start}"):
+        async for out in engine.generate(
+            TokensPrompt(prompt_token_ids=prompt), params, request_id=f"r{i}-{start}"
+        ):
             n_out = len(out.outputs[0].token_ids)
             if first is None and n_out:
                 first = time.perf_counter()
         end = time.perf_counter()
-        return {"ttft": first - start, "tpot": (end - first) / max(n_out - 1, 1), "n_in": len(prompt), "n_out": n_out}
+        return {
+            "ttft": first - start,
+            "tpot": (end - first) / max(n_out - 1, 1),
+            "n_in": len(prompt),
+            "n_out": n_out,
+        }
 
     start = time.perf_counter()
     per_request = await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts)))
     wall = time.perf_counter() - start
     tokens = sum(r["n_in"] + r["n_out"] for r in per_request)
     return {
-        "num_requests": len(prompts), "wall_s": wall, "combined_tok_s": tokens / wall,
+        "num_requests": len(prompts),
+        "wall_s": wall,
+        "combined_tok_s": tokens / wall,
         "output_tok_s": sum(r["n_out"] for r in per_request) / wall,
         "ttft_mean_s": statistics.mean(r["ttft"] for r in per_request),
         "ttft_median_s": statistics.median(r["ttft"] for r in per_request),
@@ -68,16 +79,28 @@ def run_one(model: str, num_requests: int, max_num_seqs: int, enforce_eager: boo
     from vllm import AsyncEngineArgs
     from vllm.v1.engine.async_llm import AsyncLLM
 
-    args = AsyncEngineArgs(model=model, dtype="float32", enforce_eager=enforce_eager, max_model_len=2304,
-                           max_num_seqs=max_num_seqs, max_num_batched_tokens=2048, enable_prefix_caching=False,
-                           seed=0)
+    args = AsyncEngineArgs(
+        model=model,
+        dtype="float32",
+        enforce_eager=enforce_eager,
+        max_model_len=2304,
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=2048,
+        enable_prefix_caching=False,
+        seed=0,
+    )
     start = time.perf_counter()
     engine = AsyncLLM.from_engine_args(args)
     startup = time.perf_counter() - start
     config = engine.vllm_config
-    results = {"startup_s": startup, "kv_cache_tokens": config.cache_config.kv_cache_size_tokens
-               if hasattr(config.cache_config, "kv_cache_size_tokens") else None,
-               "kv_sharing_fast_prefill": config.cache_config.kv_sharing_fast_prefill, "workloads": {}}
+    results = {
+        "startup_s": startup,
+        "kv_cache_tokens": config.cache_config.kv_cache_size_tokens
+        if hasattr(config.cache_config, "kv_cache_size_tokens")
+        else None,
+        "kv_sharing_fast_prefill": config.cache_config.kv_sharing_fast_prefill,
+        "workloads": {},
+    }
 
     async def main():
         await _burst(engine, make_prompts(2, 64, seed=99), 4)  # warm-up
@@ -97,7 +120,9 @@ def prepare_swiftkv(base: Path, num_key_value_layers: int, out_dir: Path) -> Pat
     from swiftkv_core.convert import convert, export_for_serving
 
     if not (out_dir / "config.json").is_file():
-        export_for_serving(convert(base, num_key_value_layers), out_dir, tokenizer=AutoTokenizer.from_pretrained(base))
+        export_for_serving(
+            convert(base, num_key_value_layers), out_dir, tokenizer=AutoTokenizer.from_pretrained(base)
+        )
     return out_dir
 
 
@@ -107,8 +132,11 @@ def plot(results: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    metrics = [("combined_tok_s", "combined throughput (tok/s), higher is better"),
-               ("ttft_mean_s", "mean TTFT (s), lower is better"), ("tpot_mean_s", "mean TPOT (s), lower is better")]
+    metrics = [
+        ("combined_tok_s", "combined throughput (tok/s), higher is better"),
+        ("ttft_mean_s", "mean TTFT (s), lower is better"),
+        ("tpot_mean_s", "mean TPOT (s), lower is better"),
+    ]
     workloads = list(WORKLOADS)
     fig, axes = plt.subplots(1, len(metrics), figsize=(15, 4))
     for ax, (key, title) in zip(axes, metrics, strict=True):
@@ -120,21 +148,34 @@ def plot(results: dict, path: Path) -> None:
         ax.set_xticks(range(len(workloads)), [f"{w} (prompt/output)" for w in workloads])
         ax.set_title(title, fontsize=10)
     axes[0].legend(fontsize=8)
-    fig.suptitle(f"vLLM {results['vllm_version']} on {results['device']}: {results['model']} stock vs SwiftKV "
-                 f"(l={results['num_key_value_layers']}), {results['num_requests']} requests per burst", fontsize=10)
+    fig.suptitle(
+        f"vLLM {results['vllm_version']} on {results['device']}: {results['model']} stock vs SwiftKV "
+        f"(l={results['num_key_value_layers']}), {results['num_requests']} requests per burst",
+        fontsize=10,
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default="default", help="base HF checkpoint (default: SmolLM2-135M-Instruct)")
-    parser.add_argument("--num-key-value-layers", type=int, default=None, help="l (default: num_hidden_layers / 2)")
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--model", default="default", help="base HF checkpoint (default: SmolLM2-135M-Instruct)"
+    )
+    parser.add_argument(
+        "--num-key-value-layers", type=int, default=None, help="l (default: num_hidden_layers / 2)"
+    )
     parser.add_argument("--num-requests", type=int, default=16, help="requests per workload burst")
     parser.add_argument("--max-num-seqs", type=int, default=16)
     parser.add_argument("--compile", action="store_true", help="torch.compile (default: eager, both models)")
-    parser.add_argument("--out", type=Path, default=None,
-                        help="output prefix (default: benchmarks/results/serve, or serve-compile with --compile)")
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        help="output prefix (default: benchmarks/results/serve, or serve-compile with --compile)",
+    )
     parser.add_argument("--run-one", help=argparse.SUPPRESS)
     parser.add_argument("--report-only", action="store_true", help="rewrite the .md/.png from the .json")
     args = parser.parse_args()
@@ -146,7 +187,10 @@ def main() -> None:
         return
 
     if args.run_one:  # child process
-        print("RESULT " + json.dumps(run_one(args.run_one, args.num_requests, args.max_num_seqs, not args.compile)))
+        print(
+            "RESULT "
+            + json.dumps(run_one(args.run_one, args.num_requests, args.max_num_seqs, not args.compile))
+        )
         return
 
     from transformers import AutoConfig
@@ -156,15 +200,25 @@ def main() -> None:
     base = resolve_model_path(args.model)
     num_layers = AutoConfig.from_pretrained(base).num_hidden_layers
     l = args.num_key_value_layers or num_layers // 2
-    swiftkv = prepare_swiftkv(base, l, Path.home() / ".cache" / "swiftkv" / "bench" / f"{base.name}-swiftkv-l{l}")
+    swiftkv = prepare_swiftkv(
+        base, l, Path.home() / ".cache" / "swiftkv" / "bench" / f"{base.name}-swiftkv-l{l}"
+    )
 
     import vllm
 
     runs = {}
     for label, path in (("stock vLLM (base)", base), (f"SwiftKV l={l}", swiftkv)):
         print(f"== {label}: {path}", flush=True)
-        command = [sys.executable, __file__, "--run-one", str(path), "--num-requests", str(args.num_requests),
-                   "--max-num-seqs", str(args.max_num_seqs)] + (["--compile"] if args.compile else [])
+        command = [
+            sys.executable,
+            __file__,
+            "--run-one",
+            str(path),
+            "--num-requests",
+            str(args.num_requests),
+            "--max-num-seqs",
+            str(args.max_num_seqs),
+        ] + (["--compile"] if args.compile else [])
         # A fixed KV cache space (GiB) for both models: without it vLLM's CPU backend reserves 92% of memory.
         env = {"VLLM_CPU_KVCACHE_SPACE": "4", **os.environ}
         proc = subprocess.run(command, capture_output=True, text=True, env=env)
@@ -172,25 +226,38 @@ def main() -> None:
         if proc.returncode or not lines:
             sys.stderr.write("\n".join(line for line in proc.stderr.splitlines() if "ERROR" in line)[-8000:])
             raise SystemExit(f"benchmark of {label} failed (exit {proc.returncode})")
-        runs[label] = json.loads(lines[-1][len("RESULT "):])
+        runs[label] = json.loads(lines[-1][len("RESULT ") :])
         # Evidence of what was torch.compiled: vLLM tags the log lines of the SwiftKV model's compile units.
         runs[label]["swiftkv_compile_units_in_log"] = sorted(
-            tag for tag in ("swiftkv_self_decoder", "swiftkv_cross_decoder") if f"[{tag}]" in proc.stdout + proc.stderr)
+            tag
+            for tag in ("swiftkv_self_decoder", "swiftkv_cross_decoder")
+            if f"[{tag}]" in proc.stdout + proc.stderr
+        )
 
     (stock, stock_run), (swift, swift_run) = runs.items()
     ratios = {}
     for w in WORKLOADS:
         a, b = stock_run["workloads"][w], swift_run["workloads"][w]
-        ratios[w] = {"combined_throughput_x": b["combined_tok_s"] / a["combined_tok_s"],
-                     "ttft_lower_x": a["ttft_mean_s"] / b["ttft_mean_s"],
-                     "tpot_lower_x": a["tpot_mean_s"] / b["tpot_mean_s"]}
+        ratios[w] = {
+            "combined_throughput_x": b["combined_tok_s"] / a["combined_tok_s"],
+            "ttft_lower_x": a["ttft_mean_s"] / b["ttft_mean_s"],
+            "tpot_lower_x": a["tpot_mean_s"] / b["tpot_mean_s"],
+        }
     command = " ".join(["flock /tmp/swiftkv-heavy.lock .venv/bin/python benchmarks/serve.py", *sys.argv[1:]])
-    results = {"model": base.name, "num_hidden_layers": num_layers, "num_key_value_layers": l,
-               "vllm_version": vllm.__version__, "device": f"CPU ({os.cpu_count()} cores), fp32",
-               "enforce_eager": not args.compile, "num_requests": args.num_requests,
-               "max_num_seqs": args.max_num_seqs, "workloads": {w: {"prompt_tokens": p, "output_tokens": o}
-                                                                for w, (p, o) in WORKLOADS.items()},
-               "runs": runs, "ratios_swiftkv_over_stock": ratios, "command": command}
+    results = {
+        "model": base.name,
+        "num_hidden_layers": num_layers,
+        "num_key_value_layers": l,
+        "vllm_version": vllm.__version__,
+        "device": f"CPU ({os.cpu_count()} cores), fp32",
+        "enforce_eager": not args.compile,
+        "num_requests": args.num_requests,
+        "max_num_seqs": args.max_num_seqs,
+        "workloads": {w: {"prompt_tokens": p, "output_tokens": o} for w, (p, o) in WORKLOADS.items()},
+        "runs": runs,
+        "ratios_swiftkv_over_stock": ratios,
+        "command": command,
+    }
 
     write_report(results, args.out)
 
@@ -202,36 +269,57 @@ def write_report(results: dict, out: Path) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".json").write_text(json.dumps(results, indent=2))
     plot(results, out.with_suffix(".png"))
-    lines = [f"# Serving benchmark: {results['model']} in stock vLLM vs SwiftKV (l={l} of {num_layers})", "",
-             f"vLLM {results['vllm_version']}, {results['device']}, eager={results['enforce_eager']}, bursts of "
-             f"{n} requests (max_num_seqs={results['max_num_seqs']}), greedy, ignore_eos.", "",
-             "| workload (prompt/output) | model | combined tok/s | mean TTFT (s) | mean TPOT (ms) |",
-             "|---|---|---|---|---|"]
+    lines = [
+        f"# Serving benchmark: {results['model']} in stock vLLM vs SwiftKV (l={l} of {num_layers})",
+        "",
+        f"vLLM {results['vllm_version']}, {results['device']}, eager={results['enforce_eager']}, bursts of "
+        f"{n} requests (max_num_seqs={results['max_num_seqs']}), greedy, ignore_eos.",
+        "",
+        "| workload (prompt/output) | model | combined tok/s | mean TTFT (s) | mean TPOT (ms) |",
+        "|---|---|---|---|---|",
+    ]
     for w in WORKLOADS:
         for label, run in runs.items():
             r = run["workloads"][w]
-            lines.append(f"| {w} | {label} | {r['combined_tok_s']:.0f} | {r['ttft_mean_s']:.2f} | "
-                         f"{1000 * r['tpot_mean_s']:.1f} |")
-    lines += ["", "| workload | throughput (SwiftKV / stock) | TTFT (stock / SwiftKV) | TPOT (stock / SwiftKV) |",
-              "|---|---|---|---|"]
-    for w, r in ratios.items():
-        lines.append(f"| {w} | {r['combined_throughput_x']:.2f}x | {r['ttft_lower_x']:.2f}x | {r['tpot_lower_x']:.2f}x |")
+            lines.append(
+                f"| {w} | {label} | {r['combined_tok_s']:.0f} | {r['ttft_mean_s']:.2f} | "
+                f"{1000 * r['tpot_mean_s']:.1f} |"
+            )
     lines += [
-        "", "How it was measured:", "",
+        "",
+        "| workload | throughput (SwiftKV / stock) | TTFT (stock / SwiftKV) | TPOT (stock / SwiftKV) |",
+        "|---|---|---|---|",
+    ]
+    for w, r in ratios.items():
+        lines.append(
+            f"| {w} | {r['combined_throughput_x']:.2f}x | {r['ttft_lower_x']:.2f}x | {r['tpot_lower_x']:.2f}x |"
+        )
+    lines += [
+        "",
+        "How it was measured:",
+        "",
         f"- Each workload is ONE burst of {n} requests submitted at once to vLLM's async engine (the engine behind "
         "`vllm serve`), streamed; random prompt token ids (the same for both models), exact output lengths. "
         f"Scaled down to {n} requests per workload so that the whole run takes about 6 minutes on 2 cores.",
         "- TTFT includes queueing behind the other requests' prefill (chunked prefill, 2048 tokens per step); "
         "TPOT is (last token - first token) / (output tokens - 1) per request, so it includes the decode steps "
         "slowed down by other requests' prefill chunks.",
-        ("- Both models eager (no torch.compile), " if results["enforce_eager"] else
-         "- vLLM's default compile mode, both models torch.compiled (on CPU: dynamo + inductor, no CUDA graphs); "
-         "the SwiftKV model as two compile units, layers < l with the K/V projection and cache writes for all "
-         "tokens, and layers >= l for the gathered tokens whose logits are sampled; ") +
-        "fp32, prefix caching off, the same KV cache space (4 GiB). "
+        (
+            "- Both models eager (no torch.compile), "
+            if results["enforce_eager"]
+            else "- vLLM's default compile mode, both models torch.compiled (on CPU: dynamo + inductor, no CUDA graphs); "
+            "the SwiftKV model as two compile units, layers < l with the K/V projection and cache writes for all "
+            "tokens, and layers >= l for the gathered tokens whose logits are sampled; "
+        )
+        + "fp32, prefix caching off, the same KV cache space (4 GiB). "
         "The SwiftKV model is the base converted at l=L/2 (published init, not distilled: speed does not depend "
         "on the weights) and exported for serving.",
-        "", "Command:", "", f"    {results['command']}", ""]
+        "",
+        "Command:",
+        "",
+        f"    {results['command']}",
+        "",
+    ]
     out.with_suffix(".md").write_text("\n".join(lines))
     print("\n".join(lines))
 

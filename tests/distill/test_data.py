@@ -4,11 +4,11 @@ import json
 
 import pytest
 import torch
-from tests.distill.conftest import write_jsonl
 from transformers import AutoTokenizer
 
 from swiftkv_distill.data import DataError, DistillDataModule, collate, load_records, pack, split_indices
 from swiftkv_distill.module import build_swiftkv_model
+from tests.distill.conftest import write_jsonl
 
 
 def test_pack_and_collate_positions_and_labels():

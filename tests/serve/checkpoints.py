@@ -6,9 +6,17 @@ from pathlib import Path
 
 import torch
 
-TINY = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=8, num_attention_heads=4,
-            num_key_value_heads=2, max_position_embeddings=1024, tie_word_embeddings=True,
-            initializer_range=0.1, rms_norm_eps=1e-6)
+TINY = dict(
+    hidden_size=128,
+    intermediate_size=256,
+    num_hidden_layers=8,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=1024,
+    tie_word_embeddings=True,
+    initializer_range=0.1,
+    rms_norm_eps=1e-6,
+)
 
 
 def smollm2_path() -> Path:
@@ -21,11 +29,18 @@ def tiny_base(out_dir: Path, seed: int = 0, family: str = "llama") -> Path:
     """A tiny random Llama or Qwen2 (head_dim 32, the CPU kernels' smallest) with SmolLM2's tokenizer."""
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
-    config_cls, model_cls = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM)}[family]
+    config_cls, model_cls = {
+        "llama": (LlamaConfig, LlamaForCausalLM),
+        "qwen2": (Qwen2Config, Qwen2ForCausalLM),
+    }[family]
     tokenizer = AutoTokenizer.from_pretrained(smollm2_path())
     torch.manual_seed(seed)
-    config = config_cls(vocab_size=len(tokenizer), bos_token_id=tokenizer.bos_token_id,
-                        eos_token_id=tokenizer.eos_token_id, **TINY)
+    config = config_cls(
+        vocab_size=len(tokenizer),
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        **TINY,
+    )
     model = model_cls(config).eval()
     if family == "qwen2":  # random biases too, so that the q/k/v biases are exercised
         with torch.no_grad():
@@ -37,8 +52,15 @@ def tiny_base(out_dir: Path, seed: int = 0, family: str = "llama") -> Path:
     return out_dir
 
 
-def swiftkv_checkpoint(base: Path, out_dir: Path, num_key_value_layers: int, key_value_group_size: int = 1,
-                       noise: float = 0.0, serving: bool = False, seed: int = 0) -> Path:
+def swiftkv_checkpoint(
+    base: Path,
+    out_dir: Path,
+    num_key_value_layers: int,
+    key_value_group_size: int = 1,
+    noise: float = 0.0,
+    serving: bool = False,
+    seed: int = 0,
+) -> Path:
     """``base`` converted to SwiftKV (published recipe init), optionally with the SwiftKV weights perturbed.
 
     The noise makes the SwiftKV projections differ from the teacher's, so a server that used the wrong
@@ -69,7 +91,14 @@ def hf_greedy(path: Path, prompts: list[list[int]], max_new_tokens: int) -> list
     outputs = []
     for prompt in prompts:
         ids = torch.tensor([prompt])
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
-                             do_sample=False, temperature=None, top_p=None, top_k=None)
-        outputs.append(out[0, len(prompt):].tolist())
+        out = model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            temperature=None,
+            top_p=None,
+            top_k=None,
+        )
+        outputs.append(out[0, len(prompt) :].tolist())
     return outputs

@@ -6,7 +6,6 @@ import contextlib
 import gc
 import os
 import random
-import sys
 from pathlib import Path
 
 import pytest
@@ -14,7 +13,6 @@ import pytest
 # In-process engine core (about 6 s to start instead of 40 s) and a small CPU KV cache (GiB).
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-sys.path.insert(0, str(Path(__file__).parent))
 
 from tests.serve.checkpoints import smollm2_path, swiftkv_checkpoint, tiny_base  # noqa: E402
 
@@ -25,7 +23,9 @@ PROMPT_LENGTHS = (5, 37, 70, 130)
 MAX_NUM_BATCHED_TOKENS = 48
 
 
-def random_prompts(lengths=PROMPT_LENGTHS, seed: int = 0, low: int = 100, high: int = 49000) -> list[list[int]]:
+def random_prompts(
+    lengths=PROMPT_LENGTHS, seed: int = 0, low: int = 100, high: int = 49000
+) -> list[list[int]]:
     rng = random.Random(seed)
     return [[rng.randrange(low, high) for _ in range(n)] for n in lengths]
 
@@ -36,8 +36,15 @@ def vllm_engine(path: Path | str, **kwargs):
     from vllm import LLM
     from vllm.distributed import cleanup_dist_env_and_memory
 
-    options = dict(dtype="float32", enforce_eager=True, max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS,
-                   enable_chunked_prefill=True, max_model_len=512, max_num_seqs=8, seed=0)
+    options = dict(
+        dtype="float32",
+        enforce_eager=True,
+        max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS,
+        enable_chunked_prefill=True,
+        max_model_len=512,
+        max_num_seqs=8,
+        seed=0,
+    )
     options.update(kwargs)
     llm = LLM(model=str(path), **options)
     try:
@@ -54,8 +61,11 @@ def greedy(llm, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
-    outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts],
-                           SamplingParams(temperature=0.0, max_tokens=max_tokens), use_tqdm=False)
+    outputs = llm.generate(
+        [TokensPrompt(prompt_token_ids=p) for p in prompts],
+        SamplingParams(temperature=0.0, max_tokens=max_tokens),
+        use_tqdm=False,
+    )
     return [list(o.outputs[0].token_ids) for o in outputs]
 
 
@@ -78,8 +88,9 @@ def tiny_swiftkv(checkpoints, tiny_llama) -> Path:
 @pytest.fixture(scope="session")
 def tiny_swiftkv_serving(checkpoints, tiny_llama) -> Path:
     """8 layers, l=4, g=1, written by export_for_serving (no teacher q/k/v for layers >= l)."""
-    return swiftkv_checkpoint(tiny_llama, checkpoints / "tiny-swiftkv-l4-g1-serving", 4, 1, noise=0.5,
-                              serving=True, seed=1)
+    return swiftkv_checkpoint(
+        tiny_llama, checkpoints / "tiny-swiftkv-l4-g1-serving", 4, 1, noise=0.5, serving=True, seed=1
+    )
 
 
 @pytest.fixture(scope="session")

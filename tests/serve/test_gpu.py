@@ -4,10 +4,14 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from tests.serve.conftest import greedy, random_prompts, vllm_engine
 
-pytestmark = [pytest.mark.vllm, pytest.mark.gpu,
-              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+pytestmark = [
+    pytest.mark.vllm,
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
 
 
 @torch.inference_mode()
@@ -19,9 +23,16 @@ def _hf_greedy_cuda(path, prompts, max_new_tokens, dtype):
     outputs = []
     for prompt in prompts:
         ids = torch.tensor([prompt], device="cuda")
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
-                             do_sample=False, temperature=None, top_p=None, top_k=None)
-        outputs.append(out[0, len(prompt):].tolist())
+        out = model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            temperature=None,
+            top_p=None,
+            top_k=None,
+        )
+        outputs.append(out[0, len(prompt) :].tolist())
     return outputs
 
 

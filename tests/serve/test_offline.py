@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+
 from tests.serve.checkpoints import hf_greedy, swiftkv_checkpoint
 from tests.serve.conftest import PROMPT_LENGTHS, greedy, random_prompts, vllm_engine
 
@@ -32,8 +33,10 @@ def test_later_layers_run_only_for_sampled_tokens(tiny_engine):
     def install(model):
         layers = model.model.layers
         l = model.config.num_key_value_layers
-        return [layers[i].register_forward_hook(lambda m, args, out, key=key: seen[key].append(args[1].shape[0]))
-                for i, key in ((0, "first"), (l, "swiftkv"), (len(layers) - 1, "last"))]
+        return [
+            layers[i].register_forward_hook(lambda m, args, out, key=key: seen[key].append(args[1].shape[0]))
+            for i, key in ((0, "first"), (l, "swiftkv"), (len(layers) - 1, "last"))
+        ]
 
     handles = tiny_engine.apply_model(install)[0]
     try:
@@ -55,7 +58,9 @@ def test_prompt_logprobs_rejected(tiny_engine):
     with pytest.raises(VLLMValidationError, match="prompt_logprobs are not supported by SwiftKV"):
         tiny_engine.generate([prompt], SamplingParams(max_tokens=2, prompt_logprobs=1), use_tqdm=False)
     # The engine keeps serving, and sampled-token logprobs are fine.
-    out = tiny_engine.generate([prompt], SamplingParams(temperature=0.0, max_tokens=2, logprobs=2), use_tqdm=False)
+    out = tiny_engine.generate(
+        [prompt], SamplingParams(temperature=0.0, max_tokens=2, logprobs=2), use_tqdm=False
+    )
     assert len(out[0].outputs[0].token_ids) == 2 and out[0].outputs[0].logprobs
 
 
@@ -75,10 +80,15 @@ def test_default_compilation_mode_matches_hf(tiny_swiftkv):
     def compile_state(model):
         # A compiled function in use: torch.compile's AOT artifact (vLLM's default with torch >= 2.10, compiled
         # now or loaded from vLLM's compile cache) or dynamo's transformed bytecode.
-        return [(type(unit).__name__, unit.do_not_compile,
-                 getattr(unit, "aot_compiled_fn", None) is not None
-                 or getattr(unit, "_compiled_bytecode", None) is not None)
-                for unit in (model.model.self_decoder, model.model.cross_decoder)]
+        return [
+            (
+                type(unit).__name__,
+                unit.do_not_compile,
+                getattr(unit, "aot_compiled_fn", None) is not None
+                or getattr(unit, "_compiled_bytecode", None) is not None,
+            )
+            for unit in (model.model.self_decoder, model.model.cross_decoder)
+        ]
 
     models_seen = compilation_counter.num_models_seen
     prompts = random_prompts(seed=6)
@@ -122,8 +132,11 @@ def smollm2_runs(checkpoints, smollm2):
     for name, path in paths.items():
         with vllm_engine(path) as llm:
             cache_config = llm.llm_engine.vllm_config.cache_config
-            runs[name] = {"tokens": greedy(llm, prompts, MAX_TOKENS), "blocks": cache_config.num_gpu_blocks,
-                          "fast_prefill": cache_config.kv_sharing_fast_prefill}
+            runs[name] = {
+                "tokens": greedy(llm, prompts, MAX_TOKENS),
+                "blocks": cache_config.num_gpu_blocks,
+                "fast_prefill": cache_config.kv_sharing_fast_prefill,
+            }
     return prompts, paths, runs
 
 
@@ -141,7 +154,9 @@ def test_smollm2_no_skipped_layer_equals_stock_llama(smollm2_runs):
     assert not runs["l30"]["fast_prefill"]
 
 
-@pytest.mark.parametrize(("variant", "factor"), [("l30", 1.0), ("l15-g1", 1.0), ("l15-g3", 30 / (15 + 15 / 3))])
+@pytest.mark.parametrize(
+    ("variant", "factor"), [("l30", 1.0), ("l15-g1", 1.0), ("l15-g3", 30 / (15 + 15 / 3))]
+)
 def test_kv_capacity_grows_with_acrosskv(smollm2_runs, variant, factor):
     """Same cache space: capacity grows by L / (l + (L - l) / g) (1.5x for l=15, g=3 on 30 layers)."""
     _, _, runs = smollm2_runs

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+
 from tests.serve.checkpoints import hf_greedy
 from tests.serve.conftest import greedy, random_prompts, vllm_engine
 

@@ -15,6 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
+
 from tests.serve.checkpoints import hf_greedy
 from tests.serve.conftest import random_prompts
 
@@ -47,11 +48,29 @@ def server(tiny_swiftkv, tmp_path_factory):
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"}
     env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)  # the server as users run it
     # `swiftkv-serve CHECKPOINT ...` is `vllm serve CHECKPOINT ...` (its module form with vllm-cpu, see cli.py).
-    command = [str(Path(sys.executable).parent / "swiftkv-serve"), str(tiny_swiftkv), "--host", "127.0.0.1",
-               "--port", str(port), "--dtype", "float32", "--enforce-eager", "--max-model-len", "512",
-               "--max-num-batched-tokens", "48", "--max-num-seqs", str(NUM_CONCURRENT), "--seed", "0"]
+    command = [
+        str(Path(sys.executable).parent / "swiftkv-serve"),
+        str(tiny_swiftkv),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--dtype",
+        "float32",
+        "--enforce-eager",
+        "--max-model-len",
+        "512",
+        "--max-num-batched-tokens",
+        "48",
+        "--max-num-seqs",
+        str(NUM_CONCURRENT),
+        "--seed",
+        "0",
+    ]
     with open(log, "w") as out:
-        proc = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        proc = subprocess.Popen(
+            command, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True
+        )
     base = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 240
@@ -78,8 +97,14 @@ def server(tiny_swiftkv, tmp_path_factory):
 
 
 def _complete(base: str, model: str, prompt: list[int], **extra) -> tuple[int, dict]:
-    body = {"model": model, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0.0,
-            "return_token_ids": True, **extra}
+    body = {
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": MAX_TOKENS,
+        "temperature": 0.0,
+        "return_token_ids": True,
+        **extra,
+    }
     return _post(f"{base}/v1/completions", body)
 
 

@@ -66,7 +66,9 @@ def analyze(
         texts = _sample_texts()
     base, tokenizer = load(model)
     similarity = layer_input_similarity(base, tokenizer, texts, max_length=max_length)
-    result = write_report(similarity, threshold, out_dir, title=f"{resolve_model_path(model).name}: layer input similarity")
+    result = write_report(
+        similarity, threshold, out_dir, title=f"{resolve_model_path(model).name}: layer input similarity"
+    )
     print(json.dumps({k: v for k, v in result.items() if k != "similarity"}, indent=2))
     print(f"wrote {out_dir}/similarity.json and similarity.png")
 

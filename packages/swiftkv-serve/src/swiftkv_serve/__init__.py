@@ -77,4 +77,10 @@ def register() -> None:
     register_engine_config_hooks(ARCHITECTURES)
 
 
-__all__ = ["ARCHITECTURES", "SUPPORTED_VLLM_VERSION", "UnsupportedVLLMVersion", "check_vllm_version", "register"]
+__all__ = [
+    "ARCHITECTURES",
+    "SUPPORTED_VLLM_VERSION",
+    "UnsupportedVLLMVersion",
+    "check_vllm_version",
+    "register",
+]

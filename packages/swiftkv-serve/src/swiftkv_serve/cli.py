@@ -29,8 +29,10 @@ def describe(checkpoint: Path) -> str:
             "`vllm serve` directly, or convert it first (`swiftkv convert`)."
         )
     L, l, g = config.num_hidden_layers, config.num_key_value_layers, config.key_value_group_size
-    return (f"SwiftKV {config.architectures[0]}: layers >= {l} of {L} skipped in prefill, AcrossKV group size {g}, "
-            f"KV cache capacity x{L / config.num_kv_cache_layers:.2f}")
+    return (
+        f"SwiftKV {config.architectures[0]}: layers >= {l} of {L} skipped in prefill, AcrossKV group size {g}, "
+        f"KV cache capacity x{L / config.num_kv_cache_layers:.2f}"
+    )
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -59,7 +61,14 @@ def serve_command(checkpoint: Path, options: list[str]) -> list[str]:
     try:
         version("vllm")
     except PackageNotFoundError:
-        return [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(checkpoint), *options]
+        return [
+            sys.executable,
+            "-m",
+            "vllm.entrypoints.openai.api_server",
+            "--model",
+            str(checkpoint),
+            *options,
+        ]
     vllm = shutil.which("vllm") or str(Path(sys.executable).parent / "vllm")
     return [vllm, "serve", str(checkpoint), *options]
 

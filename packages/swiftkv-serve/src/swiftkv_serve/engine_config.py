@@ -34,7 +34,8 @@ def _make_hook_class():
             if not getattr(hf_config, "swiftkv", True):
                 logger.warning(
                     "This checkpoint's config has swiftkv=false; vLLM serves SwiftKV checkpoints with the SwiftKV "
-                    "forward (num_key_value_layers=%d) regardless.", num_kv_layers
+                    "forward (num_key_value_layers=%d) regardless.",
+                    num_kv_layers,
                 )
             if num_kv_layers >= num_layers:
                 return  # nothing skipped: the model is a plain Llama / Qwen2, prompt logprobs are right

@@ -66,8 +66,13 @@ from vllm.v1.attention.selector import get_attn_backend
 logger = init_logger(__name__)
 
 # checkpoint name -> (vLLM parameter, shard) for the layers that keep their original attention (< l)
-_STACKED = ((".qkv_proj", ".q_proj", "q"), (".qkv_proj", ".k_proj", "k"), (".qkv_proj", ".v_proj", "v"),
-            (".gate_up_proj", ".gate_proj", 0), (".gate_up_proj", ".up_proj", 1))
+_STACKED = (
+    (".qkv_proj", ".q_proj", "q"),
+    (".qkv_proj", ".k_proj", "k"),
+    (".qkv_proj", ".v_proj", "v"),
+    (".gate_up_proj", ".gate_proj", 0),
+    (".gate_up_proj", ".up_proj", 1),
+)
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 _SWIFTKV_KV = re.compile(r"^model\.layers\.(\d+)\.self_attn\.([kv])_proj_swiftkv\.(weight|bias)$")
 _TEACHER_QKV = re.compile(r"^model\.layers\.(\d+)\.self_attn\.[qkv]_proj\.")
@@ -91,34 +96,60 @@ class _Family:
 
     def base_layer(self, vllm_config: VllmConfig, prefix: str) -> nn.Module:
         if self.name == "qwen2":
-            return Qwen2DecoderLayer(vllm_config.model_config.hf_config, vllm_config.cache_config,
-                                     vllm_config.quant_config, prefix=prefix)
+            return Qwen2DecoderLayer(
+                vllm_config.model_config.hf_config,
+                vllm_config.cache_config,
+                vllm_config.quant_config,
+                prefix=prefix,
+            )
         return LlamaDecoderLayer(vllm_config=vllm_config, prefix=prefix)
 
     def mlp(self, config, quant_config, prefix: str) -> nn.Module:
         if self.name == "qwen2":
-            return Qwen2MLP(config.hidden_size, config.intermediate_size, config.hidden_act,
-                            quant_config=quant_config, prefix=prefix)
-        return LlamaMLP(config.hidden_size, config.intermediate_size, config.hidden_act,
-                        quant_config=quant_config, bias=self.mlp_bias, prefix=prefix)
+            return Qwen2MLP(
+                config.hidden_size,
+                config.intermediate_size,
+                config.hidden_act,
+                quant_config=quant_config,
+                prefix=prefix,
+            )
+        return LlamaMLP(
+            config.hidden_size,
+            config.intermediate_size,
+            config.hidden_act,
+            quant_config=quant_config,
+            bias=self.mlp_bias,
+            prefix=prefix,
+        )
 
 
-def _attend(attn: Attention, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-            kv_cache_dummy_dep: torch.Tensor | None) -> torch.Tensor:
+def _attend(
+    attn: Attention,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    kv_cache_dummy_dep: torch.Tensor | None,
+) -> torch.Tensor:
     """Attention of ``query`` over the cache only (this layer's K/V were written before, for all tokens).
 
     ``kv_cache_dummy_dep`` is the result of the cache write: passing it keeps torch.compile from reordering
     or dropping the write (see vLLM's ``Attention.forward``).
     """
-    output = torch.empty((query.shape[0], attn.num_heads * attn.head_size), dtype=query.dtype,
-                         device=query.device)
-    args = (query.view(-1, attn.num_heads, attn.head_size), key, value,
-            output.view(-1, attn.num_heads, attn.head_size))
+    output = torch.empty(
+        (query.shape[0], attn.num_heads * attn.head_size), dtype=query.dtype, device=query.device
+    )
+    args = (
+        query.view(-1, attn.num_heads, attn.head_size),
+        key,
+        value,
+        output.view(-1, attn.num_heads, attn.head_size),
+    )
     if attn.use_direct_call:
         unified_attention_with_output(*args, attn.layer_name, kv_cache_dummy_dep=kv_cache_dummy_dep)
     else:
-        torch.ops.vllm.unified_attention_with_output(*args, _encode_layer_name(attn.layer_name),
-                                                     kv_cache_dummy_dep=kv_cache_dummy_dep)
+        torch.ops.vllm.unified_attention_with_output(
+            *args, _encode_layer_name(attn.layer_name), kv_cache_dummy_dep=kv_cache_dummy_dep
+        )
     return output
 
 
@@ -134,26 +165,39 @@ class SwiftKVAttention(nn.Module):
 
     def __init__(self, vllm_config: VllmConfig, family: _Family, rotary_emb: nn.Module, prefix: str):
         super().__init__()
-        config, cache_config, quant_config = (vllm_config.model_config.hf_config, vllm_config.cache_config,
-                                              vllm_config.quant_config)
+        config, cache_config, quant_config = (
+            vllm_config.model_config.hf_config,
+            vllm_config.cache_config,
+            vllm_config.quant_config,
+        )
         layer_idx = extract_layer_index(prefix)
         tp_size = get_tensor_model_parallel_world_size()
         self.head_dim = family.head_dim
         self.num_heads = config.num_attention_heads // tp_size
         self.num_kv_heads = config.num_key_value_heads // tp_size
         self.q_proj_swiftkv = ColumnParallelLinear(
-            config.hidden_size, config.num_attention_heads * self.head_dim, bias=family.qkv_bias,
-            quant_config=quant_config, prefix=f"{prefix}.q_proj_swiftkv",
+            config.hidden_size,
+            config.num_attention_heads * self.head_dim,
+            bias=family.qkv_bias,
+            quant_config=quant_config,
+            prefix=f"{prefix}.q_proj_swiftkv",
         )
         self.o_proj = RowParallelLinear(
-            config.num_attention_heads * self.head_dim, config.hidden_size, bias=family.o_bias,
-            quant_config=quant_config, prefix=f"{prefix}.o_proj",
+            config.num_attention_heads * self.head_dim,
+            config.hidden_size,
+            bias=family.o_bias,
+            quant_config=quant_config,
+            prefix=f"{prefix}.o_proj",
         )
         self.rotary_emb = rotary_emb
 
         leader = config.kv_group_leader(layer_idx)
         # AcrossKV: every non-leader layer of a group reads the leader's cache and owns none.
-        target = None if leader == layer_idx else prefix.replace(f"layers.{layer_idx}.", f"layers.{leader}.") + ".attn"
+        target = (
+            None
+            if leader == layer_idx
+            else prefix.replace(f"layers.{layer_idx}.", f"layers.{leader}.") + ".attn"
+        )
         kv_cache_dtype = cache_config.cache_dtype if cache_config is not None else "auto"
         backend = get_attn_backend(self.head_dim, torch.get_default_dtype(), kv_cache_dtype)
         if backend.forward_includes_kv_cache_update:
@@ -162,8 +206,13 @@ class SwiftKVAttention(nn.Module):
                 f"{backend.get_name()} does both in one kernel. Choose another backend (e.g. FLASH_ATTN)."
             )
         self.attn = Attention(
-            self.num_heads, self.head_dim, self.head_dim**-0.5, num_kv_heads=self.num_kv_heads,
-            cache_config=cache_config, quant_config=quant_config, prefix=f"{prefix}.attn",
+            self.num_heads,
+            self.head_dim,
+            self.head_dim**-0.5,
+            num_kv_heads=self.num_kv_heads,
+            cache_config=cache_config,
+            quant_config=quant_config,
+            prefix=f"{prefix}.attn",
             kv_sharing_target_layer_name=target,
             # Fast prefill: with kv_sharing_fast_prefill on, this layer's metadata covers only the tokens whose
             # logits are needed; without it the metadata is the usual one.
@@ -221,14 +270,20 @@ class SwiftKVSelfDecoder(nn.Module):
         if self.num_groups:
             self.norm_swiftkv, self.kv_proj_swiftkv = model.norm_swiftkv, model.kv_proj_swiftkv
             self.rotary_emb = model.rotary_emb
-            self.leaders = [model.layers[model.num_kv_layers + g * model.group_size].self_attn.attn
-                            for g in range(self.num_groups)]
+            self.leaders = [
+                model.layers[model.num_kv_layers + g * model.group_size].self_attn.attn
+                for g in range(self.num_groups)
+            ]
             self.head_dim = model.layers[model.num_kv_layers].self_attn.head_dim
         else:
             self.norm = model.norm
 
-    def forward(self, input_ids: torch.Tensor | None, positions: torch.Tensor,
-                inputs_embeds: torch.Tensor | None = None):
+    def forward(
+        self,
+        input_ids: torch.Tensor | None,
+        positions: torch.Tensor,
+        inputs_embeds: torch.Tensor | None = None,
+    ):
         hidden = inputs_embeds if inputs_embeds is not None else self.embed_tokens(input_ids)
         residual = None
         for layer in self.layers:
@@ -245,8 +300,13 @@ class SwiftKVSelfDecoder(nn.Module):
         deps = []
         for group, leader in enumerate(self.leaders):
             cols = slice(group * self.kv_size, (group + 1) * self.kv_size)
-            deps.append(_write_kv(leader, keys[:, cols].view(num_tokens, -1, self.head_dim),
-                                  values[:, cols].reshape(num_tokens, -1, self.head_dim)))
+            deps.append(
+                _write_kv(
+                    leader,
+                    keys[:, cols].view(num_tokens, -1, self.head_dim),
+                    values[:, cols].reshape(num_tokens, -1, self.head_dim),
+                )
+            )
         return stream, torch.cat([keys, values], dim=-1), *deps
 
 
@@ -256,22 +316,28 @@ class SwiftKVCrossDecoder(nn.Module):
 
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = "", model: SwiftKVModel):
         super().__init__()
-        self.layers = model.layers[model.num_kv_layers:]
+        self.layers = model.layers[model.num_kv_layers :]
         self.norm = model.norm
         self.num_groups, self.kv_size, self.group_size = model.num_groups, model.kv_size, model.group_size
         self.head_dim = model.layers[model.num_kv_layers].self_attn.head_dim
 
-    def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor, kv: torch.Tensor,
-                deps: list[torch.Tensor]) -> torch.Tensor:
+    def forward(
+        self, positions: torch.Tensor, hidden_states: torch.Tensor, kv: torch.Tensor, deps: list[torch.Tensor]
+    ) -> torch.Tensor:
         num_tokens = kv.shape[0]
         keys, values = kv.split(self.num_groups * self.kv_size, dim=-1)
         hidden, residual = hidden_states, None
         for j, layer in enumerate(self.layers):
             group = j // self.group_size
             cols = slice(group * self.kv_size, (group + 1) * self.kv_size)
-            hidden, residual = layer(positions, hidden, residual,
-                                     keys[:, cols].reshape(num_tokens, -1, self.head_dim),
-                                     values[:, cols].reshape(num_tokens, -1, self.head_dim), deps[group])
+            hidden, residual = layer(
+                positions,
+                hidden,
+                residual,
+                keys[:, cols].reshape(num_tokens, -1, self.head_dim),
+                values[:, cols].reshape(num_tokens, -1, self.head_dim),
+                deps[group],
+            )
         hidden, _ = self.norm(hidden, residual)
         return hidden
 
@@ -282,7 +348,9 @@ class SwiftKVModel(nn.Module):
         config = vllm_config.model_config.hf_config
         quant_config = vllm_config.quant_config
         if get_pp_group().world_size > 1:
-            raise NotImplementedError("SwiftKV models do not support pipeline parallelism; use tensor parallelism.")
+            raise NotImplementedError(
+                "SwiftKV models do not support pipeline parallelism; use tensor parallelism."
+            )
         tp_size = get_tensor_model_parallel_world_size()
         if config.num_key_value_heads % tp_size or config.num_attention_heads % tp_size:
             raise ValueError(
@@ -297,9 +365,15 @@ class SwiftKVModel(nn.Module):
         self.num_groups = (self.num_layers - self.num_kv_layers) // self.group_size
         self.kv_size = config.num_key_value_heads // tp_size * family.head_dim  # per group, on this rank
 
-        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, quant_config=quant_config)
-        rotary_emb = get_rope(family.head_dim, max_position=family.max_position,
-                              rope_parameters=getattr(config, "rope_parameters", None), is_neox_style=True)
+        self.embed_tokens = VocabParallelEmbedding(
+            config.vocab_size, config.hidden_size, quant_config=quant_config
+        )
+        rotary_emb = get_rope(
+            family.head_dim,
+            max_position=family.max_position,
+            rope_parameters=getattr(config, "rope_parameters", None),
+            is_neox_style=True,
+        )
 
         def make_layer(layer_prefix: str) -> nn.Module:
             if extract_layer_index(layer_prefix) < self.num_kv_layers:
@@ -313,8 +387,11 @@ class SwiftKVModel(nn.Module):
             self.rotary_emb = rotary_emb
             # K of every group, then V of every group: [K_0 .. K_{G-1}, V_0 .. V_{G-1}], one matmul.
             self.kv_proj_swiftkv = MergedColumnParallelLinear(
-                config.hidden_size, [config.num_key_value_heads * family.head_dim] * (2 * self.num_groups),
-                bias=family.qkv_bias, quant_config=quant_config, prefix=f"{prefix}.kv_proj_swiftkv",
+                config.hidden_size,
+                [config.num_key_value_heads * family.head_dim] * (2 * self.num_groups),
+                bias=family.qkv_bias,
+                quant_config=quant_config,
+                prefix=f"{prefix}.kv_proj_swiftkv",
             )
         # Two torch.compile units (vLLM's default mode; eager with enforce_eager), as in vLLM's Gemma3n: the gather
         # of the sampled tokens between them has a data-dependent size. They hold references to the modules
@@ -322,20 +399,25 @@ class SwiftKVModel(nn.Module):
         from vllm.compilation.backends import set_model_tag
 
         with set_model_tag("swiftkv_self_decoder"):
-            self.self_decoder = SwiftKVSelfDecoder(vllm_config=vllm_config, prefix=f"{prefix}.self_decoder",
-                                                   model=self)
+            self.self_decoder = SwiftKVSelfDecoder(
+                vllm_config=vllm_config, prefix=f"{prefix}.self_decoder", model=self
+            )
         if self.num_groups:
             with set_model_tag("swiftkv_cross_decoder"):
-                self.cross_decoder = SwiftKVCrossDecoder(vllm_config=vllm_config,
-                                                         prefix=f"{prefix}.cross_decoder", model=self)
+                self.cross_decoder = SwiftKVCrossDecoder(
+                    vllm_config=vllm_config, prefix=f"{prefix}.cross_decoder", model=self
+                )
             # Fixed inputs of the cross-decoder for the gathered tokens (stable addresses, as Gemma3n keeps them
             # for CUDA graphs); at most max_num_batched_tokens rows.
             max_tokens = vllm_config.scheduler_config.max_num_batched_tokens
             weight = self.embed_tokens.weight
             self._sub_positions = torch.zeros(max_tokens, dtype=torch.int64, device=weight.device)
-            self._sub_hidden = torch.zeros(max_tokens, config.hidden_size, dtype=weight.dtype, device=weight.device)
-            self._sub_kv = torch.zeros(max_tokens, 2 * self.num_groups * self.kv_size, dtype=weight.dtype,
-                                       device=weight.device)
+            self._sub_hidden = torch.zeros(
+                max_tokens, config.hidden_size, dtype=weight.dtype, device=weight.device
+            )
+            self._sub_kv = torch.zeros(
+                max_tokens, 2 * self.num_groups * self.kv_size, dtype=weight.dtype, device=weight.device
+            )
 
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.embed_tokens(input_ids)
@@ -386,8 +468,10 @@ class SwiftKVModel(nn.Module):
             layer_idx = int(layer.group(1)) if layer else None
             if (match := _SWIFTKV_KV.match(name)) is not None:
                 if self.config.kv_group_leader(layer_idx) != layer_idx:
-                    raise ValueError(f"{name}: layer {layer_idx} is not the first layer of its AcrossKV group "
-                                     f"(key_value_group_size={self.group_size}); the config and weights disagree.")
+                    raise ValueError(
+                        f"{name}: layer {layer_idx} is not the first layer of its AcrossKV group "
+                        f"(key_value_group_size={self.group_size}); the config and weights disagree."
+                    )
                 shard = self.group_index(layer_idx) + (self.num_groups if match.group(2) == "v" else 0)
                 target = f"model.kv_proj_swiftkv.{match.group(3)}"
                 params[target].weight_loader(params[target], tensor, shard)
@@ -403,9 +487,11 @@ class SwiftKVModel(nn.Module):
             else:
                 target = name
                 if target not in params:
-                    raise ValueError(f"Unexpected weight {name!r} in a SwiftKV checkpoint (num_hidden_layers="
-                                     f"{self.num_layers}, num_key_value_layers={self.num_kv_layers}, "
-                                     f"key_value_group_size={self.group_size}).")
+                    raise ValueError(
+                        f"Unexpected weight {name!r} in a SwiftKV checkpoint (num_hidden_layers="
+                        f"{self.num_layers}, num_key_value_layers={self.num_kv_layers}, "
+                        f"key_value_group_size={self.group_size})."
+                    )
                 param = params[target]
                 getattr(param, "weight_loader", default_weight_loader)(param, tensor)
             loaded.add(target)
@@ -421,8 +507,9 @@ class SwiftKVForCausalLM(nn.Module):
         self.config = config
         family = _Family(config, self.family)
         self.model = SwiftKVModel(vllm_config=vllm_config, family=family, prefix="model")
-        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, quant_config=vllm_config.quant_config,
-                                      prefix="lm_head")
+        self.lm_head = ParallelLMHead(
+            config.vocab_size, config.hidden_size, quant_config=vllm_config.quant_config, prefix="lm_head"
+        )
         if config.tie_word_embeddings:
             self.lm_head = self.lm_head.tie_weights(self.model.embed_tokens)
         self.logits_processor = LogitsProcessor(config.vocab_size, scale=getattr(config, "logit_scale", 1.0))
@@ -436,9 +523,13 @@ class SwiftKVForCausalLM(nn.Module):
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.model.embed_input_ids(input_ids)
 
-    def forward(self, input_ids: torch.Tensor | None, positions: torch.Tensor,
-                intermediate_tensors: IntermediateTensors | None = None,
-                inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        input_ids: torch.Tensor | None,
+        positions: torch.Tensor,
+        intermediate_tensors: IntermediateTensors | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         return self.model(input_ids, positions, inputs_embeds)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
