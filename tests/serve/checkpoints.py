@@ -83,14 +83,17 @@ def swiftkv_checkpoint(
 
 
 @torch.inference_mode()
-def hf_greedy(path: Path, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+def hf_greedy(
+    path: Path, prompts: list[list[int]], max_new_tokens: int, device: str = "cpu", dtype=torch.float32
+) -> list[list[int]]:
     """The reference: swiftkv_core's HF model (SwiftKV forward as configured), ``generate`` greedy, one prompt each."""
     from swiftkv_core.generation import load
 
-    model, _ = load(path)
+    model, _ = load(path, dtype=dtype)
+    model = model.to(device)
     outputs = []
     for prompt in prompts:
-        ids = torch.tensor([prompt])
+        ids = torch.tensor([prompt], device=device)
         out = model.generate(
             ids,
             attention_mask=torch.ones_like(ids),
