@@ -18,12 +18,12 @@ def describe(checkpoint: Path) -> str:
     """One line on the SwiftKV settings of ``checkpoint``; raises ``ValueError`` if it is not a SwiftKV one."""
     from transformers import AutoConfig
 
-    import swiftkv_core  # noqa: F401  (registers the SwiftKV configs)
+    from swiftkv_core.convert import SWIFTKV_FAMILIES  # importing swiftkv_core registers the SwiftKV configs
 
     if not (checkpoint / "config.json").is_file():
         raise ValueError(f"{checkpoint} is not a HF checkpoint folder (no config.json).")
     config = AutoConfig.from_pretrained(checkpoint)
-    if config.model_type not in ("llama_swiftkv", "qwen2_swiftkv"):
+    if config.model_type not in SWIFTKV_FAMILIES:
         raise ValueError(
             f"{checkpoint} has model_type={config.model_type!r}, not a SwiftKV checkpoint; serve it with "
             "`vllm serve` directly, or convert it first (`swiftkv convert`)."
