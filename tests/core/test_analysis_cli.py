@@ -79,3 +79,26 @@ def test_cli_convert_and_flops(tmp_path, capsys):
 def test_cli_rejects_a_folder_that_is_no_checkpoint(tmp_path):
     with pytest.raises(FileNotFoundError, match="not a HF checkpoint folder"):
         main(["convert", "--model", str(tmp_path), "--out_dir", str(tmp_path / "x")])
+
+
+def test_cli_convert_with_least_squares_kv_init(tmp_path, capsys):
+    import inspect
+
+    from transformers import AutoModelForCausalLM
+
+    from tests.distill.conftest import tiny_llama
+
+    base = tiny_llama(tmp_path / "base")  # real SmolLM2 tokenizer, tiny random weights
+    text = tmp_path / "docs.txt"
+    text.write_text(inspect.getdoc(json) + inspect.getdoc(inspect))
+    out = tmp_path / "swift"
+    main(["convert", "--model", str(base), "--out_dir", str(out), "--num_key_value_layers", "2",
+          "--kv_init_text_files", f"[{text}]"])  # fmt: skip
+    assert "least-squares K/V init on" in capsys.readouterr().out
+    layers = AutoModelForCausalLM.from_pretrained(out).model.layers
+    attn = layers[2].self_attn
+    # layer l's own K/V are a linear function of its input: the fit recovers k/v_proj (the published init
+    # would too); layer 3's fit must differ from the published copy of its k/v_proj
+    torch.testing.assert_close(attn.k_proj_swiftkv.weight, attn.k_proj.weight, atol=2e-3, rtol=0)
+    layer3 = layers[3].self_attn
+    assert not torch.allclose(layer3.k_proj_swiftkv.weight, layer3.k_proj.weight, atol=1e-2)

@@ -16,8 +16,10 @@ def convert(
     num_key_value_layers: int | None = None,
     key_value_group_size: int = 1,
     serving: bool = False,
+    kv_init_text_files: list[Path] | None = None,
+    kv_init_tokens: int = 32768,
 ) -> None:
-    """Convert a Llama / Mistral / Qwen2 checkpoint to SwiftKV (published init recipe, not yet distilled).
+    """Convert a Llama / Mistral / Qwen2 checkpoint to SwiftKV (not yet distilled).
 
     Args:
         out_dir: Folder for the SwiftKV checkpoint (written atomically).
@@ -25,14 +27,27 @@ def convert(
         num_key_value_layers: l: layers >= l take K/V from layer l's input (default: half the layers).
         key_value_group_size: AcrossKV group size g (1: off).
         serving: Leave out the teacher q/k/v of layers >= l (smaller; serving only).
+        kv_init_text_files: Text files to fit k/v_proj_swiftkv on by least squares (swiftkv_core/kv_init.py), a far
+            better start than the published init (default, without files).
+        kv_init_tokens: Tokens of those files the fit reads at most.
     """
     from .convert import convert as convert_model
     from .convert import save_checkpoint
     from .generation import load
 
-    base, tokenizer = load(model, need_tokenizer=False)
+    base, tokenizer = load(model, need_tokenizer=bool(kv_init_text_files))
     l = base.config.num_hidden_layers // 2 if num_key_value_layers is None else num_key_value_layers
     swift = convert_model(base, l, key_value_group_size)
+    if kv_init_text_files:
+        from .kv_init import fit_kv_projections, text_batches
+
+        texts = (Path(f).read_text() for f in kv_init_text_files)
+        report = fit_kv_projections(swift, text_batches(tokenizer, texts), max_tokens=kv_init_tokens)
+        explained = [v for k, v in report.items() if k.startswith("explained/")]
+        print(
+            f"least-squares K/V init on {int(report['tokens'])} tokens: teacher K/V energy explained "
+            f"{min(explained):.3f}..{max(explained):.3f} per group"
+        )
     save_checkpoint(swift, out_dir, tokenizer=tokenizer, serving=serving)
     print(
         f"wrote {out_dir} ({type(swift).__name__}, num_key_value_layers={l}, "
