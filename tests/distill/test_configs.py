@@ -101,6 +101,8 @@ def test_cli_fit_writes_logs_plot_summary_and_exports(tmp_path, tiny_model, text
         "before"
     ].keys()
     assert {"kl", "agreement", "early_exit_agreement"} <= summary["after"].keys()
+    assert summary["init"]["kl"] < summary["before"]["kl"]  # the least-squares K/V init, before any step
+    assert summary["kv_init"]["tokens"] > 0 and 0 < summary["kv_init"]["explained_mean"] <= 1
     assert (log_dir / "metrics.png").stat().st_size > 1000
     assert list(out.rglob("events.out.tfevents.*"))
     assert (out / "export" / "hf" / "early_exit_head.safetensors").is_file()

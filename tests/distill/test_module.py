@@ -34,6 +34,42 @@ def test_shared_prefix_step_equals_two_full_passes(tiny_model):
     torch.testing.assert_close(out["loss"], expected, rtol=1e-4, atol=1e-6)
 
 
+def test_distilling_a_subset_of_positions_equals_the_full_forward_there(tiny_model):
+    """positions=P: the loss AND its gradients equal those of full teacher/student forwards restricted to P (the
+    student's later layers ran for P only, yet every position's K/V got its gradient as keys and values)."""
+    module = SwiftKVDistillation(str(tiny_model), num_key_value_layers=2, position_fraction=0.5)
+    module.configure_model()
+    model = module.swiftkv_model
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "swiftkv" in name:
+                p.add_(0.05 * torch.randn_like(p))
+    batch = collate(pack([[5, 17, 300, 42, 9, 8], [77, 1000, 3, 4, 5], [12, 13, 14, 15]], max_length=8), 0, 8)
+    positions = module.step_positions(8, "cpu")
+    assert len(positions) == 4 and torch.equal(positions, module.step_positions(8, "cpu"))  # seeded by step
+    mask = batch["loss_mask"][:, positions]
+    seen = []
+    hook = model.model.layers[3].mlp.register_forward_hook(lambda m, args, out: seen.append(args[0].shape[1]))
+    out = module.step(batch, 1.0 / mask.sum(), 2.0, 0.0, 1.0, chunk_size=3, positions=positions)
+    hook.remove()
+    assert seen == [8, 4]  # the teacher's layer 3 saw every position, the student's only the 4 distilled
+    out["loss"].backward()
+    got = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad()
+
+    kwargs = dict(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False)
+    with torch.no_grad():
+        teacher = model.swiftkv(False)(**kwargs).logits[:, positions][mask]
+    student = model.swiftkv(True)(**kwargs).logits[:, positions][mask]
+    log_ps, log_pt = torch.log_softmax(student / 2, -1), torch.log_softmax(teacher / 2, -1)
+    expected = (log_pt.exp() * (log_pt - log_ps)).sum(-1).mean() * 4
+    expected.backward()
+    torch.testing.assert_close(out["loss"], expected, rtol=1e-4, atol=1e-6)
+    assert got and got.keys() == {n for n, p in model.named_parameters() if p.grad is not None}
+    for name, grad in got.items():
+        torch.testing.assert_close(grad, dict(model.named_parameters())[name].grad, rtol=1e-3, atol=1e-6)
+
+
 def test_early_exit_loss_and_hidden_loss_are_added(tiny_model):
     module = SwiftKVDistillation(
         str(tiny_model), num_key_value_layers=2, hidden_loss_weight=0.5, early_exit=True
@@ -121,3 +157,37 @@ def test_bf16_mixed_trains(tiny_model, text_file, tmp_path):
     trainer.fit(module, dm)
     assert torch.isfinite(trainer.callback_metrics["train/loss"])
     assert all(p.dtype == torch.float32 for p in module.trainable_parameters())  # fp32 master weights
+
+
+@pytest.mark.parametrize("kv_init", ["least_squares", "published"])
+def test_kv_init_runs_once_before_training(tiny_model, text_file, tmp_path, kv_init):
+    """least_squares: fitted before the first step, measured (init/*) and closer to the teacher than the published
+    init (before/*); published: the converted weights are trained as they are."""
+    module = SwiftKVDistillation(str(tiny_model), num_key_value_layers=2, learning_rate=0.0, kv_init=kv_init)
+    dm = DistillDataModule(str(tiny_model), [str(text_file)], max_length=32, batch_size=2, val_fraction=0.2)
+    trainer = L.Trainer(
+        max_steps=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        use_distributed_sampler=False,
+        default_root_dir=tmp_path,
+    )
+    trainer.fit(module, dm)
+    before = module.before_metrics
+    if kv_init == "published":
+        assert not module.init_metrics and not module.kv_init_report
+        return
+    report, init = module.kv_init_report, module.init_metrics
+    assert report["tokens"] == sum(len(r["input_ids"]) for r in dm.train_rows)  # fewer than kv_init_tokens
+    assert 0 < report["explained_mean"] <= 1
+    assert init["kl"] < 0.5 * before["kl"] and init["agreement"] >= before["agreement"]
+    # lr 0: the one step changed nothing, so the final measurement is the init's
+    assert module.last_val_metrics["kl"] == pytest.approx(init["kl"], rel=1e-5)
+
+
+def test_bad_kv_init_and_position_fraction_are_refused(tiny_model):
+    with pytest.raises(ValueError, match="kv_init must be one of"):
+        SwiftKVDistillation(str(tiny_model), num_key_value_layers=2, kv_init="random")
+    with pytest.raises(ValueError, match="position_fraction must be in"):
+        SwiftKVDistillation(str(tiny_model), num_key_value_layers=2, position_fraction=0.0)

@@ -47,6 +47,8 @@ class RunReport(L.Callback):
         tokens = getattr(pl_module, "_tokens_seen", None)
         summary = {
             "before": getattr(pl_module, "before_metrics", {}),
+            "init": getattr(pl_module, "init_metrics", {}),
+            "kv_init": getattr(pl_module, "kv_init_report", {}),
             "after": after,
             "global_step": trainer.global_step,
             "train_tokens": tokens,
@@ -58,11 +60,14 @@ class RunReport(L.Callback):
         }
         (folder / "summary.json").write_text(json.dumps(summary, indent=2))
         if self.plot and (folder / "metrics.csv").is_file():
-            plot_metrics(folder / "metrics.csv", folder / "metrics.png", summary["before"])
+            plot_metrics(folder / "metrics.csv", folder / "metrics.png", summary["before"], summary["init"])
 
 
-def plot_metrics(csv_path: Path, png_path: Path, before: dict | None = None) -> Path:
-    """Plot the CSV logger's metrics: train loss/agreement per step, val KL/agreement per validation."""
+def plot_metrics(
+    csv_path: Path, png_path: Path, before: dict | None = None, init: dict | None = None
+) -> Path:
+    """Plot the CSV logger's metrics: train loss/agreement per step, val KL/agreement per validation; the
+    undistilled model (``before``) and the least-squares K/V init (``init``) as dashed lines."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -92,8 +97,12 @@ def plot_metrics(csv_path: Path, png_path: Path, before: dict | None = None) -> 
                     ]
                 ax.plot(xs, ys, style, label=key)
         name = before_key.split("/")[1]
-        if before and name in before and not math.isnan(before[name]):
-            ax.axhline(before[name], ls="--", color="gray", label=f"undistilled ({before[name]:.3f})")
+        for values, color, label in (
+            (before, "gray", "undistilled"),
+            (init, "tab:green", "least-squares init"),
+        ):
+            if values and name in values and not math.isnan(values[name]):
+                ax.axhline(values[name], ls="--", color=color, label=f"{label} ({values[name]:.3f})")
         ax.set_xlabel("step")
         ax.set_title(title)
         ax.legend()

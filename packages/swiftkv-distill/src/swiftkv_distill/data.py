@@ -354,6 +354,25 @@ class DistillDataModule(L.LightningDataModule):
             progress=self._batches_done,
         )
 
+    def kv_init_dataloader(self, num_tokens: int) -> DataLoader:
+        """This process's share of ``num_tokens`` training tokens, for the least-squares K/V initialisation: a
+        seeded sample of rows (the same rows for any number of processes, their count rounded up to a multiple of
+        it), split among the processes."""
+        trainer = getattr(self, "trainer", None)
+        world = trainer.world_size if trainer is not None else 1
+        rank = trainer.global_rank if trainer is not None else 0
+        rows = math.ceil(num_tokens / self.hparams.max_length)
+        rows = min(len(self.train_rows), math.ceil(rows / world) * world)
+        order = torch.randperm(
+            len(self.train_rows), generator=torch.Generator().manual_seed(self.hparams.seed + 1)
+        )
+        chosen = [self.train_rows[i] for i in order[:rows].tolist()]
+        return DataLoader(
+            RowsDataset(chosen[rank::world]),
+            batch_size=self.hparams.batch_size,
+            collate_fn=self._collate,
+        )
+
     def val_dataloader(self) -> DataLoader:
         dataset = RowsDataset(self.val_rows)
         return DataLoader(

@@ -26,10 +26,12 @@ from torchmetrics import MeanMetric
 
 from swiftkv_core.convert import FAMILIES, SWIFTKV_FAMILIES, convert
 from swiftkv_core.early_exit import EarlyExitHead
+from swiftkv_core.kv_init import KVLeastSquares
 
 from .loss import distillation_kl, eval_stats
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_KV_INITS = ("least_squares", "published")
 
 
 def check_model_config(model: str, num_key_value_layers: int, key_value_group_size: int = 1):
@@ -102,26 +104,34 @@ class DistillationStep(nn.Module):
         early_exit_weight: float,
         chunk_size: int,
         evaluate: bool = False,
+        teacher_only: bool = False,
+        positions: torch.Tensor | None = None,
     ) -> dict:
+        """``positions``: distil only these sequence positions (sorted indices; None: all). Every position still
+        gets its K/V; the student's layers >= l and both LM heads run for these positions only."""
         inner, head_weight = self.model.model, self.model.lm_head.weight
-        mask = batch["loss_mask"]
+        mask = batch["loss_mask"] if positions is None else batch["loss_mask"][:, positions]
         with torch.no_grad():
             hidden, context = inner.forward_prefix(
                 input_ids=batch["input_ids"],
                 position_ids=batch["position_ids"],
                 attention_mask=None,
                 use_cache=False,
+                keep_positions=positions,
             )
             teacher, teacher_last_input = inner.forward_suffix(
                 hidden, context, swiftkv=False, return_last_layer_input=True
             )
+            if teacher_only:  # the K/V least-squares fit only needs the teacher's layers (kv_init.py)
+                return {}
             teacher = inner.norm(teacher)[mask]
         with torch.set_grad_enabled(torch.is_grad_enabled() and not evaluate):
             student, student_last_input = inner.forward_suffix(
                 hidden, context, swiftkv=True, return_last_layer_input=True
             )
             student = inner.norm(student)[mask]
-            early = self.early_exit_head.norm(hidden[mask]) if self.early_exit_head is not None else None
+            kept = hidden if positions is None else hidden[:, positions]
+            early = self.early_exit_head.norm(kept[mask]) if self.early_exit_head is not None else None
         out: dict = {"tokens": mask.sum()}
         if evaluate:
             out["stats"] = eval_stats(student, teacher, head_weight, batch["labels"][mask], chunk_size)
@@ -188,6 +198,17 @@ class SwiftKVDistillation(L.LightningModule):
         schedule_seconds: run the warm-up + cosine schedule over this much wall time (from the first step) instead
             of over ``max_steps``, for a run with a time budget (pair with ``trainer.max_time``). The schedule then
             depends on the machine's speed, so a resumed run is no longer bit-identical to an uninterrupted one.
+        kv_init: how ``k/v_proj_swiftkv`` start: ``"least_squares"`` fits them in closed form to the teacher's K/V
+            on ``kv_init_tokens`` training tokens before the first step (swiftkv_core.kv_init; a fresh run from a
+            base model only); ``"published"`` keeps the published copy-of-``k/v_proj`` initialisation.
+        kv_init_tokens: training tokens (over all processes) the least-squares fit reads.
+        kv_init_ridge: ridge penalty of the fit, relative to the mean diagonal of ``x^T x``.
+        kv_init_weighting: ``"attention"``: weight each token's K/V error by the attention the teacher pays it (more
+            exact where it matters; eager attention during the fit and one hidden x hidden matrix per layer and KV
+            head); ``"uniform"``: plain least squares (one such matrix in all: for large models).
+        position_fraction: distil a random fraction of each row's positions per step (a new draw every step). The
+            student's layers >= l and both LM heads then run for those positions only (the SwiftKV saving, applied
+            to training), while the K/V of every position still gets gradient as keys and values. 1: all.
     """
 
     def __init__(
@@ -209,8 +230,21 @@ class SwiftKVDistillation(L.LightningModule):
         evaluate_before_training: bool = True,
         reshard_after_forward: bool = True,
         schedule_seconds: float | None = None,
+        kv_init: str = "least_squares",
+        kv_init_tokens: int = 32768,
+        kv_init_ridge: float = 1e-4,
+        kv_init_weighting: str = "attention",
+        position_fraction: float = 1.0,
     ):
         super().__init__()
+        if kv_init not in _KV_INITS:
+            raise ValueError(f"kv_init must be one of {_KV_INITS}, got {kv_init!r}.")
+        if kv_init_tokens < 1 or kv_init_ridge < 0:
+            raise ValueError(
+                f"kv_init_tokens must be >= 1 and kv_init_ridge >= 0, got {kv_init_tokens} and {kv_init_ridge}."
+            )
+        if not 0 < position_fraction <= 1:
+            raise ValueError(f"position_fraction must be in (0, 1], got {position_fraction}.")
         if model_dtype not in _DTYPES:
             raise ValueError(f"model_dtype must be one of {sorted(_DTYPES)}, got {model_dtype!r}.")
         if temperature <= 0:
@@ -230,7 +264,9 @@ class SwiftKVDistillation(L.LightningModule):
                 for name in ("kl", "agreement", "student_nll", "teacher_nll", "early_exit_agreement")
             }
         )
-        self.before_metrics: dict[str, float] = {}
+        self.before_metrics: dict[str, float] = {}  # the converted model (published init), before training
+        self.init_metrics: dict[str, float] = {}  # after the least-squares K/V init, before training
+        self.kv_init_report: dict[str, float] = {}
         self.last_val_metrics: dict[str, float] = {}
         self.last_val_step = -1
         self._tokens_seen = 0
@@ -283,8 +319,9 @@ class SwiftKVDistillation(L.LightningModule):
         world = self.trainer.world_size if self._trainer is not None else 1
         # Normalise by the GLOBAL number of real tokens: data-parallel gradient averaging then gives exactly the
         # single-process gradient of the same global batch.
-        local = batch["loss_mask"].sum()
-        row_scale = world / self._global_tokens(local).clamp(min=1)
+        positions = self.step_positions(batch["input_ids"].shape[1], batch["input_ids"].device)
+        distilled = batch["loss_mask"] if positions is None else batch["loss_mask"][:, positions]
+        row_scale = world / self._global_tokens(distilled.sum()).clamp(min=1)
         out = self.step(
             batch,
             row_scale,
@@ -292,6 +329,7 @@ class SwiftKVDistillation(L.LightningModule):
             hp.hidden_loss_weight,
             hp.early_exit_weight,
             hp.logits_chunk_size,
+            positions=positions,
         )
         batch_size = batch["input_ids"].shape[0]
         log = dict(on_step=True, on_epoch=False, batch_size=batch_size)
@@ -303,8 +341,18 @@ class SwiftKVDistillation(L.LightningModule):
         self.log("train/hidden_mse", out["hidden_mse"], sync_dist=True, **log)
         if "early_kl" in out:
             self.log("train/early_exit_kl", out["early_kl"], sync_dist=True, **log)
-        self._tokens_seen += int(local) * world
+        self._tokens_seen += int(batch["loss_mask"].sum()) * world
         return out["loss"]
+
+    def step_positions(self, length: int, device, step: int | None = None) -> torch.Tensor | None:
+        """The positions distilled at ``step`` (default: the current one): all (None), or a random
+        ``position_fraction`` of them drawn from the step number (the same on every process and after a resume)."""
+        fraction = self.hparams.position_fraction
+        if fraction >= 1:
+            return None
+        generator = torch.Generator().manual_seed(self.global_step if step is None else step)
+        count = max(1, round(length * fraction))
+        return torch.randperm(length, generator=generator)[:count].sort().values.to(device)
 
     def on_train_batch_start(self, batch, batch_idx) -> None:
         self._step_started = time.perf_counter()
@@ -407,16 +455,67 @@ class SwiftKVDistillation(L.LightningModule):
         return datamodule.val_dataloader() if datamodule is not None else self.trainer.val_dataloaders
 
     def on_train_start(self) -> None:
-        if not self.hparams.evaluate_before_training or self.global_step > 0 or self.before_metrics:
+        """A fresh run: measure the converted model (``before/*``), fit the K/V init, measure again (``init/*``).
+
+        A resumed run skips all of it: its checkpoint holds the trained weights and these metrics."""
+        if self.global_step > 0:
             return
-        loader = self._val_loader()
-        if loader is None:
-            return
-        self.before_metrics = self.evaluate(loader)
+        hp = self.hparams
+        loader = self._val_loader() if hp.evaluate_before_training else None
+        if loader is not None and not self.before_metrics:
+            self.before_metrics = self._evaluate_and_log(loader, "before", "converted, published init")
+        # not when continuing from a SwiftKV checkpoint: its K/V projections are already trained
+        fresh = self.model_config.model_type not in SWIFTKV_FAMILIES
+        if hp.kv_init == "least_squares" and fresh and not self.kv_init_report:
+            started = time.perf_counter()
+            self.kv_init_report = self.fit_kv_init()
+            seconds = time.perf_counter() - started
+            explained = [v for k, v in self.kv_init_report.items() if k.startswith("explained/")]
+            self.kv_init_report.update(seconds=seconds, explained_mean=sum(explained) / len(explained))
+            for logger in self.loggers:
+                logger.log_metrics({f"kv_init/{k}": v for k, v in self.kv_init_report.items()}, step=0)
+            if self.trainer.is_global_zero:
+                print(
+                    f"least-squares K/V init: {int(self.kv_init_report['tokens'])} tokens, {seconds:.0f} s, "
+                    f"teacher K/V energy explained {min(explained):.3f}..{max(explained):.3f} per group"
+                )
+            if loader is not None:
+                self.init_metrics = self._evaluate_and_log(loader, "init", "after the least-squares K/V init")
+
+    def _evaluate_and_log(self, loader, prefix: str, what: str) -> dict[str, float]:
+        metrics = self.evaluate(loader)
         for logger in self.loggers:
-            logger.log_metrics({f"before/{k}": v for k, v in self.before_metrics.items()}, step=0)
+            logger.log_metrics({f"{prefix}/{k}": v for k, v in metrics.items()}, step=0)
         if self.trainer.is_global_zero:
-            print("before distillation: " + ", ".join(f"{k}={v:.4f}" for k, v in self.before_metrics.items()))
+            print(f"{what}: " + ", ".join(f"{k}={v:.4f}" for k, v in metrics.items()))
+        return metrics
+
+    @torch.no_grad()
+    def fit_kv_init(self) -> dict[str, float]:
+        """Fit ``k/v_proj_swiftkv`` to the teacher's K/V by least squares (swiftkv_core.kv_init), in place.
+
+        Every process reads its share of the same ``kv_init_tokens`` training tokens; the normal equations are summed
+        over processes, so all of them (and a single-process run) get the same solution."""
+        hp = self.hparams
+        datamodule = getattr(self.trainer, "datamodule", None)
+        if not hasattr(datamodule, "kv_init_dataloader"):
+            raise ValueError(
+                "kv_init='least_squares' reads its training tokens through DistillDataModule.kv_init_dataloader; "
+                "with other data, set model.kv_init: published."
+            )
+        was_training = self.training
+        self.eval()
+        with KVLeastSquares(self.swiftkv_model, hp.kv_init_ridge, hp.kv_init_weighting) as fit:
+            for batch in datamodule.kv_init_dataloader(hp.kv_init_tokens):
+                batch = self.transfer_batch_to_device(batch, self.device, 0)
+                fit.mask = batch["loss_mask"]
+                self.step(batch, 1.0, hp.temperature, 0.0, 0.0, hp.logits_chunk_size, teacher_only=True)
+                fit.collect()
+            if self.trainer.world_size > 1:
+                fit.all_reduce(lambda t: self.trainer.strategy.reduce(t, reduce_op="sum"))
+            report = fit.solve_and_apply()
+        self.train(was_training)
+        return report
 
     def on_train_end(self) -> None:
         """Make sure the final weights are measured: validate once more unless the last validation was at the end."""
@@ -442,10 +541,14 @@ class SwiftKVDistillation(L.LightningModule):
                 k: v for k, v in checkpoint["state_dict"].items() if _is_trained_name(k)
             }
         checkpoint["before_metrics"] = self.before_metrics
+        checkpoint["init_metrics"] = self.init_metrics
+        checkpoint["kv_init_report"] = self.kv_init_report
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
         self.configure_model()  # load_from_checkpoint() does not call it; a no-op inside trainer.fit
         self.before_metrics = checkpoint.get("before_metrics", {})
+        self.init_metrics = checkpoint.get("init_metrics", {})
+        self.kv_init_report = checkpoint.get("kv_init_report", {})
 
 
 def _is_trained_name(name: str) -> bool:
