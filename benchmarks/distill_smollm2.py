@@ -68,12 +68,11 @@ def main(overrides: list[str]) -> None:
         f"{m.get('teacher_ppl', nan):.1f} |\n"
         for name, m in rows
     )
-    explained = [v for k, v in kv_init.items() if k.startswith("explained/")]
     fit_line = (
         f"Least-squares K/V init (swiftkv_core/kv_init.py): {int(kv_init['tokens'])} training tokens, "
         f"{kv_init['seconds']:.0f} s; fraction of the teacher's K/V energy reproduced per layer: "
-        f"{min(explained):.3f} to {max(explained):.3f}.\n\n"
-        if explained
+        f"{kv_init['explained_mean']:.3f} on average, {kv_init['explained_min']:.3f} at worst.\n\n"
+        if kv_init
         else ""
     )
     (RESULTS / "distill-smollm2.md").write_text(

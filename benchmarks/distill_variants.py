@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import time
 from pathlib import Path
 
@@ -38,19 +37,16 @@ def parse_variant(text: str) -> dict:
 
 def train(module, datamodule, variant: dict, seconds: float, warmup: float = 0.05, min_ratio: float = 0.1):
     """AdamW for ``seconds`` of wall time; returns (steps, tokens/s)."""
+    from swiftkv_distill.module import warmup_cosine
+
     datamodule.hparams.batch_size = variant["batch_size"]
     module.hparams.position_fraction = variant["position_fraction"]
     params = module.trainable_parameters()
     optimizer = torch.optim.AdamW(params, lr=variant["lr"], weight_decay=0.0, betas=(0.9, 0.95))
     loader, steps, tokens, start = iter(datamodule.train_dataloader()), 0, 0, time.perf_counter()
     while (elapsed := time.perf_counter() - start) < seconds:
-        progress = elapsed / seconds
-        if progress < warmup:
-            factor = max(progress / warmup, 0.01)
-        else:
-            factor = min_ratio + (1 - min_ratio) * 0.5 * (
-                1 + math.cos(math.pi * (progress - warmup) / (1 - warmup))
-            )
+        factor = warmup_cosine(elapsed / seconds, warmup, min_ratio)  # the recipe's schedule
+        factor = max(factor, 0.01) if elapsed / seconds < warmup else factor
         for group in optimizer.param_groups:
             group["lr"] = variant["lr"] * factor
         batch = next(loader)

@@ -43,10 +43,9 @@ def convert(
 
         texts = (Path(f).read_text() for f in kv_init_text_files)
         report = fit_kv_projections(swift, text_batches(tokenizer, texts), max_tokens=kv_init_tokens)
-        explained = [v for k, v in report.items() if k.startswith("explained/")]
         print(
             f"least-squares K/V init on {int(report['tokens'])} tokens: teacher K/V energy explained "
-            f"{min(explained):.3f}..{max(explained):.3f} per group"
+            f"{report['explained_mean']:.3f} on average, {report['explained_min']:.3f} at worst"
         )
     save_checkpoint(swift, out_dir, tokenizer=tokenizer, serving=serving)
     print(

@@ -172,14 +172,16 @@ class KVLeastSquares:
     # --- solution --------------------------------------------------------------------------------------------
     @torch.no_grad()
     def solve_and_apply(self) -> dict[str, float]:
-        """Solve, write ``k/v_proj_swiftkv`` (also into FSDP2-sharded parameters) and return per-group fit quality:
+        """Solve, write ``k/v_proj_swiftkv`` (also into FSDP2-sharded parameters) and return the fit quality:
         ``explained/<leader>``: the fraction of the teacher K/V's energy (sum of squares, over the group's layers;
-        attention-weighted under that weighting) that the fit reproduces."""
+        attention-weighted under that weighting) that the fit reproduces; ``explained_min`` / ``explained_mean``
+        over the groups; ``tokens``."""
         if not self.xy:
             raise RuntimeError(
                 "No tokens were collected: run at least one teacher forward inside the `with`."
             )
         report: dict[str, float] = {"tokens": float(self.tokens)}
+        explained = []
         heads = [None] if self.weighting == "uniform" else list(range(self.kv_heads))
         for leader in self.leaders:
             keys, values, residual, energy = [], [], 0.0, 0.0
@@ -196,13 +198,15 @@ class KVLeastSquares:
                 energy += float(yy)
                 keys.append(w[:, : w.shape[1] // 2])
                 values.append(w[:, w.shape[1] // 2 :])
-            report[f"explained/{leader}"] = 1 - residual / energy
+            explained.append(1 - residual / energy)
+            report[f"explained/{leader}"] = explained[-1]
             attn = self.layers[leader].self_attn
             for name, parts in (("k_proj_swiftkv", keys), ("v_proj_swiftkv", values)):
                 solution, linear = torch.cat(parts, 1), getattr(attn, name)
                 _assign(linear.weight, solution[:hidden].T)
                 if self.bias:
                     _assign(linear.bias, solution[hidden])
+        report.update(explained_min=min(explained), explained_mean=sum(explained) / len(explained))
         return report
 
 

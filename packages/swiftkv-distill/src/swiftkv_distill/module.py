@@ -86,6 +86,15 @@ def build_swiftkv_model(
     return convert(loaded, num_key_value_layers, key_value_group_size)
 
 
+def warmup_cosine(progress: float, warmup_fraction: float, min_lr_ratio: float) -> float:
+    """Learning-rate factor at ``progress`` (0..1) through the run: linear warm-up, then cosine to ``min_lr_ratio``."""
+    progress = min(progress, 1.0)
+    if progress < warmup_fraction:
+        return progress / warmup_fraction
+    decay = (progress - warmup_fraction) / max(1e-9, 1 - warmup_fraction)
+    return min_lr_ratio + (1 - min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * decay))
+
+
 class DistillationStep(nn.Module):
     """Teacher + student forward and the loss, as ONE module call (the FSDP2 root: its call gathers the
     embeddings, norms and LM head; each decoder layer is its own FSDP2 unit)."""
@@ -384,11 +393,9 @@ class SwiftKVDistillation(L.LightningModule):
             progress = step / total
             if budget and self._fit_started is not None:
                 progress = max(progress, (time.perf_counter() - self._fit_started) / budget)
-            progress = min(progress, 1.0)
-            if progress < hp.warmup_fraction:
-                return max(progress / hp.warmup_fraction, 1.0 / (total + 1), 0.01)
-            decay = (progress - hp.warmup_fraction) / max(1e-9, 1 - hp.warmup_fraction)
-            return hp.min_lr_ratio + (1 - hp.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * decay))
+            value = warmup_cosine(progress, hp.warmup_fraction, hp.min_lr_ratio)
+            # never a zero learning rate at the first warm-up step
+            return max(value, 1.0 / (total + 1), 0.01) if progress < hp.warmup_fraction else value
 
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
@@ -468,16 +475,15 @@ class SwiftKVDistillation(L.LightningModule):
         fresh = self.model_config.model_type not in SWIFTKV_FAMILIES
         if hp.kv_init == "least_squares" and fresh and not self.kv_init_report:
             started = time.perf_counter()
-            self.kv_init_report = self.fit_kv_init()
-            seconds = time.perf_counter() - started
-            explained = [v for k, v in self.kv_init_report.items() if k.startswith("explained/")]
-            self.kv_init_report.update(seconds=seconds, explained_mean=sum(explained) / len(explained))
+            report = self.kv_init_report = self.fit_kv_init()
+            report["seconds"] = seconds = time.perf_counter() - started
             for logger in self.loggers:
-                logger.log_metrics({f"kv_init/{k}": v for k, v in self.kv_init_report.items()}, step=0)
+                logger.log_metrics({f"kv_init/{k}": v for k, v in report.items()}, step=0)
             if self.trainer.is_global_zero:
                 print(
-                    f"least-squares K/V init: {int(self.kv_init_report['tokens'])} tokens, {seconds:.0f} s, "
-                    f"teacher K/V energy explained {min(explained):.3f}..{max(explained):.3f} per group"
+                    f"least-squares K/V init: {int(report['tokens'])} tokens, {seconds:.0f} s, teacher K/V "
+                    f"energy explained {report['explained_mean']:.3f} on average, {report['explained_min']:.3f} "
+                    "at worst"
                 )
             if loader is not None:
                 self.init_metrics = self._evaluate_and_log(loader, "init", "after the least-squares K/V init")
