@@ -80,3 +80,21 @@ def test_separate_teacher_head():
     torch.testing.assert_close(loss, expected)
     torch.testing.assert_close(grads[0], student.grad)
     torch.testing.assert_close(grads[1], head.grad)
+
+
+@pytest.mark.parametrize("temperature", [1.0, 2.0])
+def test_hard_label_term_matches_hand_computation(temperature):
+    """hard_weight adds the student's cross-entropy (at T=1) on the teacher's top-1 token, per row weight."""
+    torch.manual_seed(3)
+    n, hidden, vocab = 9, 12, 40
+    teacher = torch.randn(n, hidden, dtype=torch.float64)
+    student = (teacher + 0.5 * torch.randn(n, hidden, dtype=torch.float64)).requires_grad_()
+    weight, rows = torch.randn(vocab, hidden, dtype=torch.float64), torch.rand(n, dtype=torch.float64)
+    loss, _, _ = distillation_kl(student, teacher, weight, rows, temperature, 4, hard_weight=0.7)
+    (grad,) = torch.autograd.grad(loss, student)
+    kl_sum, _ = reference(student, teacher, weight, rows, temperature)
+    ce = F.cross_entropy(student @ weight.T, (teacher @ weight.T).argmax(-1), reduction="none")
+    expected = kl_sum + 0.7 * (ce * rows).sum()
+    (expected_grad,) = torch.autograd.grad(expected, student)
+    torch.testing.assert_close(loss.double(), expected, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(grad, expected_grad, rtol=1e-4, atol=1e-6)

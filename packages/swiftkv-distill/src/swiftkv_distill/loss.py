@@ -42,6 +42,7 @@ class ChunkedDistillationKL(torch.autograd.Function):
         temperature: float,
         chunk_size: int,
         teacher_weight: Tensor | None,
+        hard_weight: float = 0.0,
     ):
         with torch.autocast(device_type=student_hidden.device.type, enabled=False):
             weight = head_weight.detach().float()
@@ -57,7 +58,16 @@ class ChunkedDistillationKL(torch.autograd.Function):
                 s = student_hidden[rows].detach().float()
                 t_logits = teacher_hidden[rows].detach().float() @ t_weight.T
                 s_logits = s @ weight.T
-                agree[rows] = s_logits.argmax(-1) == t_logits.argmax(-1)
+                t_top = t_logits.argmax(-1)
+                agree[rows] = s_logits.argmax(-1) == t_top
+                w = row_weight[rows].float()
+                if hard_weight:  # cross-entropy of the student (at T=1) on the teacher's top-1 token
+                    log_ps1 = torch.log_softmax(s_logits, dim=-1)
+                    total += hard_weight * (-log_ps1.gather(-1, t_top[:, None])[:, 0] * w).sum()
+                    hard_grad = log_ps1.exp_()
+                    del log_ps1
+                    hard_grad[torch.arange(hard_grad.shape[0], device=hard_grad.device), t_top] -= 1
+                    hard_grad.mul_((w * hard_weight)[:, None])
                 log_pt = torch.log_softmax(t_logits.div_(temperature), dim=-1)
                 log_ps = torch.log_softmax(s_logits.div_(temperature), dim=-1)
                 del t_logits, s_logits
@@ -65,11 +75,13 @@ class ChunkedDistillationKL(torch.autograd.Function):
                 kl = (pt * (log_pt - log_ps)).sum(-1)
                 del log_pt
                 kl_rows[rows] = kl
-                w = row_weight[rows].float()
                 total += (kl * w).sum() * temperature**2
                 # d(T^2 * KL)/d(student logits) = T^2 * (p_s - p_t) / T
                 grad_logits = log_ps.exp_().sub_(pt).mul_((w * temperature)[:, None])
                 del pt
+                if hard_weight:
+                    grad_logits.add_(hard_grad)
+                    del hard_grad
                 grad_hidden[rows] = grad_logits @ weight
                 if need_weight_grad:
                     grad_weight.addmm_(grad_logits.T, s)
@@ -85,7 +97,7 @@ class ChunkedDistillationKL(torch.autograd.Function):
         grad_hidden = (grad_hidden * grad_total).to(hidden_dtype)
         if grad_weight is not None:
             grad_weight = (grad_weight * grad_total).to(weight_dtype)
-        return grad_hidden, None, grad_weight, None, None, None, None
+        return grad_hidden, None, grad_weight, None, None, None, None, None
 
 
 def distillation_kl(
@@ -96,8 +108,12 @@ def distillation_kl(
     temperature: float = 2.0,
     chunk_size: int = 512,
     teacher_weight: Tensor | None = None,
+    hard_weight: float = 0.0,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """``(weighted T^2-scaled KL sum, per-row KL at T, per-row top-1 agreement)``; see ``ChunkedDistillationKL``."""
+    """``(weighted T^2-scaled KL sum, per-row KL at T, per-row top-1 agreement)``; see ``ChunkedDistillationKL``.
+
+    ``hard_weight`` > 0 adds ``hard_weight * weight_i * CE_i``: the student's cross-entropy at T=1 on the teacher's
+    top-1 token (a hard-label term that pulls directly on top-1 agreement)."""
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
     return ChunkedDistillationKL.apply(
@@ -108,6 +124,7 @@ def distillation_kl(
         float(temperature),
         int(chunk_size),
         teacher_weight,
+        float(hard_weight),
     )
 
 

@@ -115,6 +115,7 @@ class DistillationStep(nn.Module):
         evaluate: bool = False,
         teacher_only: bool = False,
         positions: torch.Tensor | None = None,
+        hard_label_weight: float = 0.0,
     ) -> dict:
         """``positions``: distil only these sequence positions (sorted indices; None: all). Every position still
         gets its K/V; the student's layers >= l and both LM heads run for these positions only."""
@@ -150,7 +151,9 @@ class DistillationStep(nn.Module):
                 )
             return out
         rows = torch.full((student.shape[0],), 1.0, device=student.device) * row_scale
-        kl_sum, kl_rows, agree = distillation_kl(student, teacher, head_weight, rows, temperature, chunk_size)
+        kl_sum, kl_rows, agree = distillation_kl(
+            student, teacher, head_weight, rows, temperature, chunk_size, hard_weight=hard_label_weight
+        )
         diff = (student_last_input - teacher_last_input)[mask].float()
         mse_rows = diff.pow(2).mean(-1)
         loss = kl_sum + hidden_loss_weight * (mse_rows * rows).sum() if hidden_loss_weight else kl_sum
@@ -218,6 +221,9 @@ class SwiftKVDistillation(L.LightningModule):
         position_fraction: distil a random fraction of each row's positions per step (a new draw every step). The
             student's layers >= l and both LM heads then run for those positions only (the SwiftKV saving, applied
             to training), while the K/V of every position still gets gradient as keys and values. 1: all.
+        hard_label_weight: weight of an added hard-label term, the student's cross-entropy on the teacher's top-1
+            token (loss.py). 0 (default): pure KL; measured on SmolLM2 it lowered agreement (0.05, 0.5 and 2:
+            benchmarks/results/distill-variants-gpu*.md).
     """
 
     def __init__(
@@ -244,6 +250,7 @@ class SwiftKVDistillation(L.LightningModule):
         kv_init_ridge: float = 1e-4,
         kv_init_weighting: str = "attention",
         position_fraction: float = 1.0,
+        hard_label_weight: float = 0.0,
     ):
         super().__init__()
         if kv_init not in _KV_INITS:
@@ -258,6 +265,8 @@ class SwiftKVDistillation(L.LightningModule):
             raise ValueError(f"model_dtype must be one of {sorted(_DTYPES)}, got {model_dtype!r}.")
         if temperature <= 0:
             raise ValueError(f"temperature must be > 0, got {temperature}.")
+        if hard_label_weight < 0:
+            raise ValueError(f"hard_label_weight must be >= 0, got {hard_label_weight}.")
         self.save_hyperparameters()
         # Fails here, before any weight is loaded, for an unknown family or an l out of range.
         self.model_path, self.model_config = check_model_config(
@@ -339,6 +348,7 @@ class SwiftKVDistillation(L.LightningModule):
             hp.early_exit_weight,
             hp.logits_chunk_size,
             positions=positions,
+            hard_label_weight=hp.hard_label_weight,
         )
         batch_size = batch["input_ids"].shape[0]
         log = dict(on_step=True, on_epoch=False, batch_size=batch_size)
