@@ -6,7 +6,15 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-from swiftkv_distill.data import DataError, DistillDataModule, collate, load_records, pack, split_indices
+from swiftkv_distill.data import (
+    DataError,
+    DistillDataModule,
+    collate,
+    evenly_spaced,
+    load_records,
+    pack,
+    split_indices,
+)
 from swiftkv_distill.module import build_swiftkv_model
 from tests.distill.conftest import write_jsonl
 
@@ -48,6 +56,14 @@ def test_split_is_deterministic_and_disjoint():
     assert (train, val) == split_indices(100, 0.1, seed=3)
     assert len(val) == 10 and not set(train) & set(val) and len(train) + len(val) == 100
     assert split_indices(100, 0.1, seed=4)[1] != val
+
+
+def test_capped_validation_rows_cover_the_whole_held_out_set():
+    rows = list(range(948))
+    picked = evenly_spaced(rows, 40)
+    assert len(picked) == len(set(picked)) == 40 and picked[0] == 0 and picked[-1] > 900
+    assert max(b - a for a, b in zip(picked, picked[1:], strict=False)) <= 948 // 40 + 1
+    assert evenly_spaced(rows[:30], 40) == rows[:30]
 
 
 def test_formats_and_chat_template(tiny_model, text_file, chat_file):

@@ -167,6 +167,13 @@ def collate(rows: Sequence[dict], pad_id: int = 0, pad_to: int | None = None) ->
     return batch
 
 
+def evenly_spaced(rows: list, count: int) -> list:
+    """``count`` rows spread evenly over ``rows`` (all of them if there are no more than ``count``)."""
+    if len(rows) <= count:
+        return list(rows)
+    return [rows[i * len(rows) // count] for i in range(count)]
+
+
 class RowsDataset(Dataset):
     def __init__(self, rows: list[dict]):
         self.rows = rows
@@ -228,7 +235,8 @@ class DistillDataModule(L.LightningDataModule):
         pack: concatenate sequences into full rows (no padding); else one sequence per row, truncated.
         batch_size: rows per step and process.
         val_batch_size: rows per validation step (default: ``batch_size``).
-        max_train_rows / max_val_rows: cap on rows (after packing; 0: no cap), for quick runs.
+        max_train_rows / max_val_rows: cap on rows (after packing; 0: no cap), for quick runs. Capped validation
+            rows are spread evenly over the held-out data (every file, every genre), not taken from its start.
         seed: seed of the split and of the shuffling (one permutation per epoch).
         num_workers: DataLoader worker processes.
     """
@@ -303,7 +311,7 @@ class DistillDataModule(L.LightningDataModule):
         if hp.max_train_rows:
             self.train_rows = self.train_rows[: hp.max_train_rows]
         if hp.max_val_rows:
-            self.val_rows = self.val_rows[: hp.max_val_rows]
+            self.val_rows = evenly_spaced(self.val_rows, hp.max_val_rows)
         if not self.train_rows:
             raise DataError("No training rows after tokenisation.")
 
