@@ -1,0 +1,84 @@
+"""Distillation on a CUDA GPU: the same step as on the CPU, and a Lightning fit in bf16-mixed whose export loads on
+the CPU (skipped without a GPU)."""
+
+import lightning as L
+import pytest
+import torch
+
+from swiftkv_core.convert import swiftkv_parameter_names
+from swiftkv_distill import DistillDataModule, SwiftKVDistillation
+from swiftkv_distill.data import collate, pack
+from swiftkv_distill.module import export
+
+pytestmark = pytest.mark.gpu
+
+
+def test_distillation_step_on_cuda_matches_cpu(tiny_model):
+    module = SwiftKVDistillation(str(tiny_model), num_key_value_layers=2, kv_init="published")
+    module.configure_model()
+    with torch.no_grad():  # make the student differ from the teacher
+        for name, p in module.named_parameters():
+            if "swiftkv" in name:
+                p.add_(0.05 * torch.randn_like(p))
+    batch = collate(pack([[5, 17, 300, 42, 9, 8], [77, 1000, 3, 4, 5], [12, 13, 14, 15]], max_length=8), 0, 8)
+
+    def loss_and_grads(device, autocast: bool):
+        module.to(device)
+        on = {k: v.to(device) for k, v in batch.items()}
+        module.zero_grad(set_to_none=True)
+        with torch.autocast(device, dtype=torch.bfloat16, enabled=autocast):
+            out = module.step(on, 1.0 / on["loss_mask"].sum(), 2.0, 0.0, 1.0, chunk_size=5)
+        out["loss"].backward()
+        # copies: moving the module moves its .grad tensors in place
+        grads = [p.grad.detach().to("cpu", torch.float32, copy=True) for p in module.trainable_parameters()]
+        return out["loss"].item(), grads
+
+    cpu_loss, cpu_grads = loss_and_grads("cpu", False)
+    torch.backends.cuda.matmul.allow_tf32 = False
+    cuda_loss, cuda_grads = loss_and_grads("cuda", False)
+    bf16_loss, _ = loss_and_grads("cuda", True)
+    assert cuda_loss == pytest.approx(cpu_loss, rel=1e-4)
+    for got, want in zip(cuda_grads, cpu_grads, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-3, atol=1e-6)
+    assert bf16_loss == pytest.approx(cpu_loss, rel=0.1)
+
+
+def test_fit_on_gpu_bf16_mixed_then_export_loads_on_cpu(tiny_model, text_file, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    module = SwiftKVDistillation(str(tiny_model), num_key_value_layers=2, learning_rate=1e-2)
+    dm = DistillDataModule(str(tiny_model), [str(text_file)], max_length=32, batch_size=2, val_fraction=0.2)
+    trainer = L.Trainer(
+        accelerator="gpu",
+        devices=1,
+        precision="bf16-mixed",
+        max_steps=4,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        use_distributed_sampler=False,
+        default_root_dir=tmp_path,
+    )
+    module.configure_model()
+    frozen = {
+        n: p.detach().clone()
+        for n, p in module.swiftkv_model.named_parameters()
+        if n not in set(swiftkv_parameter_names(module.swiftkv_model))
+    }
+    trainer.fit(module, dm)
+    assert (
+        trainer.strategy.root_device.type == "cuda"
+    )  # (Lightning moves the module back to the CPU at the end)
+    assert torch.isfinite(trainer.callback_metrics["train/loss"])
+    assert module.init_metrics["kl"] < module.before_metrics["kl"]  # the K/V fit ran on the GPU before step 1
+    for name, p in module.swiftkv_model.named_parameters():
+        if name in frozen:
+            assert torch.equal(p.detach().cpu(), frozen[name].cpu()), f"frozen {name} changed"
+
+    folder = export(module, tmp_path / "export")
+    loaded = AutoModelForCausalLM.from_pretrained(folder)
+    ids = torch.tensor([[5, 17, 300, 42, 9, 8]])
+    with torch.no_grad():
+        want = module.swiftkv_model.cpu().float()(ids, use_cache=False).logits
+        got = loaded(ids, use_cache=False).logits
+    torch.testing.assert_close(got, want, rtol=1e-3, atol=1e-3)
