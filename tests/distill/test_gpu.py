@@ -1,5 +1,5 @@
-"""Distillation on a CUDA GPU: the same step as on the CPU, and a Lightning fit in bf16-mixed whose export loads on
-the CPU (skipped without a GPU)."""
+"""Distillation on a CUDA GPU: the same step as on the CPU, a Lightning fit in bf16-mixed whose export loads on
+the CPU, and the FSDP2 strategy of the GPU recipes on one GPU (skipped without a GPU)."""
 
 import lightning as L
 import pytest
@@ -82,3 +82,66 @@ def test_fit_on_gpu_bf16_mixed_then_export_loads_on_cpu(tiny_model, text_file, t
         want = module.swiftkv_model.cpu().float()(ids, use_cache=False).logits
         got = loaded(ids, use_cache=False).logits
     torch.testing.assert_close(got, want, rtol=1e-3, atol=1e-3)
+
+
+def test_fsdp2_strategy_on_one_gpu_matches_unsharded(tiny_model, text_file, tmp_path):
+    """The GPU recipes' strategy (FSDP2 through ModelParallelStrategy, NCCL) on one GPU: the K/V fit into DTensor
+    shards, the sharded steps and the gathered export give what the plain strategy gives."""
+    from lightning.pytorch.strategies import ModelParallelStrategy
+
+    from swiftkv_distill.module import trained_state_dict
+
+    class Record(L.Callback):
+        def __init__(self):
+            self.losses, self.trained = [], {}
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            self.losses.append(float(outputs["loss"]))
+
+        def on_train_end(self, trainer, pl_module):
+            self.trained = trained_state_dict(pl_module)  # collective under FSDP2: before the teardown
+
+    def fit(strategy):
+        L.seed_everything(0)
+        module = SwiftKVDistillation(
+            str(tiny_model),
+            num_key_value_layers=2,
+            learning_rate=3e-3,
+            warmup_fraction=0.0,
+            min_lr_ratio=1.0,
+            evaluate_before_training=False,
+        )
+        dm = DistillDataModule(
+            str(tiny_model),
+            [str(text_file)],
+            max_length=16,
+            batch_size=4,
+            val_fraction=0.1,
+            max_train_rows=16,
+        )
+        record = Record()
+        trainer = L.Trainer(
+            accelerator="gpu",
+            devices=1,
+            strategy=strategy,
+            max_steps=4,
+            limit_val_batches=0,
+            num_sanity_val_steps=0,
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            use_distributed_sampler=False,
+            default_root_dir=tmp_path,
+            callbacks=[record],
+        )
+        trainer.fit(module, dm)
+        return record
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    plain = fit("auto")
+    sharded = fit(ModelParallelStrategy(data_parallel_size=1, tensor_parallel_size=1))
+    assert len(plain.losses) == len(sharded.losses) == 4
+    torch.testing.assert_close(torch.tensor(sharded.losses), torch.tensor(plain.losses), rtol=1e-4, atol=1e-6)
+    assert plain.trained.keys() == sharded.trained.keys() and plain.trained
+    for name, value in plain.trained.items():
+        torch.testing.assert_close(sharded.trained[name], value, rtol=1e-4, atol=1e-5, msg=name)
