@@ -10,9 +10,11 @@ from swiftkv_distill.data import (
     DataError,
     DistillDataModule,
     collate,
+    encode_record,
     evenly_spaced,
     load_records,
     pack,
+    record_kind,
     split_indices,
 )
 from swiftkv_distill.module import build_swiftkv_model
@@ -115,3 +117,31 @@ def test_chat_data_needs_a_chat_template(tmp_path, tiny_model, chat_file, text_f
     with pytest.raises(DataError, match="no chat template"):
         DistillDataModule(str(no_template), [str(chat_file)], max_length=64).setup()
     DistillDataModule(str(no_template), [str(text_file)], max_length=64).setup()  # plain text still works
+
+
+def test_teacher_answers_are_reproducible_chat_data(tiny_model, tmp_path):
+    """The teacher answers prompt records (seeded sampling: the same answers twice), the answers are bounded by
+    max_new_tokens, and the file written by the `answer` command trains as chat-template data."""
+    from swiftkv_distill.corpora import main as corpora_main
+    from swiftkv_distill.corpora import teacher_answers
+
+    prompts = [
+        {"prompt": "What is rain?", "source": "t"},
+        {"prompt": "Name a colour.", "source": "t"},
+        {"x": 1},
+    ]
+    first = teacher_answers(prompts, str(tiny_model), max_new_tokens=6, batch_size=2)
+    assert first == teacher_answers(prompts, str(tiny_model), max_new_tokens=6, batch_size=2)
+    assert [r["prompt"] for r in first] == ["What is rain?", "Name a colour."][: len(first)] and first
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model)
+    for record in first:
+        assert record["source"] == "t" and 0 < len(tokenizer(record["response"])["input_ids"]) <= 6
+
+    prompt_file = write_jsonl(tmp_path / "prompts.jsonl", prompts)
+    out = tmp_path / "answers.jsonl"
+    corpora_main(["answer", "--prompts", str(prompt_file), "--out", str(out), "--model", str(tiny_model),
+                  "--max-new-tokens", "6", "--batch-size", "2"])  # fmt: skip
+    written = load_records([str(out)])
+    assert written == first and record_kind(written[0]) == "prompt_response"
+    text = tokenizer.decode(encode_record(written[0], tokenizer))  # the chat template around both turns
+    assert "What is rain?" in text and written[0]["response"] in text and "assistant" in text
