@@ -62,7 +62,12 @@ def train(module, datamodule, variant: dict, seconds: float, device: str, warmup
     params = [p for _, p in named]
     optimizer = torch.optim.AdamW(groups, lr=variant["lr"], weight_decay=0.0, betas=(0.9, 0.95))
     budget = variant["steps"]
-    loader, steps, tokens, start = iter(datamodule.train_dataloader()), 0, 0, time.perf_counter()
+
+    def epochs():  # small training sets (e.g. chat answers alone) run out before the budget: go round again
+        while True:
+            yield from datamodule.train_dataloader()
+
+    loader, steps, tokens, start = epochs(), 0, 0, time.perf_counter()
     while (progress := steps / budget if budget else (time.perf_counter() - start) / seconds) < 1:
         factor = warmup_cosine(progress, warmup, variant["min_lr_ratio"])  # the recipe's schedule
         factor = max(factor, 0.01) if progress < warmup else factor
@@ -107,6 +112,12 @@ def main() -> None:
         default=40,
         help="held-out rows measured besides the run's 40 (0: all 948)",
     )
+    parser.add_argument("--train-files", nargs="+", default=["recipe:brown_train"], help="training data")
+    parser.add_argument(
+        "--chat-heldout",
+        action="store_true",
+        help="also measure on the teacher's answers to held-out chat prompts (recipe:chat_answers_heldout)",
+    )
     parser.add_argument("--tag", default="", help="results file suffix: distill-variants<-tag>.{json,md}")
     args = parser.parse_args()
     variants = [parse_variant(v) for v in args.variants]
@@ -121,7 +132,7 @@ def main() -> None:
     module.to(args.device)
     datamodule = DistillDataModule(
         "default",
-        ["recipe:brown_train"],
+        args.train_files,
         val_files=["recipe:brown_heldout"],
         max_length=256,
         batch_size=4,
@@ -134,11 +145,24 @@ def main() -> None:
     val = datamodule.val_dataloader()
     datamodule.val_rows = all_rows
     val_all = datamodule.val_dataloader() if len(all_rows) > 40 else None
+    val_chat = None
+    if args.chat_heldout:
+        chat = DistillDataModule(
+            "default",
+            args.train_files,
+            val_files=["recipe:chat_answers_heldout"],
+            max_length=256,
+            val_batch_size=8,
+        )
+        chat.build()
+        val_chat = chat.val_dataloader()
 
     def measure() -> dict[str, float]:
         metrics = module.evaluate(val)
         if val_all is not None:
             metrics.update({f"{k}_all": v for k, v in module.evaluate(val_all).items()})
+        if val_chat is not None:
+            metrics.update({f"{k}_chat": v for k, v in module.evaluate(val_chat).items()})
         return metrics
 
     if args.kv_init == "least_squares":
@@ -176,7 +200,8 @@ def main() -> None:
         "rows": rows,
         "command": "flock /tmp/swiftkv-heavy.lock .venv/bin/python benchmarks/distill_variants.py --seconds "
         f"{args.seconds:g} --kv-init {args.kv_init} --kv-init-weighting {args.kv_init_weighting} --device "
-        f"{args.device} --heldout-rows {args.heldout_rows}{f' --tag {args.tag}' if args.tag else ''} --variants "
+        f"{args.device} --heldout-rows {args.heldout_rows} --train-files {' '.join(args.train_files)}"
+        f"{' --chat-heldout' if args.chat_heldout else ''}{f' --tag {args.tag}' if args.tag else ''} --variants "
         + " ".join(f'"{v}"' for v in args.variants),
     }
     name = f"distill-variants{'-' + args.tag if args.tag else ''}"
@@ -189,6 +214,7 @@ def main() -> None:
         f"{r['position_fraction']:g} | {r['min_lr_ratio']:g} | {r['steps']} | {r['tokens_per_s']:.0f} | "
         f"{r['kl']:.4f} | {r['agreement']:.1%} |"
         + (f" {r['kl_all']:.4f} | {r['agreement_all']:.2%} |" if wide else "")
+        + (f" {r['kl_chat']:.4f} | {r['agreement_chat']:.2%} |" if val_chat is not None else "")
         + "\n"
         for r in rows
     )
@@ -197,6 +223,11 @@ def main() -> None:
         if wide
         else ""
     )
+    if val_chat is not None:
+        start_all += (
+            f"; on held-out chat answers: KL {start_metrics['kl_chat']:.4f}, "
+            f"agreement {start_metrics['agreement_chat']:.2%}"
+        )
     budget = f"{args.seconds:g} s of wall time" + (" (or the steps shown, where a variant sets them)")
     (RESULTS / f"{name}.md").write_text(
         f"# Distillation recipe variants from the same weights (SmolLM2-135M-Instruct, l=15, {device})\n\n"
@@ -207,8 +238,9 @@ def main() -> None:
         "| lr | q lr x | T | hard | rows/step | position_fraction | min lr ratio | steps | tokens/s | KL (40 rows) "
         "| agreement (40 rows) |"
         + (f" KL ({n_all}) | agreement ({n_all}) |" if wide else "")
+        + (" KL (held-out chat answers) | agreement (chat) |" if val_chat is not None else "")
         + "\n|"
-        + "---|" * (13 if wide else 11)
+        + "---|" * (11 + 2 * wide + 2 * (val_chat is not None))
         + "\n"
         + table
     )

