@@ -8,8 +8,8 @@
 - ``chat_answers``: the same questions answered by the teacher itself (the default model, sampled at T=0.7,
   top-p 0.9, seeded), as prompt/response records: chat-shaped data whose answers follow the teacher's own
   distribution rather than a dataset's. Generated once (749 answers, about 16 minutes on a 2-core CPU);
-  ``chat_answers_heldout`` is every fifth of them (never in ``chat_answers``). ``teacher_answers`` (and ``python -m swiftkv_distill.corpora answer``)
-  does the same for any model and prompt file.
+  ``chat_answers_heldout`` is every fifth of them (never in ``chat_answers``). ``teacher_answers`` (and
+  ``python -m swiftkv_distill.corpora answer``) does the same for any model and prompt file.
 - ``python_docs``: docstrings of Python's own standard library (always available; the fallback when npm is not).
 
 In a data module, ``train_files: ["recipe:brown_train", "recipe:chat_prompts"]`` names these; they are written
