@@ -34,6 +34,18 @@ def make_cli(args=None, run: bool = True, cli_class: type[LightningCLI] = Distil
 
 def main(args=None) -> None:
     make_cli(args)
+    _end_process_group()
+
+
+def _end_process_group() -> None:
+    """Under a launcher, wait for every rank (rank 0 may still be writing the export) and tear the process group
+    down before the interpreter exits: a rank that exits with it alive can abort in gloo's threads ("terminate
+    called without an active exception"), and the launcher then kills the others mid-write."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":
