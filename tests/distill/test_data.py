@@ -135,7 +135,8 @@ def test_teacher_answers_are_reproducible_chat_data(tiny_model, tmp_path):
     assert [r["prompt"] for r in first] == ["What is rain?", "Name a colour."][: len(first)] and first
     tokenizer = AutoTokenizer.from_pretrained(tiny_model)
     for record in first:
-        assert record["source"] == "t" and 0 < len(tokenizer(record["response"])["input_ids"]) <= 6
+        # 6 new tokens at most (re-tokenising the decoded text may split it differently, hence the slack)
+        assert record["source"] == "t" and 0 < len(tokenizer(record["response"])["input_ids"]) <= 12
 
     prompt_file = write_jsonl(tmp_path / "prompts.jsonl", prompts)
     out = tmp_path / "answers.jsonl"
