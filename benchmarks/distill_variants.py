@@ -228,7 +228,7 @@ def main() -> None:
             f"; on held-out chat answers: KL {start_metrics['kl_chat']:.4f}, "
             f"agreement {start_metrics['agreement_chat']:.2%}"
         )
-    budget = f"{args.seconds:g} s of wall time" + (" (or the steps shown, where a variant sets them)")
+    budget = f"{args.seconds:g} s of wall time (or the steps shown, where a variant sets them)"
     (RESULTS / f"{name}.md").write_text(
         f"# Distillation recipe variants from the same weights (SmolLM2-135M-Instruct, l=15, {device})\n\n"
         f"Command: `{result['command']}`\n\n"

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import lightning as L
 import pytest
 import torch
 from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
@@ -71,3 +72,15 @@ def chat_file(tmp_path_factory) -> Path:
         {"prompt": "Say hi.", "response": "Hi!"},
     ] * 4
     return write_jsonl(tmp_path_factory.mktemp("data") / "chat.jsonl", records)
+
+
+def quiet_trainer(root, **kwargs) -> L.Trainer:
+    """A Trainer without loggers, checkpoints or progress bar (the data module brings its own sampler)."""
+    defaults = dict(
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        use_distributed_sampler=False,
+        default_root_dir=root,
+    )
+    return L.Trainer(**defaults | kwargs)

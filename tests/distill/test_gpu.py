@@ -9,6 +9,7 @@ from swiftkv_core.convert import swiftkv_parameter_names
 from swiftkv_distill import DistillDataModule, SwiftKVDistillation
 from swiftkv_distill.data import collate, pack
 from swiftkv_distill.module import export
+from tests.distill.conftest import quiet_trainer
 
 pytestmark = pytest.mark.gpu
 
@@ -48,17 +49,7 @@ def test_fit_on_gpu_bf16_mixed_then_export_loads_on_cpu(tiny_model, text_file, t
 
     module = SwiftKVDistillation(str(tiny_model), num_key_value_layers=2, learning_rate=1e-2)
     dm = DistillDataModule(str(tiny_model), [str(text_file)], max_length=32, batch_size=2, val_fraction=0.2)
-    trainer = L.Trainer(
-        accelerator="gpu",
-        devices=1,
-        precision="bf16-mixed",
-        max_steps=4,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        use_distributed_sampler=False,
-        default_root_dir=tmp_path,
-    )
+    trainer = quiet_trainer(tmp_path, accelerator="gpu", devices=1, precision="bf16-mixed", max_steps=4)
     module.configure_model()
     frozen = {
         n: p.detach().clone()
@@ -66,9 +57,8 @@ def test_fit_on_gpu_bf16_mixed_then_export_loads_on_cpu(tiny_model, text_file, t
         if n not in set(swiftkv_parameter_names(module.swiftkv_model))
     }
     trainer.fit(module, dm)
-    assert (
-        trainer.strategy.root_device.type == "cuda"
-    )  # (Lightning moves the module back to the CPU at the end)
+    # trained on the GPU (Lightning moves the module back to the CPU at the end)
+    assert trainer.strategy.root_device.type == "cuda"
     assert torch.isfinite(trainer.callback_metrics["train/loss"])
     assert module.init_metrics["kl"] < module.before_metrics["kl"]  # the K/V fit ran on the GPU before step 1
     for name, p in module.swiftkv_model.named_parameters():
@@ -120,18 +110,14 @@ def test_fsdp2_strategy_on_one_gpu_matches_unsharded(tiny_model, text_file, tmp_
             max_train_rows=16,
         )
         record = Record()
-        trainer = L.Trainer(
+        trainer = quiet_trainer(
+            tmp_path,
             accelerator="gpu",
             devices=1,
             strategy=strategy,
             max_steps=4,
             limit_val_batches=0,
             num_sanity_val_steps=0,
-            logger=False,
-            enable_checkpointing=False,
-            enable_progress_bar=False,
-            use_distributed_sampler=False,
-            default_root_dir=tmp_path,
             callbacks=[record],
         )
         trainer.fit(module, dm)

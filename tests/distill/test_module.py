@@ -2,7 +2,6 @@
 
 import json
 
-import lightning as L
 import pytest
 import torch
 
@@ -10,18 +9,7 @@ from swiftkv_core.convert import swiftkv_parameter_names
 from swiftkv_distill import DistillDataModule, SwiftKVDistillation
 from swiftkv_distill.data import collate, pack
 from swiftkv_distill.loss import distillation_kl
-
-
-def _quiet_trainer(root, **kwargs) -> L.Trainer:
-    """A Trainer without loggers, checkpoints or progress bar (the data module brings its own sampler)."""
-    defaults = dict(
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        use_distributed_sampler=False,
-        default_root_dir=root,
-    )
-    return L.Trainer(**defaults | kwargs)
+from tests.distill.conftest import quiet_trainer
 
 
 def test_shared_prefix_step_equals_two_full_passes(tiny_model):
@@ -106,7 +94,7 @@ def test_only_swiftkv_parameters_train_and_teacher_is_bit_identical(tiny_model, 
     assert trainable == set(swiftkv_parameter_names(model)) and trainable
     before = {n: p.detach().clone() for n, p in model.state_dict().items()}
     dm = DistillDataModule(str(tiny_model), [str(text_file)], max_length=32, batch_size=2)
-    trainer = _quiet_trainer(tmp_path, max_steps=4, limit_val_batches=0)
+    trainer = quiet_trainer(tmp_path, max_steps=4, limit_val_batches=0)
     trainer.fit(module, dm)
     after = model.state_dict()
     for name, value in before.items():
@@ -147,7 +135,7 @@ def test_bf16_mixed_trains(tiny_model, text_file, tmp_path):
         str(tiny_model), num_key_value_layers=2, learning_rate=1e-2, evaluate_before_training=False
     )
     dm = DistillDataModule(str(tiny_model), [str(text_file)], max_length=32, batch_size=2)
-    trainer = _quiet_trainer(
+    trainer = quiet_trainer(
         tmp_path,
         max_steps=2,
         precision="bf16-mixed",
@@ -165,7 +153,7 @@ def test_kv_init_runs_once_before_training(tiny_model, text_file, tmp_path, kv_i
     init (before/*); published: the converted weights are trained as they are."""
     module = SwiftKVDistillation(str(tiny_model), num_key_value_layers=2, learning_rate=0.0, kv_init=kv_init)
     dm = DistillDataModule(str(tiny_model), [str(text_file)], max_length=32, batch_size=2, val_fraction=0.2)
-    trainer = _quiet_trainer(tmp_path, max_steps=1)
+    trainer = quiet_trainer(tmp_path, max_steps=1)
     trainer.fit(module, dm)
     before = module.before_metrics
     if kv_init == "published":
