@@ -20,14 +20,10 @@ def layer_input_similarity(model, tokenizer, texts: Sequence[str], max_length: i
     """Eq. 1 for every layer ``i < L - 1`` of a HF causal LM, averaged over ``texts`` (one at a time)."""
     if not texts:
         raise ValueError("layer_input_similarity needs at least one text.")
-    was_swiftkv = getattr(model.config, "swiftkv", False)
-    if was_swiftkv:
-        model.swiftkv(False)  # the similarity of the ORIGINAL model's layer inputs
-    try:
-        return _similarity(model, tokenizer, texts, max_length)
-    finally:
-        if was_swiftkv:
-            model.swiftkv(True)
+    if hasattr(model, "swiftkv_mode"):  # a SwiftKV model: the similarity of the ORIGINAL model's layer inputs
+        with model.swiftkv_mode(False):
+            return _similarity(model, tokenizer, texts, max_length)
+    return _similarity(model, tokenizer, texts, max_length)
 
 
 def _similarity(model, tokenizer, texts, max_length):

@@ -73,7 +73,8 @@ def analyze(
         max_length: Tokens per text at most.
     """
     from .analysis import layer_input_similarity, write_report
-    from .generation import load, resolve_model_path
+    from .default_model import resolve_model_path
+    from .generation import load
 
     texts = list(texts or []) + [Path(f).read_text() for f in text_files or []]
     if not texts:
@@ -159,8 +160,8 @@ def flops(
     """
     from transformers import AutoConfig
 
+    from .default_model import resolve_model_path
     from .flops import ROWS, ModelShape, format_table1, kv_cache_bytes_per_token, prefill_flops
-    from .generation import resolve_model_path
 
     if model is None:
         print(format_table1())

@@ -1,6 +1,6 @@
 """SwiftKV configs: the base family's config plus the three published keys.
 
-See ``shared/notes/checkpoint-format.md``: ``swiftkv`` (rewired forward on/off), ``num_key_value_layers``
+The published SwiftKV checkpoint format: ``swiftkv`` (rewired forward on/off), ``num_key_value_layers``
 (``l``: layers ``>= l`` take their K/V from the hidden state entering layer ``l``) and
 ``key_value_group_size`` (AcrossKV: one K/V per group of consecutive layers ``>= l``).
 """
@@ -11,8 +11,50 @@ from huggingface_hub.dataclasses import strict
 from transformers import LlamaConfig, Qwen2Config
 
 
+def validate_layers(
+    num_hidden_layers: int,
+    num_key_value_layers: int,
+    key_value_group_size: int = 1,
+    allow_no_skip: bool = True,
+) -> None:
+    """The one rule for ``(l, g)``; raises ``ValueError`` saying what is wrong and which values are valid.
+
+    ``1 <= l <= L`` and ``g`` divides ``L - l``. ``l == L`` (nothing skipped: the base model) is a valid SwiftKV
+    checkpoint, and the published default when the key is absent, so configs accept it; distillation and the
+    quickstart pass ``allow_no_skip=False``: at ``l == L`` there is no SwiftKV projection to train or measure.
+    """
+    L, l, g = num_hidden_layers, num_key_value_layers, key_value_group_size
+    top = L if allow_no_skip else L - 1
+    if not isinstance(l, int) or isinstance(l, bool) or not 1 <= l <= top:
+        why = (
+            f"{L} means no layer is skipped"
+            if allow_no_skip
+            else f"l={L} would skip nothing, so nothing trains"
+        )
+        raise ValueError(
+            f"num_key_value_layers={l!r} is out of range: it must be an integer in [1, {top}] "
+            f"(num_hidden_layers={L}; {why}; {L // 2} halves prefill compute)."
+        )
+    if not isinstance(g, int) or isinstance(g, bool) or g < 1:
+        raise ValueError(f"key_value_group_size={g!r} must be a positive integer (1 disables AcrossKV).")
+    if (L - l) % g != 0:
+        valid = [d for d in range(1, max(L - l, 1) + 1) if (L - l) % d == 0]
+        raise ValueError(
+            f"key_value_group_size={g} must divide num_hidden_layers - num_key_value_layers = {L - l}; "
+            f"valid group sizes for l={l}: {valid}."
+        )
+
+
+def num_kv_cache_layers(
+    num_hidden_layers: int, num_key_value_layers: int, key_value_group_size: int = 1
+) -> int:
+    """K/V tensors stored per token under SwiftKV: ``l + (L - l) / g`` (one per layer ``< l``, one per group)."""
+    validate_layers(num_hidden_layers, num_key_value_layers, key_value_group_size)
+    return num_key_value_layers + (num_hidden_layers - num_key_value_layers) // key_value_group_size
+
+
 class SwiftKVConfigMixin:
-    """Validation and layer bookkeeping shared by every SwiftKV config.
+    """Validation and layer bookkeeping shared by every SwiftKV config (the AcrossKV group arithmetic lives here).
 
     ``serving_only`` is ours, not the published format's: a checkpoint written by ``export_for_serving`` leaves
     out the teacher q/k/v of layers ``>= l``, so a model built from it cannot run the original forward.
@@ -23,51 +65,50 @@ class SwiftKVConfigMixin:
             self.num_key_value_layers = self.num_hidden_layers
 
     def validate_swiftkv(self) -> None:
-        L, l, g = self.num_hidden_layers, self.num_key_value_layers, self.key_value_group_size
-        if not isinstance(l, int) or not 1 <= l <= L:
-            raise ValueError(
-                f"num_key_value_layers={l!r} is out of range: it must be an integer in [1, {L}] "
-                f"(num_hidden_layers={L}); {L} means no layer is skipped, {L // 2} halves prefill compute."
-            )
-        if not isinstance(g, int) or g < 1:
-            raise ValueError(f"key_value_group_size={g!r} must be a positive integer (1 disables AcrossKV).")
-        if (L - l) % g != 0:
-            valid = [d for d in range(1, max(L - l, 1) + 1) if (L - l) % d == 0]
-            raise ValueError(
-                f"key_value_group_size={g} must divide num_hidden_layers - num_key_value_layers = {L - l}; "
-                f"valid group sizes for l={l}: {valid}."
-            )
+        validate_layers(self.num_hidden_layers, self.num_key_value_layers, self.key_value_group_size)
         if self.serving_only and not self.swiftkv:
             raise ValueError(
                 "swiftkv=False needs the teacher q/k/v projections, but this config is serving_only (written by "
                 "export_for_serving without them). Load the full checkpoint to run the original model."
             )
 
-    # --- layer bookkeeping, used by the model, the cache accounting and the FLOPs model ---
+    # --- layer bookkeeping, used by the model, the cache accounting, the FLOPs model and the vLLM model ---
     def is_swiftkv_layer(self, layer_idx: int) -> bool:
         """Whether layer ``layer_idx`` takes its K/V from the single input (``layer_idx >= l``)."""
         return layer_idx >= self.num_key_value_layers
 
+    def kv_group_index(self, layer_idx: int) -> int:
+        """The AcrossKV group (0, 1, ...) of a layer ``>= l``."""
+        return (layer_idx - self.num_key_value_layers) // self.key_value_group_size
+
     def kv_group_leader(self, layer_idx: int) -> int:
         """The layer that owns the K/V projections (and cache) used by ``layer_idx``."""
-        l, g = self.num_key_value_layers, self.key_value_group_size
-        if layer_idx < l:
+        if layer_idx < self.num_key_value_layers:
             return layer_idx
-        return l + (layer_idx - l) // g * g
+        return self.num_key_value_layers + self.kv_group_index(layer_idx) * self.key_value_group_size
+
+    @property
+    def kv_group_leaders(self) -> list[int]:
+        """The first layer of every AcrossKV group, in order."""
+        return list(range(self.num_key_value_layers, self.num_hidden_layers, self.key_value_group_size))
+
+    @property
+    def num_kv_groups(self) -> int:
+        """AcrossKV groups of layers ``>= l``: ``(L - l) / g``."""
+        return (self.num_hidden_layers - self.num_key_value_layers) // self.key_value_group_size
 
     def kv_cache_index(self, layer_idx: int, swiftkv: bool | None = None) -> int:
         """Cache slot of ``layer_idx``: layers of one AcrossKV group share one slot when SwiftKV is on."""
         swiftkv = self.swiftkv if swiftkv is None else swiftkv
-        l, g = self.num_key_value_layers, self.key_value_group_size
-        if not swiftkv or layer_idx < l:
+        if not swiftkv or layer_idx < self.num_key_value_layers:
             return layer_idx
-        return l + (layer_idx - l) // g
+        return self.num_key_value_layers + self.kv_group_index(layer_idx)
 
     @property
     def num_kv_cache_layers(self) -> int:
         """K/V tensors stored per token when SwiftKV is on: ``l + (L - l) / g``."""
-        return self.num_key_value_layers + (self.num_hidden_layers - self.num_key_value_layers) // (
-            self.key_value_group_size
+        return num_kv_cache_layers(
+            self.num_hidden_layers, self.num_key_value_layers, self.key_value_group_size
         )
 
 

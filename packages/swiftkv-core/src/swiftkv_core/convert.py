@@ -3,17 +3,16 @@
 from __future__ import annotations
 
 import os
-import re
-import shutil
-import tempfile
 from pathlib import Path
 
 import torch
 from torch import nn
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
+from .atomic import atomic_directory
 from .configuration import LlamaSwiftKVConfig, Qwen2SwiftKVConfig
 from .modeling import LlamaSwiftKVForCausalLM, Qwen2SwiftKVForCausalLM
+from .weights import is_teacher_projection, swiftkv_parameter_names, train_only_swiftkv
 
 # base model_type -> (SwiftKV config, SwiftKV model)
 FAMILIES = {
@@ -22,17 +21,6 @@ FAMILIES = {
     "qwen2": (Qwen2SwiftKVConfig, Qwen2SwiftKVForCausalLM),
 }
 SWIFTKV_FAMILIES = {"llama_swiftkv", "qwen2_swiftkv"}
-
-
-def swiftkv_parameter_names(model: PreTrainedModel) -> list[str]:
-    """Names of the SwiftKV parameters: ``norm_swiftkv`` and every ``*_proj_swiftkv``."""
-    return [name for name, _ in model.named_parameters() if "swiftkv" in name]
-
-
-def is_teacher_projection(name: str, config) -> bool:
-    """Whether a state-dict name is an original q/k/v of a layer ``>= l`` (never needed to serve SwiftKV)."""
-    match = re.match(r"model\.layers\.(\d+)\.self_attn\.[qkv]_proj\.", name)
-    return bool(match) and int(match.group(1)) >= config.num_key_value_layers
 
 
 def swiftkv_config_from(
@@ -123,8 +111,7 @@ def convert(
                 if getattr(attn, name).bias is not None:
                     target.bias = new(torch.stack([getattr(a, name).bias for a in group]).mean(0))
 
-    for name, param in swift.named_parameters():
-        param.requires_grad_(name in swiftkv_names)
+    train_only_swiftkv(swift)
     leftover = [n for n, p in list(swift.named_parameters()) + list(swift.named_buffers()) if p.is_meta]
     if leftover:
         raise RuntimeError(f"convert left tensors uninitialised (a bug): {leftover[:5]}")
@@ -142,33 +129,27 @@ def save_checkpoint(
     failure leaves an earlier checkpoint at ``out_dir`` intact. ``serving=True`` leaves out the teacher q/k/v of
     layers ``>= l`` and marks the config ``serving_only`` (see ``export_for_serving``).
     """
-    out_dir = Path(out_dir)
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    state_dict = None
     config = model.config
-    if serving:
-        if config.model_type not in SWIFTKV_FAMILIES:
-            raise ValueError(
-                f"export_for_serving needs a SwiftKV model, got model_type={config.model_type!r}."
-            )
-        state_dict = {k: v for k, v in model.state_dict().items() if not is_teacher_projection(k, config)}
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
-    try:
-        saved = {"swiftkv": config.swiftkv, "serving_only": getattr(config, "serving_only", False)}
-        if serving:
-            config.swiftkv, config.serving_only = True, True
-        try:
-            model.save_pretrained(tmp, state_dict=state_dict)
-        finally:
-            for key, value in saved.items():
-                if hasattr(config, key):
-                    setattr(config, key, value)
+    if serving and config.model_type not in SWIFTKV_FAMILIES:
+        raise ValueError(f"export_for_serving needs a SwiftKV model, got model_type={config.model_type!r}.")
+    with atomic_directory(out_dir) as staging:
+        if serving:  # SwiftKV on, no teacher q/k/v, and a config that says so
+            state_dict = {
+                k: v
+                for k, v in model.state_dict().items()
+                if not is_teacher_projection(k, config.num_key_value_layers)
+            }
+            was_serving_only = config.serving_only
+            with model.swiftkv_mode(True):
+                config.serving_only = True
+                try:
+                    model.save_pretrained(staging, state_dict=state_dict)
+                finally:
+                    config.serving_only = was_serving_only
+        else:
+            model.save_pretrained(staging)
         if tokenizer is not None:
-            tokenizer.save_pretrained(tmp)
-        _replace_dir(tmp, out_dir)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+            tokenizer.save_pretrained(staging)
     return out_dir
 
 
@@ -180,14 +161,3 @@ def export_for_serving(model: PreTrainedModel, out_dir: str | os.PathLike, token
             "(swiftkv=False). Call model.swiftkv(True) first, or use save_checkpoint() to keep the teacher."
         )
     return save_checkpoint(model, out_dir, tokenizer=tokenizer, serving=True)
-
-
-def _replace_dir(src: Path, dst: Path) -> None:
-    """Move ``src`` to ``dst``; an existing ``dst`` is swapped out only once ``src`` is complete."""
-    if not dst.exists():
-        os.replace(src, dst)
-        return
-    old = Path(tempfile.mkdtemp(prefix=f".{dst.name}.old.", dir=dst.parent))
-    os.replace(dst, old / dst.name)
-    os.replace(src, dst)
-    shutil.rmtree(old, ignore_errors=True)

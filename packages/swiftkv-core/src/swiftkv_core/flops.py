@@ -21,6 +21,8 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
+from .configuration import num_kv_cache_layers
+
 ROWS = ("vocab", "q", "o", "k", "v", "mlp", "attention")
 
 
@@ -95,7 +97,7 @@ def prefill_flops(
     L = shape.num_hidden_layers
     l = L if num_key_value_layers is None else num_key_value_layers
     full_layers = l  # layers that run query, attention, output and MLP for every prompt token
-    kv_layers = l + (L - l) / key_value_group_size
+    kv_layers = num_kv_cache_layers(L, l, key_value_group_size)
     h, q_dim, kv_dim = (
         shape.hidden_size,
         shape.num_attention_heads * shape.head_dim,
@@ -149,7 +151,7 @@ def kv_cache_bytes_per_token(
     """K and V bytes one token occupies in the cache: ``2 * (l + (L - l) / g) * kv_heads * head_dim * bytes``."""
     L = shape.num_hidden_layers
     l = L if num_key_value_layers is None else num_key_value_layers
-    kv_layers = l + (L - l) / key_value_group_size
+    kv_layers = num_kv_cache_layers(L, l, key_value_group_size)
     return 2 * kv_layers * shape.num_key_value_heads * shape.head_dim * bytes_per_element
 
 

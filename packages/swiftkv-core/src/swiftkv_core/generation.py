@@ -8,20 +8,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from .default_model import DEFAULT_MODEL_NAME, default_model_path
-
-
-def resolve_model_path(model: str | Path | None) -> Path:
-    """``None`` or ``"default"``: the embedded SmolLM2 (materialised on first use); else a local HF checkpoint."""
-    if model in (None, "default", DEFAULT_MODEL_NAME):
-        return default_model_path()
-    path = Path(model)
-    if not (path / "config.json").is_file():
-        raise FileNotFoundError(
-            f"{path} is not a HF checkpoint folder (no config.json). Pass a local folder written by save_pretrained, "
-            "`swiftkv convert` or export_for_serving, or 'default' for the embedded SmolLM2-135M-Instruct."
-        )
-    return path
+from .default_model import resolve_model_path
 
 
 def load(model: str | Path | None = None, dtype: torch.dtype = torch.float32, need_tokenizer: bool = True):

@@ -237,10 +237,10 @@ def fit_kv_projections(
     ``KVLeastSquares.solve_and_apply``). ``weighting``: ``"uniform"`` or ``"attention"`` (see ``KVLeastSquares``).
     The model's ``swiftkv`` switch is restored afterwards.
     """
-    was_swiftkv, was_training = model.config.swiftkv, model.training
-    model.swiftkv(False).eval()
+    was_training = model.training
+    model.eval()
     try:
-        with KVLeastSquares(model, ridge, weighting) as fit:
+        with model.swiftkv_mode(False), KVLeastSquares(model, ridge, weighting) as fit:
             for batch in batches:
                 fit.mask = batch.get("attention_mask")
                 model(
@@ -255,7 +255,7 @@ def fit_kv_projections(
                     break
             return fit.solve_and_apply()
     finally:
-        model.swiftkv(was_swiftkv).train(was_training)
+        model.train(was_training)
 
 
 def text_batches(tokenizer, texts: Iterable[str], length: int = 256, batch_size: int = 4) -> Iterable[dict]:

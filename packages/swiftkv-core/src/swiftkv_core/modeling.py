@@ -17,20 +17,25 @@ With ``swiftkv`` off the original model runs unchanged (the distillation teacher
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 from transformers import DynamicCache
 from transformers.masking_utils import create_causal_mask
+from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.models.llama.modeling_llama import (
     LlamaAttention,
     LlamaDecoderLayer,
     LlamaForCausalLM,
+    LlamaMLP,
     LlamaModel,
     LlamaRMSNorm,
+    LlamaRotaryEmbedding,
     eager_attention_forward,
     rotate_half,
 )
@@ -38,7 +43,10 @@ from transformers.models.qwen2.modeling_qwen2 import (
     Qwen2Attention,
     Qwen2DecoderLayer,
     Qwen2ForCausalLM,
+    Qwen2MLP,
     Qwen2Model,
+    Qwen2RMSNorm,
+    Qwen2RotaryEmbedding,
 )
 from transformers.utils.generic import merge_with_config_defaults
 from transformers.utils.output_capturing import capture_outputs
@@ -110,17 +118,51 @@ class SwiftKVAttentionMixin:
         return self.o_proj(output.reshape(*input_shape, -1).contiguous()), weights
 
 
-class SwiftKVModelMixin:
-    """Adds ``norm_swiftkv`` and the rewired forward to a HF decoder-only ``*Model``."""
+class SwiftKVDecoderLayerMixin:
+    """The family's decoder layer (its forward unchanged) with SwiftKV attention, built once.
 
+    Each module is built here exactly once: calling the HF layer's ``__init__`` would build its attention and then
+    ours would replace it (litgpt's ``lora.py`` does the same). ``tests/core/test_modeling.py`` checks that the
+    result has the HF layer's modules and weights.
+    """
+
+    attention_class: type[nn.Module]
+    mlp_class: type[nn.Module]
+    norm_class: type[nn.Module]
+
+    def __init__(self, config, layer_idx: int):
+        GradientCheckpointingLayer.__init__(self)
+        self.hidden_size = config.hidden_size
+        self.self_attn = self.attention_class(config, layer_idx)
+        self.mlp = self.mlp_class(config)
+        self.input_layernorm = self.norm_class(config.hidden_size, eps=config.rms_norm_eps)
+        self.post_attention_layernorm = self.norm_class(config.hidden_size, eps=config.rms_norm_eps)
+
+
+class SwiftKVModelMixin:
+    """Adds ``norm_swiftkv`` and the rewired forward to a HF decoder-only ``*Model``, built once.
+
+    ``hf_model_class`` is the HF model this is a diff over: its ``__init__`` is skipped (the base
+    ``PreTrainedModel.__init__`` runs) so that no stock decoder layer is ever built.
+    """
+
+    hf_model_class: type[nn.Module]
     decoder_layer_class: type[nn.Module]
+    norm_class: type[nn.Module]
+    rotary_class: type[nn.Module]
 
     def __init__(self, config):
-        super().__init__(config)
+        super(self.hf_model_class, self).__init__(config)  # PreTrainedModel.__init__, not the HF model's
+        self.padding_idx = config.pad_token_id
+        self.vocab_size = config.vocab_size
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, self.padding_idx)
         self.layers = nn.ModuleList(
             self.decoder_layer_class(config, i) for i in range(config.num_hidden_layers)
         )
-        self.norm_swiftkv = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.norm = self.norm_class(config.hidden_size, eps=config.rms_norm_eps)
+        self.norm_swiftkv = self.norm_class(config.hidden_size, eps=config.rms_norm_eps)
+        self.rotary_emb = self.rotary_class(config=config)
+        self.gradient_checkpointing = False
         self.post_init()
 
     @merge_with_config_defaults
@@ -302,7 +344,17 @@ def _keep_index(keep_positions, seq_len: int):
 
 
 class SwiftKVForCausalLMMixin:
-    """Adds the SwiftKV switch and the kept-positions forward to a HF ``*ForCausalLM``."""
+    """Adds the SwiftKV switch and the kept-positions forward to a HF ``*ForCausalLM``, built once (as the model)."""
+
+    hf_model_class: type[nn.Module]
+    model_class: type[nn.Module]
+
+    def __init__(self, config):
+        super(self.hf_model_class, self).__init__(config)  # PreTrainedModel.__init__, not the HF model's
+        self.model = self.model_class(config)
+        self.vocab_size = config.vocab_size
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.post_init()
 
     def swiftkv(self, enabled: bool = True):
         """Switch between the rewired forward (``True``, the student) and the original one (the teacher)."""
@@ -314,6 +366,17 @@ class SwiftKVForCausalLMMixin:
             )
         self.config.swiftkv = bool(enabled)
         return self
+
+    @contextmanager
+    def swiftkv_mode(self, enabled: bool) -> Iterator:
+        """``with model.swiftkv_mode(False): ...`` runs the block as the teacher (or the student with ``True``) and
+        switches back afterwards, also when the block raises; both switches go through ``swiftkv()``'s checks."""
+        previous = self.config.swiftkv
+        self.swiftkv(enabled)
+        try:
+            yield self
+        finally:
+            self.swiftkv(previous)
 
     @classmethod
     def from_pretrained(cls, *args, **kwargs):
@@ -386,26 +449,21 @@ class LlamaSwiftKVAttention(SwiftKVAttentionMixin, LlamaAttention):
     pass
 
 
-class LlamaSwiftKVDecoderLayer(LlamaDecoderLayer):
-    def __init__(self, config: LlamaSwiftKVConfig, layer_idx: int):
-        super().__init__(config, layer_idx)
-        self.self_attn = LlamaSwiftKVAttention(config, layer_idx)
+class LlamaSwiftKVDecoderLayer(SwiftKVDecoderLayerMixin, LlamaDecoderLayer):
+    attention_class, mlp_class, norm_class = LlamaSwiftKVAttention, LlamaMLP, LlamaRMSNorm
 
 
 class LlamaSwiftKVModel(SwiftKVModelMixin, LlamaModel):
     config_class = LlamaSwiftKVConfig
-    decoder_layer_class = LlamaSwiftKVDecoderLayer
+    hf_model_class, decoder_layer_class = LlamaModel, LlamaSwiftKVDecoderLayer
+    norm_class, rotary_class = LlamaRMSNorm, LlamaRotaryEmbedding
     _no_split_modules = ["LlamaSwiftKVDecoderLayer"]
 
 
 class LlamaSwiftKVForCausalLM(SwiftKVForCausalLMMixin, LlamaForCausalLM):
     config_class = LlamaSwiftKVConfig
+    hf_model_class, model_class = LlamaForCausalLM, LlamaSwiftKVModel
     _no_split_modules = ["LlamaSwiftKVDecoderLayer"]
-
-    def __init__(self, config: LlamaSwiftKVConfig):
-        super().__init__(config)
-        self.model = LlamaSwiftKVModel(config)
-        self.post_init()
 
 
 # --- Qwen2 ---
@@ -413,23 +471,18 @@ class Qwen2SwiftKVAttention(SwiftKVAttentionMixin, Qwen2Attention):
     pass
 
 
-class Qwen2SwiftKVDecoderLayer(Qwen2DecoderLayer):
-    def __init__(self, config: Qwen2SwiftKVConfig, layer_idx: int):
-        super().__init__(config, layer_idx)
-        self.self_attn = Qwen2SwiftKVAttention(config, layer_idx)
+class Qwen2SwiftKVDecoderLayer(SwiftKVDecoderLayerMixin, Qwen2DecoderLayer):
+    attention_class, mlp_class, norm_class = Qwen2SwiftKVAttention, Qwen2MLP, Qwen2RMSNorm
 
 
 class Qwen2SwiftKVModel(SwiftKVModelMixin, Qwen2Model):
     config_class = Qwen2SwiftKVConfig
-    decoder_layer_class = Qwen2SwiftKVDecoderLayer
+    hf_model_class, decoder_layer_class = Qwen2Model, Qwen2SwiftKVDecoderLayer
+    norm_class, rotary_class = Qwen2RMSNorm, Qwen2RotaryEmbedding
     _no_split_modules = ["Qwen2SwiftKVDecoderLayer"]
 
 
 class Qwen2SwiftKVForCausalLM(SwiftKVForCausalLMMixin, Qwen2ForCausalLM):
     config_class = Qwen2SwiftKVConfig
+    hf_model_class, model_class = Qwen2ForCausalLM, Qwen2SwiftKVModel
     _no_split_modules = ["Qwen2SwiftKVDecoderLayer"]
-
-    def __init__(self, config: Qwen2SwiftKVConfig):
-        super().__init__(config)
-        self.model = Qwen2SwiftKVModel(config)
-        self.post_init()

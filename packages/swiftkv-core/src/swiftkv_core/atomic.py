@@ -1,0 +1,63 @@
+"""Atomic writes: a folder or file appears complete at its path, or the earlier one stays there untouched.
+
+Used for every artefact SwiftKV writes (checkpoints, exports, the materialised default model, data files): a run
+that fails or is interrupted mid-write never leaves a half-written folder behind nor loses the previous one.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import IO
+
+
+@contextmanager
+def atomic_directory(target: str | os.PathLike) -> Iterator[Path]:
+    """Yield an empty staging folder beside ``target``; when the block ends without error it replaces ``target``.
+
+    On an error (or an interrupt) the staging folder is deleted and ``target`` is left as it was."""
+    target = Path(target)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.staging.", dir=target.parent))
+    try:
+        yield staging
+        replace_directory(staging, target)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+
+
+def replace_directory(src: Path, dst: Path) -> None:
+    """Move the complete folder ``src`` to ``dst``. An existing ``dst`` is set aside beside it (never inside a folder
+    that a failure deletes) and put back if the move fails; it is deleted only once ``src`` is in place."""
+    if not dst.exists():
+        os.replace(src, dst)
+        return
+    old = dst.with_name(f".{dst.name}.old.{uuid.uuid4().hex[:8]}")
+    os.replace(dst, old)
+    try:
+        os.replace(src, dst)
+    except BaseException:
+        os.replace(old, dst)
+        raise
+    shutil.rmtree(old, ignore_errors=True)
+
+
+@contextmanager
+def atomic_file(path: str | os.PathLike, mode: str = "w", encoding: str | None = "utf-8") -> Iterator[IO]:
+    """Open a temporary file beside ``path`` for writing; it replaces ``path`` when the block ends without error."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        with os.fdopen(fd, mode, encoding=None if "b" in mode else encoding) as f:
+            yield f
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
