@@ -1,8 +1,12 @@
 """Lightning checkpoints: resume == uninterrupted; HF export round trip (full and serving) with the early head."""
 
+from pathlib import Path
+
 import lightning as L
+import pytest
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
+from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 from swiftkv_core.early_exit import EarlyExitHead, generate_with_early_exit
@@ -20,7 +24,17 @@ class Interrupt(L.Callback):
             trainer.should_stop = True
 
 
-def _run(tiny_model, text_file, root, max_steps, ckpt_path=None, early_exit=False, interrupt_at=None):
+def _run(
+    tiny_model,
+    text_file,
+    root,
+    max_steps,
+    ckpt_path=None,
+    early_exit=False,
+    interrupt_at=None,
+    schedule_seconds=None,
+    extra_callbacks=(),
+):
     L.seed_everything(0)
     module = SwiftKVDistillation(
         str(tiny_model),
@@ -30,10 +44,11 @@ def _run(tiny_model, text_file, root, max_steps, ckpt_path=None, early_exit=Fals
         hidden_loss_weight=0.5,
         early_exit=early_exit,
         evaluate_before_training=False,
+        schedule_seconds=schedule_seconds,
     )
     dm = DistillDataModule(str(tiny_model), [str(text_file)], max_length=16, batch_size=2, val_fraction=0.1)
     checkpoint = ModelCheckpoint(dirpath=root / "ckpt", save_last=True, every_n_train_steps=1, save_top_k=0)
-    callbacks = [checkpoint] + ([Interrupt(interrupt_at)] if interrupt_at else [])
+    callbacks = [*extra_callbacks, checkpoint] + ([Interrupt(interrupt_at)] if interrupt_at else [])
     trainer = L.Trainer(
         max_steps=max_steps,
         logger=False,
@@ -99,3 +114,109 @@ def test_export_round_trip(tiny_model, text_file, tmp_path):
     # a second export over the first replaces it atomically (no staging folders left behind)
     export(module, tmp_path / "hf")
     assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".")) == []
+
+
+def test_export_from_a_loaded_checkpoint_needs_no_trainer(tiny_model, text_file, tmp_path):
+    """A Lightning checkpoint loaded with load_from_checkpoint (no Trainer attached) exports the trained weights."""
+    trained, _ = _run(tiny_model, text_file, tmp_path / "run", max_steps=3, early_exit=True)
+    loaded = SwiftKVDistillation.load_from_checkpoint(tmp_path / "run" / "ckpt" / "last.ckpt")
+    assert loaded._trainer is None
+    path = export(loaded, tmp_path / "hf")
+    state = load_file(path / "model.safetensors")
+    expected = {k.removeprefix("model."): v for k, v in _trained(trained).items() if "swiftkv" in k}
+    assert expected
+    for name, value in expected.items():
+        torch.testing.assert_close(state[name], value, rtol=0, atol=0, msg=name)
+    head = EarlyExitHead.load(path)
+    torch.testing.assert_close(
+        head.lm_head.weight, trained.step.early_exit_head.lm_head.weight, rtol=0, atol=0
+    )
+
+
+class SteppedClock(L.Callback):
+    """A simulated wall clock for the module's time-based schedule: ``base + seconds_per_step * global_step``,
+    set at each batch's start and end. Runs on a shared machine then see the same times whatever their speed,
+    so an interrupted+resumed run and the uninterrupted one can be compared exactly."""
+
+    def __init__(self, base: float, seconds_per_step: float = 10.0):
+        self.base, self.seconds_per_step, self.now = base, seconds_per_step, base
+        self.lr: dict[int, float] = {}
+
+    def perf_counter(self) -> float:
+        return self.now
+
+    def on_train_batch_start(self, trainer, *args) -> None:
+        self.now = self.base + self.seconds_per_step * trainer.global_step
+        self.lr[trainer.global_step] = trainer.optimizers[0].param_groups[0]["lr"]
+
+    def on_train_batch_end(self, trainer, *args) -> None:
+        self.now = self.base + self.seconds_per_step * trainer.global_step
+
+
+def test_resume_continues_the_wall_time_schedule(tiny_model, text_file, tmp_path, monkeypatch):
+    """schedule_seconds: a resumed run continues the schedule where it stopped (not from the warm-up) and counts
+    tokens_seen across the resume. 10 simulated seconds per step against an 80-second schedule, and max_steps 50
+    (the runs stop at step 9): the time-based progress (step / 8) runs far ahead of the step-based one (step / 50),
+    so it alone sets the learning rate."""
+    import swiftkv_distill.module as module_code
+
+    def run(root, base, **kwargs):
+        clock = SteppedClock(base)
+        monkeypatch.setattr(module_code, "time", clock)  # the module reads time.perf_counter()
+        module, trainer = _run(
+            tiny_model,
+            text_file,
+            root,
+            max_steps=50,
+            schedule_seconds=80.0,
+            extra_callbacks=[clock],
+            **kwargs,
+        )
+        return module, trainer, clock.lr
+
+    full, _, full_lr = run(tmp_path / "full", base=0.0, interrupt_at=9)
+    _, interrupted, _ = run(tmp_path / "part", base=500.0, interrupt_at=4)
+    assert interrupted.global_step == 4
+    # a later process: another clock origin
+    resumed, trainer, resumed_lr = run(
+        tmp_path / "part", base=1e6, interrupt_at=9, ckpt_path=tmp_path / "part" / "ckpt" / "last.ckpt"
+    )
+    assert trainer.global_step == 9 and sorted(resumed_lr) == list(range(4, 9))
+    # the simulated clock only moves at step boundaries, so the times (and learning rates) agree to rounding
+    for step in range(4, 9):
+        assert resumed_lr[step] == pytest.approx(full_lr[step], rel=1e-9, abs=0), step
+    assert (
+        full_lr[8] < full_lr[6] < full_lr[4]
+    )  # past the warm-up and decaying (a restart would warm up again)
+    assert resumed._tokens_seen == full._tokens_seen > 0
+
+
+def test_a_failed_export_leaves_the_earlier_one(tiny_model, text_file, tmp_path, monkeypatch):
+    """The second export fails between its renames (moving the new folder into place): the first stays whole."""
+    import os
+
+    from swiftkv_distill.export import write_checkpoint
+
+    module, _ = _run(tiny_model, text_file, tmp_path / "run", max_steps=2)
+    out = tmp_path / "hf"
+    export(module, out)
+    ids = torch.tensor([[5, 17, 300, 42, 9, 8]])
+    with torch.no_grad():
+        expected = AutoModelForCausalLM.from_pretrained(out).eval()(ids, use_cache=False).logits
+    files = sorted(p.name for p in out.iterdir())
+    real_replace = os.replace
+
+    def failing_replace(src, dst):
+        if Path(dst) == out and ".staging." in str(src):
+            raise OSError("simulated failure while moving the new export into place")
+        real_replace(src, dst)
+
+    monkeypatch.setattr(os, "replace", failing_replace)
+    with pytest.raises(OSError, match="simulated failure"):
+        write_checkpoint(module.swiftkv_model, out)
+    monkeypatch.setattr(os, "replace", real_replace)
+    assert sorted(p.name for p in out.iterdir()) == files
+    with torch.no_grad():
+        got = AutoModelForCausalLM.from_pretrained(out).eval()(ids, use_cache=False).logits
+    torch.testing.assert_close(got, expected, rtol=0, atol=0)
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []  # nothing left beside it
