@@ -12,9 +12,10 @@ Forward over the tokens scheduled in one step (prefill chunks and decodes mixed)
     h[logits_indices] = norm(h')                       # put back in place; other rows are never read
 
 The subset comes from vLLM's fast-prefill machinery for KV-sharing models (``kv_sharing_fast_prefill``,
-switched on by ``swiftkv_serve.engine_config``): the attention layers ``>= l`` use
-``create_fast_prefill_custom_backend``, so their metadata covers only those tokens. With the flag off the same
-code runs layers ``>= l`` for every token (exact, no saving).
+switched on by ``swiftkv_serve.engine_config``): the attention layers ``>= l`` use vLLM's fast-prefill backend
+wrapper, so their metadata covers only those tokens. With the flag off the same code runs layers ``>= l`` for
+every token (exact, no saving). The vLLM internals this takes (the wrapper, the metadata, the separate cache-write
+and attention ops) are all in ``swiftkv_serve.vllm_internals``.
 
 torch.compile (vLLM's default mode): two compile units, as in vLLM's Gemma3n. ``SwiftKVSelfDecoder`` covers
 everything up to the cache writes (all scheduled tokens), ``SwiftKVCrossDecoder`` layers ``>= l`` and the final
@@ -29,21 +30,16 @@ attention, so vLLM allocates no cache for them. The teacher q/k/v of layers ``>=
 
 from __future__ import annotations
 
-import re
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Iterator
+from typing import NamedTuple
 
 import torch
 from torch import nn
 from vllm.compilation.decorators import support_torch_compile
 from vllm.config import VllmConfig
 from vllm.distributed import get_pp_group, get_tensor_model_parallel_world_size
-from vllm.forward_context import get_forward_context
 from vllm.logger import init_logger
 from vllm.model_executor.layers.attention import Attention
-from vllm.model_executor.layers.attention.attention import (
-    unified_attention_with_output,
-    unified_kv_cache_update,
-)
 from vllm.model_executor.layers.layernorm import RMSNorm
 from vllm.model_executor.layers.linear import (
     ColumnParallelLinear,
@@ -53,117 +49,42 @@ from vllm.model_executor.layers.linear import (
 from vllm.model_executor.layers.logits_processor import LogitsProcessor
 from vllm.model_executor.layers.rotary_embedding import get_rope
 from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
-from vllm.model_executor.model_loader.weight_utils import default_weight_loader
 from vllm.model_executor.models.llama import LlamaDecoderLayer, LlamaMLP
-from vllm.model_executor.models.qwen2 import Qwen2DecoderLayer, Qwen2MLP
-from vllm.model_executor.models.utils import extract_layer_index
+from vllm.model_executor.models.qwen2 import Qwen2DecoderLayer
+from vllm.model_executor.models.utils import AutoWeightsLoader, WeightsMapper, extract_layer_index
 from vllm.sequence import IntermediateTensors
 from vllm.transformers_utils.config import set_default_rope_theta
-from vllm.utils.torch_utils import _encode_layer_name
-from vllm.v1.attention.backends.utils import KVSharingFastPrefillMetadata, create_fast_prefill_custom_backend
-from vllm.v1.attention.selector import get_attn_backend
+
+from swiftkv_core.weights import is_teacher_projection, match_swiftkv_kv
+
+from .vllm_internals import (
+    attend,
+    compile_unit_tag,
+    fast_prefill_attention_backend,
+    fast_prefill_logits_indices,
+    with_shard_id,
+    write_kv,
+)
 
 logger = init_logger(__name__)
 
-# checkpoint name -> (vLLM parameter, shard) for the layers that keep their original attention (< l)
-_STACKED = (
-    (".qkv_proj", ".q_proj", "q"),
-    (".qkv_proj", ".k_proj", "k"),
-    (".qkv_proj", ".v_proj", "v"),
-    (".gate_up_proj", ".gate_proj", 0),
-    (".gate_up_proj", ".up_proj", 1),
-)
-_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
-_SWIFTKV_KV = re.compile(r"^model\.layers\.(\d+)\.self_attn\.([kv])_proj_swiftkv\.(weight|bias)$")
-_TEACHER_QKV = re.compile(r"^model\.layers\.(\d+)\.self_attn\.[qkv]_proj\.")
+
+class Biases(NamedTuple):
+    """Which projections of a family's layers carry a bias."""
+
+    qkv: bool
+    o: bool
+    mlp: bool
 
 
-class _Family:
-    """What differs between Llama and Qwen2 (everything else is shared)."""
-
-    def __init__(self, config, name: str):
-        self.name = name
-        if name == "qwen2":
-            set_default_rope_theta(config, default_theta=1000000)
-            self.qkv_bias, self.o_bias, self.mlp_bias = True, False, False
-            self.max_position = config.max_position_embeddings
-        else:
-            self.qkv_bias = bool(getattr(config, "attention_bias", False) or getattr(config, "bias", False))
-            self.o_bias = self.qkv_bias
-            self.mlp_bias = bool(getattr(config, "mlp_bias", False))
-            self.max_position = getattr(config, "max_position_embeddings", 8192)
-        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-
-    def base_layer(self, vllm_config: VllmConfig, prefix: str) -> nn.Module:
-        if self.name == "qwen2":
-            return Qwen2DecoderLayer(
-                vllm_config.model_config.hf_config,
-                vllm_config.cache_config,
-                vllm_config.quant_config,
-                prefix=prefix,
-            )
-        return LlamaDecoderLayer(vllm_config=vllm_config, prefix=prefix)
-
-    def mlp(self, config, quant_config, prefix: str) -> nn.Module:
-        if self.name == "qwen2":
-            return Qwen2MLP(
-                config.hidden_size,
-                config.intermediate_size,
-                config.hidden_act,
-                quant_config=quant_config,
-                prefix=prefix,
-            )
-        return LlamaMLP(
-            config.hidden_size,
-            config.intermediate_size,
-            config.hidden_act,
-            quant_config=quant_config,
-            bias=self.mlp_bias,
-            prefix=prefix,
-        )
-
-
-def _attend(
-    attn: Attention,
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    kv_cache_dummy_dep: torch.Tensor | None,
-) -> torch.Tensor:
-    """Attention of ``query`` over the cache only (this layer's K/V were written before, for all tokens).
-
-    ``kv_cache_dummy_dep`` is the result of the cache write: passing it keeps torch.compile from reordering
-    or dropping the write (see vLLM's ``Attention.forward``).
-    """
-    output = torch.empty(
-        (query.shape[0], attn.num_heads * attn.head_size), dtype=query.dtype, device=query.device
-    )
-    args = (
-        query.view(-1, attn.num_heads, attn.head_size),
-        key,
-        value,
-        output.view(-1, attn.num_heads, attn.head_size),
-    )
-    if attn.use_direct_call:
-        unified_attention_with_output(*args, attn.layer_name, kv_cache_dummy_dep=kv_cache_dummy_dep)
-    else:
-        torch.ops.vllm.unified_attention_with_output(
-            *args, _encode_layer_name(attn.layer_name), kv_cache_dummy_dep=kv_cache_dummy_dep
-        )
-    return output
-
-
-def _write_kv(attn: Attention, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
-    """Write ``key``/``value`` (all scheduled tokens) into ``attn``'s cache; returns the ordering token."""
-    if attn.use_direct_call:
-        return unified_kv_cache_update(key, value, attn.layer_name)
-    return torch.ops.vllm.unified_kv_cache_update(key, value, _encode_layer_name(attn.layer_name))
+def head_dim(config) -> int:
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
 
 class SwiftKVAttention(nn.Module):
     """Attention of a layer ``j >= l``: its own query (``q_proj_swiftkv``), the K/V of its AcrossKV group."""
 
-    def __init__(self, vllm_config: VllmConfig, family: _Family, rotary_emb: nn.Module, prefix: str):
+    def __init__(self, vllm_config: VllmConfig, biases: Biases, rotary_emb: nn.Module, prefix: str):
         super().__init__()
         config, cache_config, quant_config = (
             vllm_config.model_config.hf_config,
@@ -172,20 +93,20 @@ class SwiftKVAttention(nn.Module):
         )
         layer_idx = extract_layer_index(prefix)
         tp_size = get_tensor_model_parallel_world_size()
-        self.head_dim = family.head_dim
+        self.head_dim = head_dim(config)
         self.num_heads = config.num_attention_heads // tp_size
         self.num_kv_heads = config.num_key_value_heads // tp_size
         self.q_proj_swiftkv = ColumnParallelLinear(
             config.hidden_size,
             config.num_attention_heads * self.head_dim,
-            bias=family.qkv_bias,
+            bias=biases.qkv,
             quant_config=quant_config,
             prefix=f"{prefix}.q_proj_swiftkv",
         )
         self.o_proj = RowParallelLinear(
             config.num_attention_heads * self.head_dim,
             config.hidden_size,
-            bias=family.o_bias,
+            bias=biases.o,
             quant_config=quant_config,
             prefix=f"{prefix}.o_proj",
         )
@@ -199,12 +120,6 @@ class SwiftKVAttention(nn.Module):
             else prefix.replace(f"layers.{layer_idx}.", f"layers.{leader}.") + ".attn"
         )
         kv_cache_dtype = cache_config.cache_dtype if cache_config is not None else "auto"
-        backend = get_attn_backend(self.head_dim, torch.get_default_dtype(), kv_cache_dtype)
-        if backend.forward_includes_kv_cache_update:
-            raise NotImplementedError(
-                f"SwiftKV needs an attention backend that writes the KV cache separately from attention; "
-                f"{backend.get_name()} does both in one kernel. Choose another backend (e.g. FLASH_ATTN)."
-            )
         self.attn = Attention(
             self.num_heads,
             self.head_dim,
@@ -216,24 +131,32 @@ class SwiftKVAttention(nn.Module):
             kv_sharing_target_layer_name=target,
             # Fast prefill: with kv_sharing_fast_prefill on, this layer's metadata covers only the tokens whose
             # logits are needed; without it the metadata is the usual one.
-            attn_backend=create_fast_prefill_custom_backend("SwiftKV", backend),
+            attn_backend=fast_prefill_attention_backend(self.head_dim, kv_cache_dtype),
         )
 
     def forward(self, positions, hidden_states, key, value, kv_cache_dummy_dep):
         query, _ = self.q_proj_swiftkv(hidden_states)
         query, _ = self.rotary_emb(positions, query, None)
-        output, _ = self.o_proj(_attend(self.attn, query, key, value, kv_cache_dummy_dep))
+        output, _ = self.o_proj(attend(self.attn, query, key, value, kv_cache_dummy_dep))
         return output
 
 
 class SwiftKVDecoderLayer(nn.Module):
     """A layer ``j >= l``: the base layer with SwiftKV attention (same norms and MLP weights)."""
 
-    def __init__(self, vllm_config: VllmConfig, family: _Family, rotary_emb: nn.Module, prefix: str):
+    def __init__(self, vllm_config: VllmConfig, biases: Biases, rotary_emb: nn.Module, prefix: str):
         super().__init__()
         config = vllm_config.model_config.hf_config
-        self.self_attn = SwiftKVAttention(vllm_config, family, rotary_emb, prefix=f"{prefix}.self_attn")
-        self.mlp = family.mlp(config, vllm_config.quant_config, prefix=f"{prefix}.mlp")
+        self.self_attn = SwiftKVAttention(vllm_config, biases, rotary_emb, prefix=f"{prefix}.self_attn")
+        # vLLM's Qwen2MLP is LlamaMLP without the bias option: one class serves both families.
+        self.mlp = LlamaMLP(
+            config.hidden_size,
+            config.intermediate_size,
+            config.hidden_act,
+            quant_config=vllm_config.quant_config,
+            bias=biases.mlp,
+            prefix=f"{prefix}.mlp",
+        )
         self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
@@ -264,17 +187,15 @@ class SwiftKVSelfDecoder(nn.Module):
 
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = "", model: SwiftKVModel):
         super().__init__()
+        config = model.config
         self.embed_tokens = model.embed_tokens
-        self.layers = model.layers[: model.num_kv_layers]
-        self.num_groups, self.kv_size = model.num_groups, model.kv_size
+        self.layers = model.layers[: config.num_key_value_layers]
+        self.num_groups, self.kv_size = config.num_kv_groups, model.kv_size
         if self.num_groups:
             self.norm_swiftkv, self.kv_proj_swiftkv = model.norm_swiftkv, model.kv_proj_swiftkv
             self.rotary_emb = model.rotary_emb
-            self.leaders = [
-                model.layers[model.num_kv_layers + g * model.group_size].self_attn.attn
-                for g in range(self.num_groups)
-            ]
-            self.head_dim = model.layers[model.num_kv_layers].self_attn.head_dim
+            self.leaders = [model.layers[j].self_attn.attn for j in config.kv_group_leaders]
+            self.head_dim = head_dim(config)
         else:
             self.norm = model.norm
 
@@ -301,7 +222,7 @@ class SwiftKVSelfDecoder(nn.Module):
         for group, leader in enumerate(self.leaders):
             cols = slice(group * self.kv_size, (group + 1) * self.kv_size)
             deps.append(
-                _write_kv(
+                write_kv(
                     leader,
                     keys[:, cols].view(num_tokens, -1, self.head_dim),
                     values[:, cols].reshape(num_tokens, -1, self.head_dim),
@@ -316,10 +237,12 @@ class SwiftKVCrossDecoder(nn.Module):
 
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = "", model: SwiftKVModel):
         super().__init__()
-        self.layers = model.layers[model.num_kv_layers :]
+        config = model.config
+        l, L = config.num_key_value_layers, config.num_hidden_layers
+        self.layers = model.layers[l:]
+        self.groups = [config.kv_group_index(j) for j in range(l, L)]  # the AcrossKV group of each layer
         self.norm = model.norm
-        self.num_groups, self.kv_size, self.group_size = model.num_groups, model.kv_size, model.group_size
-        self.head_dim = model.layers[model.num_kv_layers].self_attn.head_dim
+        self.num_groups, self.kv_size, self.head_dim = config.num_kv_groups, model.kv_size, head_dim(config)
 
     def forward(
         self, positions: torch.Tensor, hidden_states: torch.Tensor, kv: torch.Tensor, deps: list[torch.Tensor]
@@ -327,8 +250,7 @@ class SwiftKVCrossDecoder(nn.Module):
         num_tokens = kv.shape[0]
         keys, values = kv.split(self.num_groups * self.kv_size, dim=-1)
         hidden, residual = hidden_states, None
-        for j, layer in enumerate(self.layers):
-            group = j // self.group_size
+        for group, layer in zip(self.groups, self.layers, strict=True):
             cols = slice(group * self.kv_size, (group + 1) * self.kv_size)
             hidden, residual = layer(
                 positions,
@@ -343,7 +265,14 @@ class SwiftKVCrossDecoder(nn.Module):
 
 
 class SwiftKVModel(nn.Module):
-    def __init__(self, *, vllm_config: VllmConfig, family: _Family, prefix: str = ""):
+    def __init__(
+        self,
+        *,
+        vllm_config: VllmConfig,
+        base_layer: Callable[[VllmConfig, str], nn.Module],
+        biases: Biases,
+        prefix: str = "",
+    ):
         super().__init__()
         config = vllm_config.model_config.hf_config
         quant_config = vllm_config.quant_config
@@ -359,51 +288,48 @@ class SwiftKVModel(nn.Module):
             )
         config.validate_swiftkv()
         self.config = config
-        self.num_layers = config.num_hidden_layers
-        self.num_kv_layers = config.num_key_value_layers
-        self.group_size = config.key_value_group_size
-        self.num_groups = (self.num_layers - self.num_kv_layers) // self.group_size
-        self.kv_size = config.num_key_value_heads // tp_size * family.head_dim  # per group, on this rank
+        num_groups = config.num_kv_groups
+        self.kv_size = config.num_key_value_heads // tp_size * head_dim(config)  # per group, on this rank
 
         self.embed_tokens = VocabParallelEmbedding(
             config.vocab_size, config.hidden_size, quant_config=quant_config
         )
         rotary_emb = get_rope(
-            family.head_dim,
-            max_position=family.max_position,
+            head_dim(config),
+            max_position=config.max_position_embeddings,
             rope_parameters=getattr(config, "rope_parameters", None),
             is_neox_style=True,
         )
 
         def make_layer(layer_prefix: str) -> nn.Module:
-            if extract_layer_index(layer_prefix) < self.num_kv_layers:
-                return family.base_layer(vllm_config, layer_prefix)
-            return SwiftKVDecoderLayer(vllm_config, family, rotary_emb, layer_prefix)
+            if config.is_swiftkv_layer(extract_layer_index(layer_prefix)):
+                return SwiftKVDecoderLayer(vllm_config, biases, rotary_emb, layer_prefix)
+            return base_layer(vllm_config, layer_prefix)
 
-        self.layers = nn.ModuleList(make_layer(f"{prefix}.layers.{i}") for i in range(self.num_layers))
+        self.layers = nn.ModuleList(
+            make_layer(f"{prefix}.layers.{i}") for i in range(config.num_hidden_layers)
+        )
         self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.norm_swiftkv = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-        if self.num_groups:
+        if num_groups:
             self.rotary_emb = rotary_emb
             # K of every group, then V of every group: [K_0 .. K_{G-1}, V_0 .. V_{G-1}], one matmul.
             self.kv_proj_swiftkv = MergedColumnParallelLinear(
                 config.hidden_size,
-                [config.num_key_value_heads * family.head_dim] * (2 * self.num_groups),
-                bias=family.qkv_bias,
+                [config.num_key_value_heads * head_dim(config)] * (2 * num_groups),
+                bias=biases.qkv,
                 quant_config=quant_config,
                 prefix=f"{prefix}.kv_proj_swiftkv",
             )
         # Two torch.compile units (vLLM's default mode; eager with enforce_eager), as in vLLM's Gemma3n: the gather
         # of the sampled tokens between them has a data-dependent size. They hold references to the modules
         # above (registered after them, so parameter names are unchanged).
-        from vllm.compilation.backends import set_model_tag
-
-        with set_model_tag("swiftkv_self_decoder"):
+        with compile_unit_tag("swiftkv_self_decoder"):
             self.self_decoder = SwiftKVSelfDecoder(
                 vllm_config=vllm_config, prefix=f"{prefix}.self_decoder", model=self
             )
-        if self.num_groups:
-            with set_model_tag("swiftkv_cross_decoder"):
+        if num_groups:
+            with compile_unit_tag("swiftkv_cross_decoder"):
                 self.cross_decoder = SwiftKVCrossDecoder(
                     vllm_config=vllm_config, prefix=f"{prefix}.cross_decoder", model=self
                 )
@@ -416,20 +342,18 @@ class SwiftKVModel(nn.Module):
                 max_tokens, config.hidden_size, dtype=weight.dtype, device=weight.device
             )
             self._sub_kv = torch.zeros(
-                max_tokens, 2 * self.num_groups * self.kv_size, dtype=weight.dtype, device=weight.device
+                max_tokens, 2 * num_groups * self.kv_size, dtype=weight.dtype, device=weight.device
             )
 
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.embed_tokens(input_ids)
 
-    def group_index(self, layer_idx: int) -> int:
-        return (layer_idx - self.num_kv_layers) // self.group_size
-
     def forward(self, input_ids, positions, inputs_embeds=None) -> torch.Tensor:
-        if not self.num_groups:  # l == L: a plain Llama / Qwen2
+        if not self.config.num_kv_groups:  # l == L: a plain Llama / Qwen2
             return self.self_decoder(input_ids, positions, inputs_embeds)
         stream, kv, *deps = self.self_decoder(input_ids, positions, inputs_embeds)
-        logits_indices, num_logits = self._logits_indices(kv.shape[0])
+        first_swiftkv_attn = self.layers[self.config.num_key_value_layers].self_attn.attn
+        logits_indices, num_logits = fast_prefill_logits_indices(first_swiftkv_attn.layer_name, kv.shape[0])
         if logits_indices is None:
             return self.cross_decoder(positions, stream, kv, deps)
         # Gather the tokens whose logits are sampled into the fixed buffers, run layers >= l on them only.
@@ -444,80 +368,81 @@ class SwiftKVModel(nn.Module):
         stream[logits_indices[:num_logits]] = hidden[:num_logits]
         return stream
 
-    def _logits_indices(self, num_tokens: int) -> tuple[torch.Tensor | None, int | None]:
-        """The tokens layers ``>= l`` run for in this step (``None``: all of them)."""
-        attn_metadata = get_forward_context().attn_metadata
-        if not isinstance(attn_metadata, dict):  # profiling / dummy runs
-            return None, None
-        metadata = attn_metadata.get(self.layers[self.num_kv_layers].self_attn.attn.layer_name)
-        if not isinstance(metadata, KVSharingFastPrefillMetadata) or metadata.logits_indices_padded is None:
-            return None, None
-        if metadata.num_logits_indices == num_tokens:
-            # Every scheduled token needs its logits (pure decode): the metadata is the full one, no gather.
-            return None, None
-        return metadata.logits_indices_padded, metadata.num_logits_indices
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        """Load HF-named weights (prefix ``model.``); returns the vLLM parameter names that were loaded."""
-        params = dict(self.named_parameters(prefix="model"))
-        loaded: set[str] = set()
-        for name, tensor in weights:
-            if "rotary_emb.inv_freq" in name:
-                continue
-            layer = _LAYER.match(name)
-            layer_idx = int(layer.group(1)) if layer else None
-            if (match := _SWIFTKV_KV.match(name)) is not None:
-                if self.config.kv_group_leader(layer_idx) != layer_idx:
-                    raise ValueError(
-                        f"{name}: layer {layer_idx} is not the first layer of its AcrossKV group "
-                        f"(key_value_group_size={self.group_size}); the config and weights disagree."
-                    )
-                shard = self.group_index(layer_idx) + (self.num_groups if match.group(2) == "v" else 0)
-                target = f"model.kv_proj_swiftkv.{match.group(3)}"
-                params[target].weight_loader(params[target], tensor, shard)
-                loaded.add(target)
-                continue
-            if _TEACHER_QKV.match(name) and layer_idx >= self.num_kv_layers:
-                continue  # the teacher's projections: the SwiftKV forward never uses them
-            for param_part, weight_part, shard in _STACKED:
-                if weight_part in name and "_swiftkv" not in name:
-                    target = name.replace(weight_part, param_part)
-                    params[target].weight_loader(params[target], tensor, shard)
-                    break
-            else:
-                target = name
-                if target not in params:
-                    raise ValueError(
-                        f"Unexpected weight {name!r} in a SwiftKV checkpoint (num_hidden_layers="
-                        f"{self.num_layers}, num_key_value_layers={self.num_kv_layers}, "
-                        f"key_value_group_size={self.group_size})."
-                    )
-                param = params[target]
-                getattr(param, "weight_loader", default_weight_loader)(param, tensor)
-            loaded.add(target)
-        return loaded
+def route_swiftkv_weights(
+    weights: Iterable[tuple[str, torch.Tensor]], config
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """The SwiftKV part of loading, before vLLM's name mapping: drop the teacher q/k/v of layers ``>= l`` (never
+    used to serve), send each group leader's ``k/v_proj_swiftkv`` to its shard of the fused ``kv_proj_swiftkv``
+    (K of groups ``0..G-1``, then V), and refuse them on a layer that is not a group leader."""
+    num_groups = config.num_kv_groups
+    for name, tensor in weights:
+        if is_teacher_projection(name, config.num_key_value_layers):
+            continue
+        if (match := match_swiftkv_kv(name)) is not None:
+            layer, kind, param = match
+            if config.kv_group_leader(layer) != layer:
+                raise ValueError(
+                    f"{name}: layer {layer} is not the first layer of its AcrossKV group "
+                    f"(num_key_value_layers={config.num_key_value_layers}, key_value_group_size="
+                    f"{config.key_value_group_size}); the config and weights disagree."
+                )
+            shard = config.kv_group_index(layer) + (num_groups if kind == "v" else 0)
+            name, tensor = f"model.kv_proj_swiftkv.{param}", with_shard_id(tensor, shard)
+        yield name, tensor
 
 
 class SwiftKVForCausalLM(nn.Module):
-    family: str
+    """The SwiftKV model of one family; a family is a subclass that says what differs (the attributes below)."""
+
+    # HF checkpoint name -> vLLM's stacked parameter and shard. The names end in "." so that the SwiftKV
+    # projections (q_proj_swiftkv, ...) are not taken for the teacher's.
+    hf_to_vllm_mapper = WeightsMapper(
+        orig_to_new_stacked={
+            ".q_proj.": (".qkv_proj.", "q"),
+            ".k_proj.": (".qkv_proj.", "k"),
+            ".v_proj.": (".qkv_proj.", "v"),
+            ".gate_proj.": (".gate_up_proj.", 0),
+            ".up_proj.": (".gate_up_proj.", 1),
+        }
+    )
+    packed_modules_mapping = {
+        "qkv_proj": ["q_proj", "k_proj", "v_proj"],
+        "gate_up_proj": ["gate_proj", "up_proj"],
+    }
+
+    # --- what differs between families, set by each subclass ---
+    default_rope_theta: float | None = None  # put in the config when it has none (as vLLM's own model does)
+
+    @staticmethod
+    def base_layer(vllm_config: VllmConfig, prefix: str) -> nn.Module:
+        """A layer ``< l``: vLLM's own decoder layer of the family."""
+        raise NotImplementedError
+
+    @staticmethod
+    def biases(config) -> Biases:
+        raise NotImplementedError
 
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = ""):
         super().__init__()
         config = vllm_config.model_config.hf_config
         self.config = config
-        family = _Family(config, self.family)
-        self.model = SwiftKVModel(vllm_config=vllm_config, family=family, prefix="model")
+        if self.default_rope_theta is not None:
+            set_default_rope_theta(config, default_theta=self.default_rope_theta)
+        self.model = SwiftKVModel(
+            vllm_config=vllm_config, base_layer=self.base_layer, biases=self.biases(config), prefix="model"
+        )
         self.lm_head = ParallelLMHead(
             config.vocab_size, config.hidden_size, quant_config=vllm_config.quant_config, prefix="lm_head"
         )
         if config.tie_word_embeddings:
             self.lm_head = self.lm_head.tie_weights(self.model.embed_tokens)
         self.logits_processor = LogitsProcessor(config.vocab_size, scale=getattr(config, "logit_scale", 1.0))
-        if self.model.num_groups and not vllm_config.cache_config.kv_sharing_fast_prefill:
+        if config.num_kv_groups and not vllm_config.cache_config.kv_sharing_fast_prefill:
             logger.warning(
                 "SwiftKV: kv_sharing_fast_prefill is off, so layers >= %d run for every prompt token (outputs are "
                 "exact, the prefill saving is lost). The swiftkv_serve plugin turns it on unless it was overridden.",
-                self.model.num_kv_layers,
+                config.num_key_value_layers,
             )
 
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
@@ -536,23 +461,41 @@ class SwiftKVForCausalLM(nn.Module):
         return self.logits_processor(self.lm_head, hidden_states)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        model_weights = []
-        loaded: set[str] = set()
-        for name, tensor in weights:
-            if name.startswith("lm_head."):
-                if self.config.tie_word_embeddings:
-                    continue  # tied to embed_tokens
-                param = self.lm_head.weight
-                getattr(param, "weight_loader", default_weight_loader)(param, tensor)
-                loaded.add(name)
-            else:
-                model_weights.append((name, tensor))
-        return loaded | self.model.load_weights(model_weights)
+        """Load HF-named weights through vLLM's ``AutoWeightsLoader``; returns the vLLM parameter names loaded.
+
+        A weight with no place in the model raises ``ValueError``; a tied ``lm_head.weight`` is skipped.
+        """
+        loader = AutoWeightsLoader(self)
+        return loader.load_weights(route_swiftkv_weights(weights, self.config), mapper=self.hf_to_vllm_mapper)
 
 
 class LlamaSwiftKVForCausalLM(SwiftKVForCausalLM):
-    family = "llama"
+    """Llama (and Mistral) checkpoints: biases as the config says."""
+
+    @staticmethod
+    def base_layer(vllm_config: VllmConfig, prefix: str) -> nn.Module:
+        return LlamaDecoderLayer(vllm_config=vllm_config, prefix=prefix)
+
+    @staticmethod
+    def biases(config) -> Biases:
+        attention = bool(getattr(config, "attention_bias", False) or getattr(config, "bias", False))
+        return Biases(qkv=attention, o=attention, mlp=bool(getattr(config, "mlp_bias", False)))
 
 
 class Qwen2SwiftKVForCausalLM(SwiftKVForCausalLM):
-    family = "qwen2"
+    """Qwen2 checkpoints: q/k/v biases, none elsewhere; RoPE theta 1e6 when the config has none."""
+
+    default_rope_theta = 1_000_000
+
+    @staticmethod
+    def base_layer(vllm_config: VllmConfig, prefix: str) -> nn.Module:
+        return Qwen2DecoderLayer(
+            vllm_config.model_config.hf_config,
+            vllm_config.cache_config,
+            vllm_config.quant_config,
+            prefix=prefix,
+        )
+
+    @staticmethod
+    def biases(config) -> Biases:
+        return Biases(qkv=True, o=False, mlp=False)

@@ -1,0 +1,146 @@
+"""Every use of vLLM 0.32.0 internals by this plugin, in one place (and nowhere else in the package).
+
+vLLM's model-author API (its layers, ``Attention``, ``support_torch_compile``, ``ModelRegistry``,
+``AutoWeightsLoader`` / ``WeightsMapper``) is used where it belongs, in ``model.py``. What SwiftKV needs beyond
+that is below, each with the reason; ``tests/serve/test_vllm_internals.py`` fails when vLLM changes one of them,
+which is what to read first on a vLLM upgrade.
+
+- ``register_config_hook``: an entry in ``MODELS_CONFIG_MAP`` (the per-architecture config hooks of vLLM's
+  in-tree models; there is no public registration), so that a SwiftKV model gets ``kv_sharing_fast_prefill``
+  and the prompt-logprobs guard without the user asking for them.
+- ``fast_prefill_attention_backend``: the attention backend of layers ``>= l``, wrapped by
+  ``create_fast_prefill_custom_backend`` so that their metadata covers only the tokens whose logits are sampled.
+- ``write_kv`` / ``attend``: the two custom ops ``Attention.forward`` runs back to back
+  (``unified_kv_cache_update``, ``unified_attention_with_output``), called separately: the K/V of layers
+  ``>= l`` are written for every token, attention runs for a subset.
+- ``fast_prefill_logits_indices``: the runner's fast-prefill metadata (``KVSharingFastPrefillMetadata``),
+  read from the forward context: which tokens layers ``>= l`` run for.
+- ``compile_unit_tag``: ``set_model_tag``, which names the two torch.compile units (as vLLM's Gemma3n does).
+- ``with_shard_id``: the ``shard_id`` attribute that ``WeightsMapper`` puts on a stacked weight and the merged
+  linears' ``load_weights`` read: how a group leader's K/V reaches its shard of the fused projection.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from functools import cache
+
+import torch
+from vllm.compilation.backends import set_model_tag
+from vllm.forward_context import get_forward_context
+from vllm.model_executor.layers.attention import Attention
+from vllm.model_executor.layers.attention.attention import (
+    unified_attention_with_output,
+    unified_kv_cache_update,
+)
+from vllm.utils.torch_utils import _encode_layer_name
+from vllm.v1.attention.backends.utils import KVSharingFastPrefillMetadata, create_fast_prefill_custom_backend
+from vllm.v1.attention.selector import get_attn_backend
+
+CONFIG_HOOK_NAME = "SwiftKVEngineConfig"
+
+
+# --- engine configuration ---
+@cache
+def _config_hook_class(update_config: Callable) -> type:
+    from vllm.model_executor.models.config import VerifyAndUpdateConfig
+
+    return type(
+        CONFIG_HOOK_NAME,
+        (VerifyAndUpdateConfig,),
+        {"verify_and_update_config": staticmethod(update_config), "__doc__": update_config.__doc__},
+    )
+
+
+def register_config_hook(architectures: Iterable[str], update_config: Callable) -> None:
+    """Have vLLM call ``update_config(vllm_config)`` while it finalises the engine config of these architectures.
+
+    Idempotent: the same hook class for the same function, however often the plugin is registered.
+    """
+    from vllm.model_executor.models.config import MODELS_CONFIG_MAP
+
+    hook = _config_hook_class(update_config)
+    for architecture in architectures:
+        MODELS_CONFIG_MAP[architecture] = hook
+
+
+# --- attention: cache writes apart from attention, fast-prefill metadata ---
+def fast_prefill_attention_backend(head_size: int, kv_cache_dtype: str) -> type:
+    """The attention backend vLLM would choose, wrapped for fast prefill (``kv_sharing_fast_prefill``).
+
+    Refuses backends that write the cache inside the attention kernel: SwiftKV writes K/V for every token and
+    attends for a subset, so the two must be separate.
+    """
+    backend = get_attn_backend(head_size, torch.get_default_dtype(), kv_cache_dtype)
+    if backend.forward_includes_kv_cache_update:
+        raise NotImplementedError(
+            f"SwiftKV needs an attention backend that writes the KV cache separately from attention; "
+            f"{backend.get_name()} does both in one kernel. Choose another backend (e.g. FLASH_ATTN)."
+        )
+    return create_fast_prefill_custom_backend("SwiftKV", backend)
+
+
+def write_kv(attn: Attention, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+    """Write ``key``/``value`` (all scheduled tokens) into ``attn``'s cache; returns the ordering token."""
+    if attn.use_direct_call:
+        return unified_kv_cache_update(key, value, attn.layer_name)
+    return torch.ops.vllm.unified_kv_cache_update(key, value, _encode_layer_name(attn.layer_name))
+
+
+def attend(
+    attn: Attention,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    kv_cache_dummy_dep: torch.Tensor | None,
+) -> torch.Tensor:
+    """Attention of ``query`` over the cache only (this layer's K/V were written before, for all tokens).
+
+    ``kv_cache_dummy_dep`` is the result of the cache write: passing it keeps torch.compile from reordering
+    or dropping the write (as vLLM's ``Attention.forward`` does).
+    """
+    output = torch.empty(
+        (query.shape[0], attn.num_heads * attn.head_size), dtype=query.dtype, device=query.device
+    )
+    args = (
+        query.view(-1, attn.num_heads, attn.head_size),
+        key,
+        value,
+        output.view(-1, attn.num_heads, attn.head_size),
+    )
+    if attn.use_direct_call:
+        unified_attention_with_output(*args, attn.layer_name, kv_cache_dummy_dep=kv_cache_dummy_dep)
+    else:
+        torch.ops.vllm.unified_attention_with_output(
+            *args, _encode_layer_name(attn.layer_name), kv_cache_dummy_dep=kv_cache_dummy_dep
+        )
+    return output
+
+
+def fast_prefill_logits_indices(layer_name: str, num_tokens: int) -> tuple[torch.Tensor | None, int | None]:
+    """``(logits_indices_padded, num_logits_indices)`` of this step for a fast-prefill layer, or ``(None,
+    None)`` when the layer runs for all ``num_tokens`` (profiling and dummy runs, fast prefill off, pure decode).
+    """
+    attn_metadata = get_forward_context().attn_metadata
+    if not isinstance(attn_metadata, dict):  # profiling / dummy runs
+        return None, None
+    metadata = attn_metadata.get(layer_name)
+    if not isinstance(metadata, KVSharingFastPrefillMetadata) or metadata.logits_indices_padded is None:
+        return None, None
+    if metadata.num_logits_indices == num_tokens:
+        # Every scheduled token needs its logits (pure decode): the metadata is the full one, no gather.
+        return None, None
+    return metadata.logits_indices_padded, metadata.num_logits_indices
+
+
+# --- torch.compile ---
+def compile_unit_tag(tag: str):
+    """Context manager: the ``@support_torch_compile`` module built inside it is compiled (and logged) as ``tag``."""
+    return set_model_tag(tag)
+
+
+# --- weight loading ---
+def with_shard_id(tensor: torch.Tensor, shard_id: int | str) -> torch.Tensor:
+    """``tensor`` marked for shard ``shard_id`` of a merged linear, as ``WeightsMapper`` marks stacked weights."""
+    tensor.shard_id = shard_id
+    return tensor
