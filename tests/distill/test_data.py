@@ -6,6 +6,7 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
+from swiftkv_distill.build import build_swiftkv_model
 from swiftkv_distill.data import (
     DataError,
     DistillDataModule,
@@ -17,7 +18,6 @@ from swiftkv_distill.data import (
     record_kind,
     split_indices,
 )
-from swiftkv_distill.module import build_swiftkv_model
 from tests.distill.conftest import write_jsonl
 
 

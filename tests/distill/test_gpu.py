@@ -8,14 +8,16 @@ import torch
 from swiftkv_core.convert import swiftkv_parameter_names
 from swiftkv_distill import DistillDataModule, SwiftKVDistillation
 from swiftkv_distill.data import collate, pack
-from swiftkv_distill.module import export
+from swiftkv_distill.export import export
 from tests.distill.conftest import quiet_trainer
 
 pytestmark = pytest.mark.gpu
 
 
 def test_distillation_step_on_cuda_matches_cpu(tiny_model):
-    module = SwiftKVDistillation(str(tiny_model), num_key_value_layers=2, kv_init="published")
+    module = SwiftKVDistillation(
+        str(tiny_model), num_key_value_layers=2, kv_init="published", temperature=2.0, logits_chunk_size=5
+    )
     module.configure_model()
     with torch.no_grad():  # make the student differ from the teacher
         for name, p in module.named_parameters():
@@ -28,7 +30,7 @@ def test_distillation_step_on_cuda_matches_cpu(tiny_model):
         on = {k: v.to(device) for k, v in batch.items()}
         module.zero_grad(set_to_none=True)
         with torch.autocast(device, dtype=torch.bfloat16, enabled=autocast):
-            out = module.step(on, 1.0 / on["loss_mask"].sum(), 2.0, 0.0, 1.0, chunk_size=5)
+            out = module.step(on, 1.0 / on["loss_mask"].sum())
         out["loss"].backward()
         # copies: moving the module moves its .grad tensors in place
         grads = [p.grad.detach().to("cpu", torch.float32, copy=True) for p in module.trainable_parameters()]
@@ -79,7 +81,7 @@ def test_fsdp2_strategy_on_one_gpu_matches_unsharded(tiny_model, text_file, tmp_
     shards, the sharded steps and the gathered export give what the plain strategy gives."""
     from lightning.pytorch.strategies import ModelParallelStrategy
 
-    from swiftkv_distill.module import trained_state_dict
+    from swiftkv_distill.export import trained_state_dict
 
     class Record(L.Callback):
         def __init__(self):

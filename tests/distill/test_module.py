@@ -5,8 +5,8 @@ import json
 import pytest
 import torch
 
-from swiftkv_core.convert import swiftkv_parameter_names
-from swiftkv_distill import DistillDataModule, SwiftKVDistillation
+from swiftkv_core.weights import is_swiftkv_parameter, swiftkv_parameter_names
+from swiftkv_distill import DistillDataModule, LossSettings, SwiftKVDistillation
 from swiftkv_distill.data import collate, pack
 from swiftkv_distill.loss import distillation_kl
 from tests.distill.conftest import quiet_trainer
@@ -14,15 +14,17 @@ from tests.distill.conftest import quiet_trainer
 
 def test_shared_prefix_step_equals_two_full_passes(tiny_model):
     """Prefix once + two suffixes gives exactly the loss of a separate teacher forward and student forward."""
-    module = SwiftKVDistillation(str(tiny_model), num_key_value_layers=2, hidden_loss_weight=0.0)
+    module = SwiftKVDistillation(
+        str(tiny_model), num_key_value_layers=2, temperature=2.0, hidden_loss_weight=0.0, logits_chunk_size=5
+    )
     module.configure_model()
     model = module.swiftkv_model
     with torch.no_grad():  # make the student differ from the teacher
         for name, p in model.named_parameters():
-            if "swiftkv" in name:
+            if is_swiftkv_parameter(name):
                 p.add_(0.05 * torch.randn_like(p))
     batch = collate(pack([[5, 17, 300, 42, 9, 8], [77, 1000, 3, 4, 5], [12, 13, 14, 15]], max_length=8), 0, 8)
-    out = module.step(batch, 1.0 / batch["loss_mask"].sum(), 2.0, 0.0, 1.0, chunk_size=5)
+    out = module.step(batch, 1.0 / batch["loss_mask"].sum())
 
     mask = batch["loss_mask"]
     kwargs = dict(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False)
@@ -37,12 +39,14 @@ def test_shared_prefix_step_equals_two_full_passes(tiny_model):
 def test_distilling_a_subset_of_positions_equals_the_full_forward_there(tiny_model):
     """positions=P: the loss AND its gradients equal those of full teacher/student forwards restricted to P (the
     student's later layers ran for P only, yet every position's K/V got its gradient as keys and values)."""
-    module = SwiftKVDistillation(str(tiny_model), num_key_value_layers=2, position_fraction=0.5)
+    module = SwiftKVDistillation(
+        str(tiny_model), num_key_value_layers=2, temperature=2.0, position_fraction=0.5, logits_chunk_size=3
+    )
     module.configure_model()
     model = module.swiftkv_model
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if "swiftkv" in name:
+            if is_swiftkv_parameter(name):
                 p.add_(0.05 * torch.randn_like(p))
     batch = collate(pack([[5, 17, 300, 42, 9, 8], [77, 1000, 3, 4, 5], [12, 13, 14, 15]], max_length=8), 0, 8)
     positions = module.step_positions(8, "cpu")
@@ -50,7 +54,7 @@ def test_distilling_a_subset_of_positions_equals_the_full_forward_there(tiny_mod
     mask = batch["loss_mask"][:, positions]
     seen = []
     hook = model.model.layers[3].mlp.register_forward_hook(lambda m, args, out: seen.append(args[0].shape[1]))
-    out = module.step(batch, 1.0 / mask.sum(), 2.0, 0.0, 1.0, chunk_size=3, positions=positions)
+    out = module.step(batch, 1.0 / mask.sum(), positions=positions)
     hook.remove()
     assert seen == [8, 4]  # the teacher's layer 3 saw every position, the student's only the 4 distilled
     out["loss"].backward()
@@ -72,11 +76,20 @@ def test_distilling_a_subset_of_positions_equals_the_full_forward_there(tiny_mod
 
 def test_early_exit_loss_and_hidden_loss_are_added(tiny_model):
     module = SwiftKVDistillation(
-        str(tiny_model), num_key_value_layers=2, hidden_loss_weight=0.5, early_exit=True
+        str(tiny_model),
+        num_key_value_layers=2,
+        temperature=2.0,
+        hidden_loss_weight=0.5,
+        early_exit=True,
+        early_exit_weight=1.0,
+        logits_chunk_size=3,
     )
     module.configure_model()
     batch = collate(pack([[5, 17, 300, 42, 9, 8, 7, 6]], max_length=8), 0, 8)
-    out = module.step(batch, 1 / 8, 2.0, 0.5, 1.0, chunk_size=3)
+    assert module.step.settings == LossSettings(
+        temperature=2.0, hidden_loss_weight=0.5, early_exit_weight=1.0, chunk_size=3
+    )
+    out = module.step(batch, 1 / 8)
     assert out["loss"].requires_grad
     out["loss"].backward()
     head = module.step.early_exit_head

@@ -44,6 +44,8 @@ class RunReport(L.Callback):
             if k.startswith("val/")
         }
         seconds = time.perf_counter() - self._start if self._start else None
+        # both over the whole run, across resumes: time since the first step, tokens since then
+        train_seconds = getattr(pl_module, "train_seconds", None)
         tokens = getattr(pl_module, "_tokens_seen", None)
         summary = {
             "before": getattr(pl_module, "before_metrics", {}),
@@ -53,7 +55,8 @@ class RunReport(L.Callback):
             "global_step": trainer.global_step,
             "train_tokens": tokens,
             "fit_seconds": seconds,
-            "train_tokens_per_s": tokens / seconds if tokens and seconds else None,
+            "train_seconds": train_seconds,
+            "train_tokens_per_s": tokens / train_seconds if tokens and train_seconds else None,
             "hparams": {
                 k: v for k, v in dict(pl_module.hparams).items() if isinstance(v, (int, float, str, bool))
             },
@@ -125,7 +128,7 @@ class ExportHF(L.Callback):
         self.dirpath, self.full, self.serving = Path(dirpath), full, serving
 
     def on_fit_end(self, trainer, pl_module) -> None:
-        from .module import export
+        from .export import export
 
         if self.full:
             path = export(pl_module, self.dirpath / "hf", serving=False)

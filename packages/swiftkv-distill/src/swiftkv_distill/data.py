@@ -273,7 +273,7 @@ class DistillDataModule(L.LightningDataModule):
     def _load_tokenizer(self):
         from transformers import AutoConfig, AutoTokenizer
 
-        from swiftkv_core.generation import resolve_model_path
+        from swiftkv_core.default_model import resolve_model_path
 
         path = resolve_model_path(self.model_path)
         config = AutoConfig.from_pretrained(path)

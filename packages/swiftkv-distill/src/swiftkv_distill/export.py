@@ -3,38 +3,70 @@
 from __future__ import annotations
 
 import os
-import shutil
-import tempfile
 from pathlib import Path
+from typing import TYPE_CHECKING
 
+import torch
+
+from swiftkv_core.atomic import atomic_directory
 from swiftkv_core.convert import export_for_serving, save_checkpoint
+
+from .step import is_trained_name
+
+if TYPE_CHECKING:
+    from .module import SwiftKVDistillation
 
 
 def write_checkpoint(
     model, out_dir: str | os.PathLike, tokenizer=None, serving: bool = False, early_exit_head=None
 ) -> Path:
-    """Write ``model`` (+ tokenizer, + ``early_exit_head``) to ``out_dir``: everything is written into a temporary
-    folder beside it and renamed into place at the end, so a failure leaves an earlier export intact."""
+    """Write ``model`` (+ tokenizer, + ``early_exit_head``) to ``out_dir`` atomically (swiftkv_core.atomic): a
+    failure at any point, the final renames included, leaves an earlier export there intact."""
     out_dir = Path(out_dir)
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.staging.", dir=out_dir.parent))
-    try:
-        target = staging / "checkpoint"
-        was_swiftkv = model.config.swiftkv
-        model.swiftkv(True)
-        try:
-            if serving:
-                export_for_serving(model, target, tokenizer)
-            else:
-                save_checkpoint(model, target, tokenizer)
-        finally:
-            model.config.swiftkv = was_swiftkv
+    with atomic_directory(out_dir) as staging, model.swiftkv_mode(True):
+        if serving:
+            export_for_serving(model, staging, tokenizer)
+        else:
+            save_checkpoint(model, staging, tokenizer)
         if early_exit_head is not None:
-            early_exit_head.save(target)
-        if out_dir.exists():
-            old = staging / "old"
-            os.replace(out_dir, old)
-        os.replace(target, out_dir)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
+            early_exit_head.save(staging)
     return out_dir
+
+
+def trained_state_dict(module: SwiftKVDistillation) -> dict[str, torch.Tensor]:
+    """Full (unsharded) trained weights, keyed as in the HF model / ``early_exit_head.*``; collective under FSDP."""
+    step = module.step
+    if module.device_mesh is not None:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        state = get_model_state_dict(step, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    else:
+        state = step.state_dict()
+    return {k: v.detach().cpu() for k, v in state.items() if is_trained_name(k)}
+
+
+def export(
+    module: SwiftKVDistillation, out_dir: str | Path, serving: bool = False, tokenizer=None
+) -> Path | None:
+    """Write the distilled model as a HF SwiftKV checkpoint (full, or the smaller serving export) atomically.
+
+    The early-exit head, when trained, is written beside it (``early_exit_head.safetensors``). Works with or
+    without a Trainer (e.g. on a module from ``load_from_checkpoint``). Under FSDP every rank must call this (the
+    weights are gathered); rank 0 writes. Returns the folder (``None`` on other ranks).
+    """
+    state = trained_state_dict(module)
+    trainer = module._trainer  # the ``trainer`` property raises when none is attached
+    if trainer is not None and not trainer.is_global_zero:
+        return None
+    step = module.step
+    if (
+        module.device_mesh is not None
+    ):  # the in-memory step is sharded: rebuild a plain one, load what trained
+        step = module.build_step()
+        step.load_state_dict(state, strict=False)
+    model, head = step.model, step.early_exit_head
+    if tokenizer is None:
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(module.model_path)
+    return write_checkpoint(model, out_dir, tokenizer=tokenizer, serving=serving, early_exit_head=head)

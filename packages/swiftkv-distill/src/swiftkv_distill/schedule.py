@@ -1,0 +1,38 @@
+"""The learning-rate schedule: linear warm-up then cosine decay, over steps or over a wall-time budget."""
+
+from __future__ import annotations
+
+import math
+
+FIRST_STEP_FLOOR = 0.01  # the smallest warm-up factor: never a zero learning rate at the first step
+
+
+def warmup_cosine(progress: float, warmup_fraction: float, min_lr_ratio: float) -> float:
+    """Learning-rate factor at ``progress`` (0..1) through the run: linear warm-up, then cosine to ``min_lr_ratio``."""
+    progress = min(progress, 1.0)
+    if progress < warmup_fraction:
+        return progress / warmup_fraction
+    decay = (progress - warmup_fraction) / max(1e-9, 1 - warmup_fraction)
+    return min_lr_ratio + (1 - min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * decay))
+
+
+def run_progress(
+    step: int,
+    total_steps: int | None,
+    elapsed_seconds: float | None = None,
+    schedule_seconds: float | None = None,
+) -> float:
+    """How far through the run (0..1 and beyond): by steps, or by wall time when ``schedule_seconds`` is set,
+    whichever is further."""
+    progress = step / total_steps if total_steps else 0.0
+    if schedule_seconds and elapsed_seconds is not None:
+        progress = max(progress, elapsed_seconds / schedule_seconds)
+    return progress
+
+
+def lr_factor(
+    progress: float, warmup_fraction: float, min_lr_ratio: float, floor: float = FIRST_STEP_FLOOR
+) -> float:
+    """``warmup_cosine``, at least ``floor`` during the warm-up (the first step already moves the weights)."""
+    value = warmup_cosine(progress, warmup_fraction, min_lr_ratio)
+    return max(value, floor) if progress < warmup_fraction else value

@@ -1,0 +1,228 @@
+"""One distillation step: teacher and student passes sharing the prefix, and the loss.
+
+    h_l, ctx = prefix(tokens)                   # embeddings + layers < l, no grad, ONCE (same in both passes)
+    teacher  = suffix(h_l, swiftkv=False)        # original layers >= l, no grad
+    student  = suffix(h_l, swiftkv=True)         # SwiftKV layers >= l, the only pass with a graph
+    loss = T^2 KL(teacher || student)            # chunked over positions (loss.py), real tokens only
+         + hidden_loss_weight * MSE(hidden entering the last layer)
+         + early_exit_weight * T^2 KL(teacher || early_exit_head(h_l))   (optional)
+
+The published trainer runs the whole teacher and the whole student, so layers < l run twice; here they run once
+and without autograd (nothing before layer l is trainable, so nothing there needs a graph).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torchmetrics import MeanMetric
+
+from swiftkv_core.early_exit import EarlyExitHead
+from swiftkv_core.weights import is_swiftkv_parameter
+
+from .loss import EvalStats, distillation_kl, eval_stats
+
+
+def is_trained_name(name: str) -> bool:
+    """Whether a state-dict entry is one distillation trains: a SwiftKV parameter or the early-exit head's."""
+    return is_swiftkv_parameter(name) or ".early_exit_head." in f".{name}"
+
+
+@dataclass(frozen=True)
+class LossSettings:
+    """What the distillation loss weighs and how it is computed (the module builds it once from its arguments)."""
+
+    temperature: float = 2.0
+    """Softening temperature T of the KL (the KL terms are scaled by T^2)."""
+    hidden_loss_weight: float = 0.0
+    """Weight of the MSE between teacher and student hidden states entering the last layer (0: off)."""
+    early_exit_weight: float = 1.0
+    """Weight of the early-exit head's KL (used only when the step has an early-exit head)."""
+    hard_label_weight: float = 0.0
+    """Weight of the student's cross-entropy on the teacher's top-1 token (0: pure KL)."""
+    chunk_size: int = 512
+    """Positions per chunk of full-vocabulary logits (memory vs speed)."""
+
+    def __post_init__(self) -> None:
+        if self.temperature <= 0:
+            raise ValueError(f"temperature must be > 0, got {self.temperature}.")
+        if self.hard_label_weight < 0:
+            raise ValueError(f"hard_label_weight must be >= 0, got {self.hard_label_weight}.")
+        if self.chunk_size < 1:
+            raise ValueError(f"chunk_size must be >= 1, got {self.chunk_size}.")
+
+
+@dataclass
+class Evaluation:
+    """The validation statistics of one batch (temperature 1, no gradient)."""
+
+    stats: EvalStats
+    """Per-position KL, top-1 agreement and next-token NLLs of student and teacher."""
+    early_exit_agreement: torch.Tensor | None
+    """Per-position top-1 agreement of the early-exit head with the teacher (None without a head)."""
+
+
+class DistillationStep(nn.Module):
+    """Teacher + student forward and the loss, as ONE module call (the FSDP2 root: its call gathers the
+    embeddings, norms and LM head; each decoder layer is its own FSDP2 unit, parallelize.py).
+
+    ``forward`` is the training step; ``evaluate`` and ``teacher_pass`` are the other two uses (under FSDP2 they
+    are registered as forward methods, so they gather the root's weights too)."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        settings: LossSettings | None = None,
+        early_exit_head: EarlyExitHead | None = None,
+    ):
+        super().__init__()
+        self.model = model
+        self.settings = settings or LossSettings()
+        self.early_exit_head = early_exit_head
+
+    def _prefix_and_teacher(self, batch: dict, positions: torch.Tensor | None):
+        """Embeddings + layers < l (for every position) and the teacher's layers >= l, without autograd."""
+        inner = self.model.model
+        with torch.no_grad():
+            hidden, context = inner.forward_prefix(
+                input_ids=batch["input_ids"],
+                position_ids=batch["position_ids"],
+                attention_mask=None,
+                use_cache=False,
+                keep_positions=positions,
+            )
+            teacher, teacher_last_input = inner.forward_suffix(
+                hidden, context, swiftkv=False, return_last_layer_input=True
+            )
+        return hidden, context, teacher, teacher_last_input
+
+    def _student(self, hidden, context, mask, positions):
+        """The student's layers >= l (the graph), its final hidden states and the early-exit head's input."""
+        inner = self.model.model
+        student, student_last_input = inner.forward_suffix(
+            hidden, context, swiftkv=True, return_last_layer_input=True
+        )
+        student = inner.norm(student)[mask]
+        kept = hidden if positions is None else hidden[:, positions]
+        early = self.early_exit_head.norm(kept[mask]) if self.early_exit_head is not None else None
+        return student, student_last_input, early
+
+    def forward(
+        self, batch: dict, row_scale: float | torch.Tensor, positions: torch.Tensor | None = None
+    ) -> dict:
+        """The training loss (``loss``, with a graph) and its parts (detached) for ``batch``.
+
+        ``row_scale``: the weight of each distilled position (1 / the global number of distilled tokens).
+        ``positions``: distil only these sequence positions (sorted indices; None: all). Every position still gets
+        its K/V; the student's layers >= l and both LM heads run for these positions only."""
+        settings, head_weight = self.settings, self.model.lm_head.weight
+        mask = batch["loss_mask"] if positions is None else batch["loss_mask"][:, positions]
+        hidden, context, teacher, teacher_last_input = self._prefix_and_teacher(batch, positions)
+        with torch.no_grad():
+            teacher = self.model.model.norm(teacher)[mask]
+        student, student_last_input, early = self._student(hidden, context, mask, positions)
+        rows = torch.full((student.shape[0],), 1.0, device=student.device) * row_scale
+        kl_sum, kl_rows, agree = distillation_kl(
+            student,
+            teacher,
+            head_weight,
+            rows,
+            settings.temperature,
+            settings.chunk_size,
+            hard_weight=settings.hard_label_weight,
+        )
+        mse_rows = (student_last_input - teacher_last_input)[mask].float().pow(2).mean(-1)
+        loss = kl_sum
+        if settings.hidden_loss_weight:
+            loss = loss + settings.hidden_loss_weight * (mse_rows * rows).sum()
+        out = {
+            "tokens": mask.sum(),
+            "kl": kl_rows.detach().mean(),
+            "agreement": agree.float().mean(),
+            "hidden_mse": mse_rows.detach().mean(),
+        }
+        if early is not None:
+            early_sum, early_kl, early_agree = distillation_kl(
+                early,
+                teacher,
+                self.early_exit_head.lm_head.weight,
+                rows,
+                settings.temperature,
+                settings.chunk_size,
+                teacher_weight=head_weight,
+            )
+            loss = loss + settings.early_exit_weight * early_sum
+            out.update(early_kl=early_kl.mean(), early_agreement=early_agree.float().mean())
+        out["loss"] = loss
+        return out
+
+    @torch.no_grad()
+    def evaluate(self, batch: dict) -> Evaluation:
+        """Validation statistics of ``batch`` at temperature 1 (every position, no gradient)."""
+        mask, chunk_size = batch["loss_mask"], self.settings.chunk_size
+        head_weight = self.model.lm_head.weight
+        hidden, context, teacher, _ = self._prefix_and_teacher(batch, None)
+        teacher = self.model.model.norm(teacher)[mask]
+        student, _, early = self._student(hidden, context, mask, None)
+        stats = eval_stats(student, teacher, head_weight, batch["labels"][mask], chunk_size)
+        early_agree = None
+        if early is not None:
+            early_agree = _top1_agreement(
+                early, self.early_exit_head.lm_head.weight, teacher, head_weight, chunk_size
+            )
+        return Evaluation(stats, early_agree)
+
+    @torch.no_grad()
+    def teacher_pass(self, batch: dict) -> None:
+        """The prefix and the teacher's layers only: what the K/V least-squares fit (kv_init.py) observes through
+        its hooks on the layers."""
+        self._prefix_and_teacher(batch, None)
+
+
+@torch.no_grad()
+def _top1_agreement(hidden_a, weight_a, hidden_b, weight_b, chunk_size: int) -> torch.Tensor:
+    agree = torch.empty(hidden_a.shape[0], dtype=torch.bool, device=hidden_a.device)
+    for start in range(0, hidden_a.shape[0], chunk_size):
+        rows = slice(start, start + chunk_size)
+        agree[rows] = (hidden_a[rows] @ weight_a.T).argmax(-1) == (hidden_b[rows] @ weight_b.T).argmax(-1)
+    return agree
+
+
+class ValidationMetrics(nn.Module):
+    """Means of the validation statistics over batches (torchmetrics: summed over processes when computed)."""
+
+    NAMES = ("kl", "agreement", "student_nll", "teacher_nll", "early_exit_agreement")
+
+    def __init__(self):
+        super().__init__()
+        self.means = nn.ModuleDict({name: MeanMetric() for name in self.NAMES})
+
+    def update(self, evaluation: Evaluation) -> None:
+        stats, m = evaluation.stats, self.means
+        m["kl"].update(stats.kl)
+        m["agreement"].update(stats.agree.float())
+        valid = ~torch.isnan(stats.student_nll)
+        if valid.any():
+            m["student_nll"].update(stats.student_nll[valid])
+            m["teacher_nll"].update(stats.teacher_nll[valid])
+        if evaluation.early_exit_agreement is not None:
+            m["early_exit_agreement"].update(evaluation.early_exit_agreement.float())
+
+    def compute(self, early_exit: bool = False) -> dict[str, float]:
+        """``kl``, ``agreement``, ``student_ppl`` / ``teacher_ppl`` (where there were labels) and
+        ``early_exit_agreement`` (with ``early_exit``); then starts over."""
+        m = self.means
+        values = {"kl": m["kl"].compute(), "agreement": m["agreement"].compute()}
+        if m["student_nll"].update_count:
+            values["student_ppl"] = m["student_nll"].compute().exp()
+            values["teacher_ppl"] = m["teacher_nll"].compute().exp()
+        if m["early_exit_agreement"].update_count or early_exit:
+            values["early_exit_agreement"] = m["early_exit_agreement"].compute()
+        self.reset()
+        return {k: float(v) for k, v in values.items()}
+
+    def reset(self) -> None:
+        for metric in self.means.values():
+            metric.reset()
