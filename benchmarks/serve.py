@@ -6,13 +6,14 @@ measure per request the time to first token (TTFT) and time per output token aft
 combined throughput (prompt + output tokens / wall time of the burst). Each model runs in its own process.
 
     flock /tmp/swiftkv-heavy.lock .venv/bin/python benchmarks/serve.py            # default model, l=15, CPU
+    flock /tmp/swiftkv-heavy.lock .venv/bin/python benchmarks/serve.py --num_requests 16 --max_num_seqs 16 \
+        --compile true                                                             # both models torch.compiled
 
 Writes ``benchmarks/results/serve.{json,png,md}``.
 """
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import os
@@ -22,6 +23,8 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
+from jsonargparse import auto_cli
 
 RESULTS = Path(__file__).parent / "results"
 WORKLOADS = {"2000/200": (2000, 200), "500/500": (500, 500)}
@@ -74,7 +77,7 @@ async def _burst(engine, prompts, max_tokens: int) -> dict:
     }
 
 
-def run_one(model: str, num_requests: int, max_num_seqs: int, enforce_eager: bool) -> dict:
+def run_one_model(model: str, num_requests: int, max_num_seqs: int, enforce_eager: bool) -> dict:
     """Runs in a child process: one engine, every workload, a short warm-up first."""
     from vllm import AsyncEngineArgs
     from vllm.v1.engine.async_llm import AsyncLLM
@@ -157,49 +160,46 @@ def plot(results: dict, path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument(
-        "--model", default="default", help="base HF checkpoint (default: SmolLM2-135M-Instruct)"
-    )
-    parser.add_argument(
-        "--num-key-value-layers", type=int, default=None, help="l (default: num_hidden_layers / 2)"
-    )
-    parser.add_argument("--num-requests", type=int, default=16, help="requests per workload burst")
-    parser.add_argument("--max-num-seqs", type=int, default=16)
-    parser.add_argument("--compile", action="store_true", help="torch.compile (default: eager, both models)")
-    parser.add_argument(
-        "--out",
-        type=Path,
-        default=None,
-        help="output prefix (default: benchmarks/results/serve, or serve-compile with --compile)",
-    )
-    parser.add_argument("--run-one", help=argparse.SUPPRESS)
-    parser.add_argument("--report-only", action="store_true", help="rewrite the .md/.png from the .json")
-    args = parser.parse_args()
-    if args.out is None:
-        args.out = RESULTS / ("serve-compile" if args.compile else "serve")
+def main(
+    model: str = "default",
+    num_key_value_layers: int | None = None,
+    num_requests: int = 16,
+    max_num_seqs: int = 16,
+    compile: bool = False,
+    out: Path | None = None,
+    report_only: bool = False,
+    run_one: str | None = None,
+) -> None:
+    """Stock vLLM vs SwiftKV (through the swiftkv_serve plugin) on the same bursts of requests.
 
-    if args.report_only:
-        write_report(json.loads(args.out.with_suffix(".json").read_text()), args.out)
+    Args:
+        model: base HF checkpoint (default: the embedded SmolLM2-135M-Instruct).
+        num_key_value_layers: l of the SwiftKV version (default: num_hidden_layers / 2).
+        num_requests: requests per workload burst.
+        max_num_seqs: vLLM's max_num_seqs (requests in one batch).
+        compile: vLLM's default torch.compile mode for both models (default: eager).
+        out: output prefix (default: benchmarks/results/serve, or serve-compile with compile).
+        report_only: rewrite the .md/.png from the .json at ``out``.
+        run_one: internal: benchmark this one model in this process and print its results.
+    """
+    if out is None:
+        out = RESULTS / ("serve-compile" if compile else "serve")
+
+    if report_only:
+        write_report(json.loads(out.with_suffix(".json").read_text()), out)
         return
 
-    if args.run_one:  # child process
-        print(
-            "RESULT "
-            + json.dumps(run_one(args.run_one, args.num_requests, args.max_num_seqs, not args.compile))
-        )
+    if run_one:  # child process
+        print("RESULT " + json.dumps(run_one_model(run_one, num_requests, max_num_seqs, not compile)))
         return
 
     from transformers import AutoConfig
 
-    from swiftkv_core.generation import resolve_model_path
+    from swiftkv_core.default_model import resolve_model_path
 
-    base = resolve_model_path(args.model)
+    base = resolve_model_path(model)
     num_layers = AutoConfig.from_pretrained(base).num_hidden_layers
-    l = args.num_key_value_layers or num_layers // 2
+    l = num_key_value_layers or num_layers // 2
     swiftkv = prepare_swiftkv(
         base, l, Path.home() / ".cache" / "swiftkv" / "bench" / f"{base.name}-swiftkv-l{l}"
     )
@@ -212,13 +212,15 @@ def main() -> None:
         command = [
             sys.executable,
             __file__,
-            "--run-one",
+            "--run_one",
             str(path),
-            "--num-requests",
-            str(args.num_requests),
-            "--max-num-seqs",
-            str(args.max_num_seqs),
-        ] + (["--compile"] if args.compile else [])
+            "--num_requests",
+            str(num_requests),
+            "--max_num_seqs",
+            str(max_num_seqs),
+            "--compile",
+            str(compile).lower(),
+        ]
         # A fixed KV cache space (GiB) for both models: without it vLLM's CPU backend reserves 92% of memory.
         env = {"VLLM_CPU_KVCACHE_SPACE": "4", **os.environ}
         proc = subprocess.run(command, capture_output=True, text=True, env=env)
@@ -250,16 +252,16 @@ def main() -> None:
         "num_key_value_layers": l,
         "vllm_version": vllm.__version__,
         "device": f"CPU ({os.cpu_count()} cores), fp32",
-        "enforce_eager": not args.compile,
-        "num_requests": args.num_requests,
-        "max_num_seqs": args.max_num_seqs,
+        "enforce_eager": not compile,
+        "num_requests": num_requests,
+        "max_num_seqs": max_num_seqs,
         "workloads": {w: {"prompt_tokens": p, "output_tokens": o} for w, (p, o) in WORKLOADS.items()},
         "runs": runs,
         "ratios_swiftkv_over_stock": ratios,
         "command": command,
     }
 
-    write_report(results, args.out)
+    write_report(results, out)
 
 
 def write_report(results: dict, out: Path) -> None:
@@ -325,4 +327,4 @@ def write_report(results: dict, out: Path) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    auto_cli(main, as_positional=False)
