@@ -141,7 +141,7 @@ def test_teacher_answers_are_reproducible_chat_data(tiny_model, tmp_path):
     prompt_file = write_jsonl(tmp_path / "prompts.jsonl", prompts)
     out = tmp_path / "answers.jsonl"
     corpora_main(["answer", "--prompts", str(prompt_file), "--out", str(out), "--model", str(tiny_model),
-                  "--max-new-tokens", "6", "--batch-size", "2"])  # fmt: skip
+                  "--max_new_tokens", "6", "--batch_size", "2"])  # fmt: skip
     written = load_records([str(out)])
     assert written == first and record_kind(written[0]) == "prompt_response"
     text = tokenizer.decode(encode_record(written[0], tokenizer))  # the chat template around both turns

