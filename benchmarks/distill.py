@@ -13,13 +13,13 @@ Writes benchmarks/results/distill-bench.{json,md}.
 
 from __future__ import annotations
 
-import argparse
 import json
 import resource
 import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Literal
 
 RESULTS = Path(__file__).parent / "results"
 
@@ -47,13 +47,16 @@ def run_one(setup: str, steps: int, warmup: int, batch_size: int, seq_len: int, 
     batches = _batches(tokenizer, steps + warmup, batch_size, seq_len)
     temperature = 2.0
     if setup == "ours":
-        from swiftkv_distill.module import DistillationStep
+        from swiftkv_distill import DistillationStep, LossSettings
 
-        step = DistillationStep(convert(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32), l))
+        step = DistillationStep(
+            convert(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32), l),
+            LossSettings(temperature=temperature, chunk_size=512),
+        )
         params = [p for p in step.parameters() if p.requires_grad]
 
         def loss_fn(batch):
-            return step(batch, 1.0 / batch["loss_mask"].sum(), temperature, 0.0, 1.0, 512)["loss"]
+            return step(batch, 1.0 / batch["loss_mask"].sum())["loss"]
     elif setup == "prefix_twice":
         # ours (one copy, chunked loss) but layers < l run in both passes, as the published trainer does
         from swiftkv_distill.loss import distillation_kl
@@ -117,27 +120,34 @@ def run_one(setup: str, steps: int, warmup: int, batch_size: int, seq_len: int, 
     }
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("--steps", type=int, default=6)
-    parser.add_argument("--warmup", type=int, default=1)
-    parser.add_argument("--batch-size", type=int, default=4)
-    parser.add_argument("--seq-len", type=int, default=256)
-    parser.add_argument("--num-key-value-layers", type=int, default=15)
-    parser.add_argument("--rounds", type=int, default=2)
-    parser.add_argument("--one", choices=["ours", "prefix_twice", "naive"], help=argparse.SUPPRESS)
-    args = parser.parse_args()
-    shape = (args.steps, args.warmup, args.batch_size, args.seq_len, args.num_key_value_layers)
-    if args.one:
-        print(json.dumps(run_one(args.one, *shape)))
+def main(
+    steps: int = 6,
+    warmup: int = 1,
+    batch_size: int = 4,
+    seq_len: int = 256,
+    num_key_value_layers: int = 15,
+    rounds: int = 2,
+    one: Literal["ours", "prefix_twice", "naive"] | None = None,
+) -> None:
+    """Time the three setups in separate processes, alternating, best round of each; write the results.
+
+    Args:
+        steps: timed training steps per setup.
+        warmup: untimed steps before them.
+        batch_size: rows per step.
+        seq_len: tokens per row.
+        num_key_value_layers: l of the SwiftKV model.
+        rounds: alternating rounds over the setups (the best of each counts).
+        one: run only this setup in this process and print its result as JSON (used by the rounds).
+    """
+    shape = (steps, warmup, batch_size, seq_len, num_key_value_layers)
+    if one:
+        print(json.dumps(run_one(one, *shape)))
         return
     results = {}
-    parser_rounds = args.rounds
     # Separate processes: separate peak memory. Rounds alternate the setups and the best round of each counts, so
     # a neighbour's load on this shared machine hits all setups alike rather than one.
-    for setup in [s for _ in range(parser_rounds) for s in ("ours", "prefix_twice", "naive")]:
+    for setup in [s for _ in range(rounds) for s in ("ours", "prefix_twice", "naive")]:
         out = subprocess.run(
             [
                 sys.executable,
@@ -145,15 +155,15 @@ def main() -> None:
                 "--one",
                 setup,
                 "--steps",
-                str(args.steps),
+                str(steps),
                 "--warmup",
-                str(args.warmup),
-                "--batch-size",
-                str(args.batch_size),
-                "--seq-len",
-                str(args.seq_len),
-                "--num-key-value-layers",
-                str(args.num_key_value_layers),
+                str(warmup),
+                "--batch_size",
+                str(batch_size),
+                "--seq_len",
+                str(seq_len),
+                "--num_key_value_layers",
+                str(num_key_value_layers),
             ],
             check=True,
             capture_output=True,
@@ -166,9 +176,9 @@ def main() -> None:
     ours, naive, twice = results["ours"], results["naive"], results["prefix_twice"]
     summary = {
         "model": "SmolLM2-135M-Instruct",
-        "num_key_value_layers": args.num_key_value_layers,
-        "batch": f"{args.batch_size} x {args.seq_len} tokens",
-        "steps_timed": args.steps,
+        "num_key_value_layers": num_key_value_layers,
+        "batch": f"{batch_size} x {seq_len} tokens",
+        "steps_timed": steps,
         "speedup_tokens_per_s": ours["tokens_per_s"] / naive["tokens_per_s"],
         "peak_memory_ratio_ours_over_naive": ours["peak_rss_gib"] / naive["peak_rss_gib"],
         "prefix_once_speedup": ours["tokens_per_s"] / twice["tokens_per_s"],
@@ -188,9 +198,9 @@ def main() -> None:
     (RESULTS / "distill-bench.json").write_text(json.dumps(summary, indent=2))
     (RESULTS / "distill-bench.md").write_text(
         "# Distillation step: ours vs naive two-copy teacher/student\n\n"
-        f"SmolLM2-135M-Instruct, l={args.num_key_value_layers}, {summary['batch']} per step, {args.steps} timed steps "
-        f"after {args.warmup} warm-up, fp32, 2-core CPU (shared), one process per setup and round, best of "
-        f"{args.rounds} alternating rounds.\n\n"
+        f"SmolLM2-135M-Instruct, l={num_key_value_layers}, {summary['batch']} per step, {steps} timed steps "
+        f"after {warmup} warm-up, fp32, 2-core CPU (shared), one process per setup and round, best of "
+        f"{rounds} alternating rounds.\n\n"
         "| setup | tokens/s | peak RSS (GiB) |\n|---|---|---|\n"
         f"| ours (one copy, layers < l once, chunked logits) | {ours['tokens_per_s']:.1f} | {ours['peak_rss_gib']:.2f} |\n"
         f"| ours, but layers < l run in both passes | {twice['tokens_per_s']:.1f} | {twice['peak_rss_gib']:.2f} |\n"
@@ -203,4 +213,6 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from jsonargparse import auto_cli
+
+    auto_cli(main, as_positional=False)

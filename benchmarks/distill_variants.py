@@ -6,22 +6,26 @@ the recipe's ``schedule_seconds``) and is measured on the same held-out Brown ro
 a shared CPU: differences below about half a point of agreement are noise.
 
     flock /tmp/swiftkv-heavy.lock .venv/bin/python benchmarks/distill_variants.py \\
-        --seconds 240 --variants "lr=1e-3" "lr=1e-3,position_fraction=0.5" "lr=1e-3,position_fraction=0.25"
+        --seconds 240 --variants '["lr=1e-3", "lr=1e-3,position_fraction=0.5", "lr=1e-3,position_fraction=0.25"]'
+
+(``--variants+ "lr=1e-3"`` appends one variant.) Each variant trains through the library's own pieces: the
+module's ``DistillationStep`` with its ``LossSettings``, ``step_positions`` and the schedule (schedule.py).
 
 A variant sets any of the keys of ``DEFAULTS``: ``q_lr_scale`` multiplies the learning rate of the query
 projections (k/v keep ``lr``), ``hard_weight`` adds the hard-label term (loss.py), ``steps`` > 0 budgets the
 variant in optimizer steps instead of seconds (the schedule then runs over steps: a GPU can replay the CPU run's
-step count in seconds, ``--device cuda``). ``--heldout-rows 0`` also measures on every held-out row (948 rows,
+step count in seconds, ``--device cuda``). ``--heldout_rows 0`` also measures on every held-out row (948 rows,
 243k tokens: a figure about 5x tighter than the 40 rows of the real run). Writes
 ``benchmarks/results/distill-variants.{json,md}`` (``--tag`` names another pair).
 """
 
 from __future__ import annotations
 
-import argparse
+import dataclasses
 import json
 import time
 from pathlib import Path
+from typing import Literal
 
 import torch
 
@@ -50,10 +54,16 @@ def parse_variant(text: str) -> dict:
 
 def train(module, datamodule, variant: dict, seconds: float, device: str, warmup: float = 0.05):
     """AdamW for ``seconds`` of wall time, or ``variant["steps"]`` steps; returns (steps, tokens/s)."""
-    from swiftkv_distill.module import warmup_cosine
+    from swiftkv_distill.schedule import lr_factor, run_progress
 
     datamodule.hparams.batch_size = variant["batch_size"]
     module.hparams.position_fraction = variant["position_fraction"]
+    module.step.settings = dataclasses.replace(
+        module.loss_settings,
+        temperature=variant["temperature"],
+        hidden_loss_weight=0.0,
+        hard_label_weight=variant["hard_weight"],
+    )
     named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
     groups = [
         {"params": [p for n, p in named if "q_proj" in n], "scale": variant["q_lr_scale"]},
@@ -68,24 +78,19 @@ def train(module, datamodule, variant: dict, seconds: float, device: str, warmup
             yield from datamodule.train_dataloader()
 
     loader, steps, tokens, start = epochs(), 0, 0, time.perf_counter()
-    while (progress := steps / budget if budget else (time.perf_counter() - start) / seconds) < 1:
-        factor = warmup_cosine(progress, warmup, variant["min_lr_ratio"])  # the recipe's schedule
-        factor = max(factor, 0.01) if progress < warmup else factor
+    # the recipe's schedule: over the step budget, or over the wall-time budget (schedule_seconds)
+    while (
+        progress := run_progress(
+            steps, budget or None, time.perf_counter() - start, None if budget else seconds
+        )
+    ) < 1:
+        factor = lr_factor(progress, warmup, variant["min_lr_ratio"])
         for group in optimizer.param_groups:
             group["lr"] = variant["lr"] * group["scale"] * factor
         batch = {k: v.to(device) for k, v in next(loader).items()}
         positions = module.step_positions(batch["input_ids"].shape[1], device, step=steps)
         mask = batch["loss_mask"] if positions is None else batch["loss_mask"][:, positions]
-        out = module.step(
-            batch,
-            1.0 / mask.sum(),
-            variant["temperature"],
-            0.0,
-            1.0,
-            512,
-            positions=positions,
-            hard_label_weight=variant["hard_weight"],
-        )
+        out = module.step(batch, 1.0 / mask.sum(), positions=positions)
         out["loss"].backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         optimizer.step()
@@ -97,30 +102,33 @@ def train(module, datamodule, variant: dict, seconds: float, device: str, warmup
     return steps, tokens / (time.perf_counter() - start)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("--seconds", type=float, default=240.0)
-    parser.add_argument("--variants", nargs="+", default=["lr=1e-3"])
-    parser.add_argument("--kv-init", choices=["least_squares", "published"], default="least_squares")
-    parser.add_argument("--kv-init-weighting", choices=["attention", "uniform"], default="attention")
-    parser.add_argument("--device", default="cpu", help="cpu, or cuda (fp32 there too)")
-    parser.add_argument(
-        "--heldout-rows",
-        type=int,
-        default=40,
-        help="held-out rows measured besides the run's 40 (0: all 948)",
-    )
-    parser.add_argument("--train-files", nargs="+", default=["recipe:brown_train"], help="training data")
-    parser.add_argument(
-        "--chat-heldout",
-        action="store_true",
-        help="also measure on the teacher's answers to held-out chat prompts (recipe:chat_answers_heldout)",
-    )
-    parser.add_argument("--tag", default="", help="results file suffix: distill-variants<-tag>.{json,md}")
-    args = parser.parse_args()
-    variants = [parse_variant(v) for v in args.variants]
+def main(
+    seconds: float = 240.0,
+    variants: list[str] | None = None,
+    kv_init: Literal["least_squares", "published"] = "least_squares",
+    kv_init_weighting: Literal["attention", "uniform"] = "attention",
+    device: str = "cpu",
+    heldout_rows: int = 40,
+    train_files: list[str] | None = None,
+    chat_heldout: bool = False,
+    tag: str = "",
+) -> None:
+    """Train recipe variants from the same converted (and K/V-fitted) weights and measure each on held-out rows.
+
+    Args:
+        seconds: wall-time budget of each variant (unless it sets ``steps``).
+        variants: comma-separated ``key=value`` settings per variant (keys of DEFAULTS); default ``["lr=1e-3"]``.
+        kv_init: the initial K/V projections: least-squares fit, or the published copy of k/v_proj.
+        kv_init_weighting: the least-squares fit's token weighting.
+        device: cpu, or cuda (fp32 there too).
+        heldout_rows: held-out rows measured besides the run's 40 (0: all 948).
+        train_files: training data; default ``["recipe:brown_train"]``.
+        chat_heldout: also measure on the teacher's answers to held-out chat prompts (recipe:chat_answers_heldout).
+        tag: results file suffix: distill-variants<-tag>.{json,md}.
+    """
+    variants = variants or ["lr=1e-3"]
+    train_files = train_files or ["recipe:brown_train"]
+    parsed = [parse_variant(v) for v in variants]
 
     from swiftkv_core.kv_init import fit_kv_projections
     from swiftkv_distill import DistillDataModule, SwiftKVDistillation
@@ -129,14 +137,14 @@ def main() -> None:
     torch.manual_seed(0)
     module = SwiftKVDistillation("default", num_key_value_layers=15)
     module.configure_model()
-    module.to(args.device)
+    module.to(device)
     datamodule = DistillDataModule(
         "default",
-        args.train_files,
+        train_files,
         val_files=["recipe:brown_heldout"],
         max_length=256,
         batch_size=4,
-        max_val_rows=args.heldout_rows,
+        max_val_rows=heldout_rows,
         val_batch_size=8,
     )
     datamodule.build()
@@ -146,10 +154,10 @@ def main() -> None:
     datamodule.val_rows = all_rows
     val_all = datamodule.val_dataloader() if len(all_rows) > 40 else None
     val_chat = None
-    if args.chat_heldout:
+    if chat_heldout:
         chat = DistillDataModule(
             "default",
-            args.train_files,
+            train_files,
             val_files=["recipe:chat_answers_heldout"],
             max_length=256,
             val_batch_size=8,
@@ -165,46 +173,44 @@ def main() -> None:
             metrics.update({f"{k}_chat": v for k, v in module.evaluate(val_chat).items()})
         return metrics
 
-    if args.kv_init == "least_squares":
+    if kv_init == "least_squares":
         rows = datamodule.kv_init_dataloader(32768)
         fit_kv_projections(
             module.swiftkv_model,
-            ({k: b[k].to(args.device) for k in ("input_ids", "position_ids")} for b in rows),
-            weighting=args.kv_init_weighting,
+            ({k: b[k].to(device) for k in ("input_ids", "position_ids")} for b in rows),
+            weighting=kv_init_weighting,
         )
     start_weights = {k: p.detach().clone() for k, p in module.named_parameters() if p.requires_grad}
     start_metrics = measure()
-    print(f"start ({args.kv_init} init): {start_metrics}", flush=True)
+    print(f"start ({kv_init} init): {start_metrics}", flush=True)
 
     rows = []
-    for variant in variants:
+    for variant in parsed:
         with torch.no_grad():
             for name, param in module.named_parameters():
                 if param.requires_grad:
                     param.copy_(start_weights[name])
-        steps, tokens_per_s = train(module, datamodule, variant, args.seconds, args.device)
+        steps, tokens_per_s = train(module, datamodule, variant, seconds, device)
         metrics = measure()
         rows.append({**variant, "steps": steps, "tokens_per_s": tokens_per_s, **metrics})
         print(f"{variant}: {steps} steps, {tokens_per_s:.0f} tokens/s, {metrics}", flush=True)
 
     device = (
-        torch.cuda.get_device_name()
-        if args.device == "cuda"
-        else f"{args.device} ({torch.get_num_threads()} threads)"
+        torch.cuda.get_device_name() if device == "cuda" else f"{device} ({torch.get_num_threads()} threads)"
     )
     result = {
-        "seconds": args.seconds,
+        "seconds": seconds,
         "device": device,
-        "kv_init": args.kv_init,
+        "kv_init": kv_init,
         "start": start_metrics,
         "rows": rows,
         "command": "flock /tmp/swiftkv-heavy.lock .venv/bin/python benchmarks/distill_variants.py --seconds "
-        f"{args.seconds:g} --kv-init {args.kv_init} --kv-init-weighting {args.kv_init_weighting} --device "
-        f"{args.device} --heldout-rows {args.heldout_rows} --train-files {' '.join(args.train_files)}"
-        f"{' --chat-heldout' if args.chat_heldout else ''}{f' --tag {args.tag}' if args.tag else ''} --variants "
-        + " ".join(f'"{v}"' for v in args.variants),
+        f"{seconds:g} --kv_init {kv_init} --kv_init_weighting {kv_init_weighting} --device {device} "
+        f"--heldout_rows {heldout_rows} --train_files '{json.dumps(train_files)}'"
+        f"{' --chat_heldout true' if chat_heldout else ''}{f' --tag {tag}' if tag else ''} "
+        f"--variants '{json.dumps(variants)}'",
     }
-    name = f"distill-variants{'-' + args.tag if args.tag else ''}"
+    name = f"distill-variants{'-' + tag if tag else ''}"
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / f"{name}.json").write_text(json.dumps(result, indent=2))
     wide = val_all is not None
@@ -228,11 +234,11 @@ def main() -> None:
             f"; on held-out chat answers: KL {start_metrics['kl_chat']:.4f}, "
             f"agreement {start_metrics['agreement_chat']:.2%}"
         )
-    budget = f"{args.seconds:g} s of wall time (or the steps shown, where a variant sets them)"
+    budget = f"{seconds:g} s of wall time (or the steps shown, where a variant sets them)"
     (RESULTS / f"{name}.md").write_text(
         f"# Distillation recipe variants from the same weights (SmolLM2-135M-Instruct, l=15, {device})\n\n"
         f"Command: `{result['command']}`\n\n"
-        f"Every variant starts from the same weights ({args.kv_init} init: held-out KL {start_metrics['kl']:.4f}, "
+        f"Every variant starts from the same weights ({kv_init} init: held-out KL {start_metrics['kl']:.4f}, "
         f"agreement {start_metrics['agreement']:.1%} on the real run's 40 rows{start_all}) and trains for "
         f"{budget}.\n\n"
         "| lr | q lr x | T | hard | rows/step | position_fraction | min lr ratio | steps | tokens/s | KL (40 rows) "
@@ -248,4 +254,6 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from jsonargparse import auto_cli
+
+    auto_cli(main, as_positional=False)
