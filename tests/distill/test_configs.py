@@ -48,6 +48,30 @@ def test_recipe_parses_and_every_option_is_commented(path):
     assert "model" not in raw["data"], "data.model is linked from model.model"
 
 
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.stem)
+def test_one_output_folder_per_recipe(path):
+    """The recipe names its output folder once (trainer.default_root_dir); loggers, checkpoints and exports are
+    interpolated under it, so overriding it on the command line moves all of them."""
+    root = yaml.safe_load(path.read_text())["trainer"]["default_root_dir"]
+    assert path.read_text().count(root) == 1
+
+    class Parse(ParseOnly):
+        def _run_subcommand(self, subcommand) -> None:
+            pass
+
+    for args, where in (
+        (["--config", str(path)], root),
+        (["--config", str(path), "--trainer.default_root_dir", "/x"], "/x"),
+    ):
+        for subcommand in ([], ["fit"]):
+            cli = make_cli([*subcommand, *args], run=bool(subcommand), cli_class=Parse)
+            trainer = (cli.config.fit if subcommand else cli.config).trainer
+            assert trainer.default_root_dir == where
+            assert [logger.init_args.save_dir for logger in trainer.logger] == [where, where]
+            dirpaths = [c.init_args.dirpath for c in trainer.callbacks if "dirpath" in c.init_args]
+            assert dirpaths == [f"{where}/checkpoints", f"{where}/export"]
+
+
 def test_cpu_recipe_instantiates():
     path = next(p for p in CONFIGS if p.stem == "smollm2-135m-cpu")
     cli = make_cli(["--config", str(path)], run=False)

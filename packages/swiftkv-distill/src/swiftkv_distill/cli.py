@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from jsonargparse import set_parsing_settings
 from lightning.pytorch.cli import LightningCLI
 
 from .data import DistillDataModule
@@ -21,6 +22,8 @@ class DistillCLI(LightningCLI):
 
 
 def make_cli(args=None, run: bool = True, cli_class: type[LightningCLI] = DistillCLI) -> LightningCLI:
+    # the recipes' interpolations name keys from the config's own root (``trainer.``), also under a subcommand
+    set_parsing_settings(omegaconf_absolute_to_relative_paths=True)
     return cli_class(
         SwiftKVDistillation,
         DistillDataModule,
@@ -28,6 +31,9 @@ def make_cli(args=None, run: bool = True, cli_class: type[LightningCLI] = Distil
         args=args,
         run=run,
         save_config_kwargs={"overwrite": True},
+        # ``${trainer.default_root_dir}/...`` in the recipes: one output folder per file, resolved after the
+        # command line (an overridden default_root_dir moves everything under it)
+        parser_kwargs={"parser_mode": "omegaconf+"},
         seed_everything_default=0,
     )
 
