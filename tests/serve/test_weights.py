@@ -13,18 +13,12 @@ pytest.importorskip("vllm")
 @pytest.fixture
 def config():
     from swiftkv_core.configuration import LlamaSwiftKVConfig
+    from tests.serve.checkpoints import TINY
 
     # 8 layers, l=4, AcrossKV groups {4, 5} and {6, 7}
+    assert TINY["num_hidden_layers"] == 8
     return LlamaSwiftKVConfig(
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=8,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        vocab_size=100,
-        swiftkv=True,
-        num_key_value_layers=4,
-        key_value_group_size=2,
+        **TINY, vocab_size=100, swiftkv=True, num_key_value_layers=4, key_value_group_size=2
     )
 
 
