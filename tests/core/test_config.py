@@ -2,6 +2,7 @@ import pytest
 from transformers import AutoConfig
 
 from swiftkv_core import LlamaSwiftKVConfig, Qwen2SwiftKVConfig
+from swiftkv_core.configuration import num_kv_cache_layers, validate_layers
 
 SMALL = dict(num_hidden_layers=8, hidden_size=64, num_attention_heads=4, num_key_value_heads=2)
 
@@ -46,3 +47,29 @@ def test_invalid_configs_name_the_key_and_range(overrides, message):
 def test_qwen2_sliding_window_refused():
     with pytest.raises(Exception, match="sliding-window"):
         Qwen2SwiftKVConfig(**SMALL, use_sliding_window=True, sliding_window=16, max_window_layers=0)
+
+
+def test_group_arithmetic_is_one_definition():
+    config = LlamaSwiftKVConfig(**SMALL, swiftkv=True, num_key_value_layers=2, key_value_group_size=3)
+    assert config.kv_group_leaders == [2, 5] and config.num_kv_groups == 2
+    assert [config.kv_group_index(j) for j in range(2, 8)] == [0, 0, 0, 1, 1, 1]
+    assert config.num_kv_cache_layers == num_kv_cache_layers(8, 2, 3) == 4
+
+
+@pytest.mark.parametrize(
+    ("l", "g", "allow_no_skip", "message"),
+    [
+        (8, 1, False, r"must be an integer in \[1, 7\].*l=8 would skip nothing"),
+        (0, 1, True, r"must be an integer in \[1, 8\]"),
+        (True, 1, True, r"must be an integer"),
+        (4, 3, True, r"must divide .* = 4.*\[1, 2, 4\]"),
+    ],
+)
+def test_validate_layers_says_what_is_valid(l, g, allow_no_skip, message):
+    with pytest.raises(ValueError, match=message):
+        validate_layers(8, l, g, allow_no_skip=allow_no_skip)
+
+
+def test_validate_layers_accepts_no_skip_only_where_allowed():
+    validate_layers(8, 8, 1)  # a SwiftKV checkpoint equal to its base model
+    validate_layers(8, 7, 1, allow_no_skip=False)

@@ -132,3 +132,40 @@ def test_gradients_reach_only_swiftkv_parameters():
     with_grad = {n for n, p in model.named_parameters() if p.grad is not None}
     assert with_grad == {n for n, p in model.named_parameters() if "swiftkv" in n}
     assert all(model.get_parameter(n).grad.abs().sum() > 0 for n in with_grad)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_each_module_is_built_once_and_matches_hf(family, monkeypatch):
+    """No stock model, decoder layer or attention is built and then replaced; the result has HF's structure."""
+    from transformers.models.llama import modeling_llama
+    from transformers.models.qwen2 import modeling_qwen2
+
+    from swiftkv_core.convert import swiftkv_config_from
+
+    hf = {"llama": modeling_llama, "qwen2": modeling_qwen2}[family]
+    prefix = {"llama": "Llama", "qwen2": "Qwen2"}[family]
+    base = tiny_base(family)
+    config = swiftkv_config_from(base.config, 2, 2)
+    swiftkv_class = type(convert(tiny_base(family), 2, 2))
+    attention_inits = []
+    real_attention_init = getattr(hf, f"{prefix}Attention").__init__
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a stock module was built")
+
+    for name in ("Model", "DecoderLayer", "ForCausalLM"):
+        monkeypatch.setattr(getattr(hf, f"{prefix}{name}"), "__init__", refuse)
+    monkeypatch.setattr(
+        getattr(hf, f"{prefix}Attention"),
+        "__init__",
+        lambda self, *a, **k: attention_inits.append(1) or real_attention_init(self, *a, **k),
+    )
+    model = swiftkv_class(config)
+    monkeypatch.undo()
+    assert len(attention_inits) == config.num_hidden_layers
+    swiftkv = {n for n in model.state_dict() if "swiftkv" in n}
+    assert set(model.state_dict()) - swiftkv == set(base.state_dict())
+    for (name, module), (base_name, base_module) in zip(
+        model.model.layers[0].named_modules(), base.model.layers[0].named_modules(), strict=True
+    ):
+        assert name == base_name and isinstance(module, type(base_module))

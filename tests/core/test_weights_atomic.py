@@ -1,0 +1,110 @@
+"""The one definition of SwiftKV weight names, atomic writes, and the teacher/student switch."""
+
+import os
+
+import pytest
+import torch
+
+from swiftkv_core.atomic import atomic_directory, atomic_file
+from swiftkv_core.convert import convert
+from swiftkv_core.weights import (
+    is_swiftkv_parameter,
+    is_teacher_projection,
+    layer_index,
+    match_swiftkv_kv,
+    swiftkv_parameter_names,
+)
+from tests.conftest import tiny_base
+
+
+def test_weight_names():
+    assert is_swiftkv_parameter("model.norm_swiftkv.weight")
+    assert is_swiftkv_parameter("step.model.model.layers.3.self_attn.q_proj_swiftkv.bias")  # prefixed
+    assert not is_swiftkv_parameter("model.layers.3.self_attn.q_proj.weight")
+    assert not is_swiftkv_parameter("model.swiftkv_notes")
+    assert is_teacher_projection("model.layers.3.self_attn.k_proj.weight", 2)
+    assert not is_teacher_projection("model.layers.1.self_attn.k_proj.weight", 2)  # layers < l keep theirs
+    assert not is_teacher_projection("model.layers.3.self_attn.o_proj.weight", 2)
+    assert not is_teacher_projection("model.layers.3.self_attn.k_proj_swiftkv.weight", 2)
+    assert match_swiftkv_kv("model.layers.12.self_attn.v_proj_swiftkv.bias") == (12, "v", "bias")
+    assert match_swiftkv_kv("model.layers.12.self_attn.q_proj_swiftkv.weight") is None
+    assert layer_index("model.layers.7.mlp.up_proj.weight") == 7 and layer_index("lm_head.weight") is None
+
+
+@pytest.mark.parametrize("g", [1, 2])
+def test_swiftkv_parameters_are_exactly_the_added_ones(family, g):
+    base = tiny_base(family)
+    model = convert(tiny_base(family), 2, g)
+    added = set(model.state_dict()) - set(base.state_dict())
+    assert set(swiftkv_parameter_names(model)) == added and added
+
+
+def _write(folder, text):
+    (folder / "a.txt").write_text(text)
+
+
+def test_atomic_directory_replaces_only_on_success(tmp_path):
+    target = tmp_path / "out"
+    with atomic_directory(target) as staging:
+        _write(staging, "first")
+    assert (target / "a.txt").read_text() == "first"
+    with pytest.raises(RuntimeError), atomic_directory(target) as staging:
+        _write(staging, "half")
+        raise RuntimeError("disk full")
+    assert (target / "a.txt").read_text() == "first"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]  # no staging folder left behind
+
+
+def test_atomic_directory_keeps_the_old_folder_if_the_final_move_fails(tmp_path, monkeypatch):
+    target = tmp_path / "out"
+    with atomic_directory(target) as staging:
+        _write(staging, "first")
+    real_replace, calls = os.replace, []
+
+    def failing_second_move(src, dst):
+        calls.append((src, dst))
+        if len(calls) == 2:  # 1: the old folder aside, 2: the new one into place
+            raise OSError("interrupted")
+        real_replace(src, dst)
+
+    monkeypatch.setattr(os, "replace", failing_second_move)
+    with pytest.raises(OSError), atomic_directory(target) as staging:
+        _write(staging, "second")
+    monkeypatch.undo()
+    assert (target / "a.txt").read_text() == "first"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+
+
+def test_atomic_file(tmp_path):
+    path = tmp_path / "data.jsonl"
+    with atomic_file(path) as f:
+        f.write("one\n")
+    with pytest.raises(KeyboardInterrupt), atomic_file(path) as f:
+        f.write("two\n")
+        raise KeyboardInterrupt
+    assert path.read_text() == "one\n" and [p.name for p in tmp_path.iterdir()] == ["data.jsonl"]
+
+
+@torch.no_grad()
+def test_swiftkv_mode_restores_also_on_errors(family):
+    model = convert(tiny_base(family), 2)
+    ids = torch.randint(0, 128, (1, 8))
+    with model.swiftkv_mode(False):
+        assert not model.config.swiftkv
+        teacher = model(ids).logits
+    assert model.config.swiftkv
+    torch.testing.assert_close(teacher, tiny_base(family)(ids).logits)
+    with pytest.raises(RuntimeError), model.swiftkv_mode(False):
+        raise RuntimeError("boom")
+    assert model.config.swiftkv
+
+
+def test_swiftkv_mode_goes_through_the_checks(tmp_path):
+    from swiftkv_core.convert import export_for_serving
+    from transformers import AutoModelForCausalLM
+
+    export_for_serving(convert(tiny_base("llama"), 2), tmp_path / "serve")
+    served = AutoModelForCausalLM.from_pretrained(tmp_path / "serve")
+    with pytest.raises(ValueError, match="serving export"), served.swiftkv_mode(False):
+        pass
+    assert served.config.swiftkv
