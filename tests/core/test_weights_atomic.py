@@ -100,8 +100,9 @@ def test_swiftkv_mode_restores_also_on_errors(family):
 
 
 def test_swiftkv_mode_goes_through_the_checks(tmp_path):
-    from swiftkv_core.convert import export_for_serving
     from transformers import AutoModelForCausalLM
+
+    from swiftkv_core.convert import export_for_serving
 
     export_for_serving(convert(tiny_base("llama"), 2), tmp_path / "serve")
     served = AutoModelForCausalLM.from_pretrained(tmp_path / "serve")
