@@ -5,7 +5,7 @@ setup:
 	@scripts/setup.sh
 
 quickstart: setup
-	.venv/bin/python apps/quickstart.py
+	.venv/bin/swiftkv quickstart
 
 test: setup
 	.venv/bin/python -m pytest
