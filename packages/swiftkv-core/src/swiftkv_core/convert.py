@@ -103,7 +103,7 @@ def convert(
         attn.q_proj_swiftkv.weight = new(attn.q_proj.weight)
         if attn.q_proj.bias is not None:
             attn.q_proj_swiftkv.bias = new(attn.q_proj.bias)
-        if (j - l) % g == 0:
+        if config.kv_group_leader(j) == j:
             group = [layers[i].self_attn for i in range(j, j + g)]
             for name in ("k_proj", "v_proj"):
                 target = getattr(attn, f"{name}_swiftkv")

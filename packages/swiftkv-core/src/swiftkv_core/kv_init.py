@@ -58,7 +58,7 @@ class KVLeastSquares:
         attn = self.layers[self.l].self_attn
         self.bias = attn.k_proj_swiftkv.bias is not None
         self.head_dim, self.kv_heads = attn.head_dim, config.num_key_value_heads
-        self.leaders = list(range(self.l, self.L, self.g))
+        self.leaders = config.kv_group_leaders
         self.mask: torch.Tensor | None = None
         self.tokens = 0
         self._x: torch.Tensor | None = None
@@ -127,7 +127,7 @@ class KVLeastSquares:
         if self.weighting == "uniform":
             _add(self.xx, None, x.T @ x)
         for leader in self.leaders:
-            for j in range(leader, leader + self.g):  # an AcrossKV group: every member's K/V is a target
+            for j in range(leader, leader + self.g):  # the group's members: every one's K/V is a target
                 k, v = (self._rows(self._outputs[(j, n)], keep) for n in ("k", "v"))
                 if self.weighting == "uniform":
                     y = torch.cat([k, v], 1)

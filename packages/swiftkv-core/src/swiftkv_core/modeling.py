@@ -296,7 +296,7 @@ class SwiftKVModelMixin:
         config = self.config
         swiftkv_input = self.norm_swiftkv(hidden)
         key_values = {}
-        for j in range(config.num_key_value_layers, config.num_hidden_layers, config.key_value_group_size):
+        for j in config.kv_group_leaders:
             key, value = self.layers[j].self_attn.swiftkv_key_value(swiftkv_input, position_embeddings)
             if past_key_values is not None:
                 key, value = past_key_values.update(key, value, config.kv_cache_index(j, swiftkv=True))
