@@ -119,19 +119,25 @@ def test_chat_data_needs_a_chat_template(tmp_path, tiny_model, chat_file, text_f
     DistillDataModule(str(no_template), [str(text_file)], max_length=64).setup()  # plain text still works
 
 
-def test_teacher_answers_are_reproducible_chat_data(tiny_model, tmp_path):
+def test_teacher_answers_are_reproducible_chat_data(tiny_model, tmp_path, monkeypatch):
     """The teacher answers prompt records (seeded sampling: the same answers twice), the answers are bounded by
-    max_new_tokens, and the file written by the `answer` command trains as chat-template data."""
+    max_new_tokens, and the file written by the `answer` command trains as chat-template data. The HF backend
+    (the fallback where vLLM is not installed; vLLM's is tested in tests/serve/test_bench_answers.py)."""
+    from swiftkv_distill import corpora
     from swiftkv_distill.corpora import main as corpora_main
     from swiftkv_distill.corpora import teacher_answers
+
+    monkeypatch.setattr(corpora, "data_dir", lambda: tmp_path / "data")
 
     prompts = [
         {"prompt": "What is rain?", "source": "t"},
         {"prompt": "Name a colour.", "source": "t"},
         {"x": 1},
     ]
-    first = teacher_answers(prompts, str(tiny_model), max_new_tokens=6, batch_size=2)
-    assert first == teacher_answers(prompts, str(tiny_model), max_new_tokens=6, batch_size=2)
+    first = teacher_answers(
+        prompts, str(tiny_model), max_new_tokens=6, batch_size=2, backend="hf", cache=False
+    )
+    assert first == teacher_answers(prompts, str(tiny_model), 6, batch_size=2, backend="hf", cache=False)
     assert [r["prompt"] for r in first] == ["What is rain?", "Name a colour."][: len(first)] and first
     tokenizer = AutoTokenizer.from_pretrained(tiny_model)
     for record in first:
@@ -141,7 +147,7 @@ def test_teacher_answers_are_reproducible_chat_data(tiny_model, tmp_path):
     prompt_file = write_jsonl(tmp_path / "prompts.jsonl", prompts)
     out = tmp_path / "answers.jsonl"
     corpora_main(["answer", "--prompts", str(prompt_file), "--out", str(out), "--model", str(tiny_model),
-                  "--max_new_tokens", "6", "--batch_size", "2"])  # fmt: skip
+                  "--max_new_tokens", "6", "--batch_size", "2", "--backend", "hf"])  # fmt: skip
     written = load_records([str(out)])
     assert written == first and record_kind(written[0]) == "prompt_response"
     text = tokenizer.decode(encode_record(written[0], tokenizer))  # the chat template around both turns

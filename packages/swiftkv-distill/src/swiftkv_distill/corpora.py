@@ -7,7 +7,9 @@
   (prefill-style distillation: the teacher's distribution over the prompt is the target).
 - ``chat_answers``: the same questions answered by the teacher itself (the default model, sampled at T=0.7,
   top-p 0.9, seeded), as prompt/response records: chat-shaped data whose answers follow the teacher's own
-  distribution rather than a dataset's. Generated once (749 answers, about 16 minutes on a 2-core CPU);
+  distribution rather than a dataset's. Generated once with vLLM where it is installed (``swiftkv_serve.answers``),
+  else with HF ``generate`` (749 answers: about 16 minutes on a 2-core CPU with HF; vLLM: see
+  ``benchmarks/results/teacher-answers.md``), and cached under a key of the teacher, the backend and the settings;
   ``chat_answers_heldout`` is every fifth of them (never in ``chat_answers``). ``teacher_answers`` (and
   ``python -m swiftkv_distill.corpora answer``) does the same for any model and prompt file.
 - ``python_docs``: docstrings of Python's own standard library (always available; the fallback when npm is not).
@@ -19,12 +21,14 @@ once into ``$SWIFTKV_CACHE_DIR/data/distill`` (default ``~/.cache/swiftkv``). Al
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import json
 import re
 import shutil
 import subprocess
 import tarfile
+import time
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -189,7 +193,36 @@ def python_docs(max_records: int = 5000) -> list[dict]:
     return records[:max_records]
 
 
-def teacher_answers(
+ANSWER_BACKENDS = ("auto", "vllm", "hf")
+_ANSWER_RECIPES = ("chat_answers", "chat_answers_heldout")
+
+
+def answer_backend(backend: str = "auto") -> str:
+    """``"vllm"`` or ``"hf"``: ``"auto"`` is vLLM where ``vllm`` and ``swiftkv_serve`` are installed."""
+    if backend not in ANSWER_BACKENDS:
+        raise ValueError(f"Unknown answer backend {backend!r}: choose from {list(ANSWER_BACKENDS)}.")
+    if backend != "auto":
+        return backend
+    available = all(importlib.util.find_spec(name) is not None for name in ("vllm", "swiftkv_serve"))
+    return "vllm" if available else "hf"
+
+
+def model_identity(path: Path) -> dict:
+    """What makes a checkpoint folder this model: its resolved path, its config and its weight files' sizes."""
+    path = Path(path).resolve()
+    weights = sorted(
+        f
+        for f in path.iterdir()
+        if f.suffix in (".safetensors", ".bin", ".pt") or f.name.endswith(".index.json")
+    )
+    return {
+        "path": str(path),
+        "config_sha256": hashlib.sha256((path / "config.json").read_bytes()).hexdigest(),
+        "weight_sizes": {f.name: f.stat().st_size for f in weights},
+    }
+
+
+def teacher_answers_cache_file(
     prompts: Iterable[dict],
     model: str = "default",
     max_new_tokens: int = 160,
@@ -197,35 +230,61 @@ def teacher_answers(
     temperature: float = 0.7,
     top_p: float = 0.9,
     seed: int = 0,
-) -> list[dict]:
-    """The teacher's own answers to prompt records (``{"prompt": ...}``), as ``{"prompt", "response", "source"}``.
+    backend: str = "auto",
+) -> tuple[Path, dict]:
+    """Where ``teacher_answers`` with these arguments keeps its answers, and the record of what they are (the
+    model's identity, the backend, the settings, the prompts).
 
-    ``model``: ``"default"``, a ``.gguf`` file or a local HF folder (the ORIGINAL model: the distillation
-    teacher). Sampled, with a seed per batch (the same answers on every run); prompts with an empty answer are
-    dropped.
+    The file name is keyed by a hash of that record: another model, backend (vLLM and HF sample differently)
+    or setting gets a file of its own. The HF backend seeds per batch, so its batch size is part of the key.
     """
+    from swiftkv_core.default_model import resolve_model_path
+
+    path = resolve_model_path(model)
+    backend = answer_backend(backend)
+    texts = [r["prompt"] for r in _answerable(prompts)]
+    metadata = {
+        "model": model_identity(path),
+        "backend": backend,
+        "max_new_tokens": max_new_tokens,
+        "temperature": temperature,
+        "top_p": top_p,
+        "seed": seed,
+        "batch_size": batch_size if backend == "hf" else None,
+        "num_prompts": len(texts),
+        "prompts_sha256": hashlib.sha256(json.dumps(texts, ensure_ascii=False).encode()).hexdigest(),
+    }
+    key = hashlib.sha256(json.dumps(metadata, sort_keys=True).encode()).hexdigest()[:16]
+    return data_dir() / "teacher_answers" / f"{path.name}-{backend}-{key}.jsonl", metadata
+
+
+def _answerable(prompts: Iterable[dict]) -> list[dict]:
+    return [r for r in prompts if isinstance(r.get("prompt"), str) and r["prompt"].strip()]
+
+
+def _hf_answers(
+    path: Path,
+    prompts: list[str],
+    max_new_tokens: int,
+    batch_size: int,
+    temperature: float,
+    top_p: float,
+    seed: int,
+) -> list[str]:
+    """Answers with HF ``generate``, in batches (seeded per batch): the fallback where vLLM is not installed."""
     import torch
     from tqdm.auto import tqdm
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from swiftkv_core.default_model import resolve_model_path
-
-    path = resolve_model_path(model)
     tokenizer = AutoTokenizer.from_pretrained(path, padding_side="left")
-    if not getattr(tokenizer, "chat_template", None):
-        raise ValueError(
-            f"{path}: the tokenizer has no chat template, so prompts cannot be posed to the model."
-        )
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     lm = AutoModelForCausalLM.from_pretrained(path).eval()
-    records = [r for r in prompts if isinstance(r.get("prompt"), str) and r["prompt"].strip()]
-    out = []
-    batches = range(0, len(records), batch_size)
-    for index, start in enumerate(tqdm(batches, desc="teacher answers", unit="batch")):
-        batch = records[start : start + batch_size]
+    answers = []
+    batches = range(0, len(prompts), batch_size)
+    for index, start in enumerate(tqdm(batches, desc="teacher answers (HF)", unit="batch")):
         inputs = tokenizer.apply_chat_template(
-            [[{"role": "user", "content": r["prompt"]}] for r in batch],
+            [[{"role": "user", "content": p}] for p in prompts[start : start + batch_size]],
             add_generation_prompt=True,
             padding=True,
             return_tensors="pt",
@@ -241,25 +300,82 @@ def teacher_answers(
                 top_p=top_p,
                 pad_token_id=tokenizer.pad_token_id,
             )
-        answers = tokenizer.batch_decode(
+        answers += tokenizer.batch_decode(
             generated[:, inputs["input_ids"].shape[1] :], skip_special_tokens=True
         )
-        for record, answer in zip(batch, answers, strict=True):
-            if answer.strip():
-                out.append(
-                    {"prompt": record["prompt"], "response": answer.strip(), "source": record.get("source")}
-                )
-    return out
+    return answers
+
+
+def teacher_answers(
+    prompts: Iterable[dict],
+    model: str = "default",
+    max_new_tokens: int = 160,
+    batch_size: int = 16,
+    temperature: float = 0.7,
+    top_p: float = 0.9,
+    seed: int = 0,
+    backend: str = "auto",
+    cache: bool = True,
+) -> list[dict]:
+    """The teacher's own answers to prompt records (``{"prompt": ...}``), as ``{"prompt", "response", "source"}``.
+
+    ``model``: ``"default"``, a ``.gguf`` file or a local HF folder (the ORIGINAL model: the distillation
+    teacher). Sampled and seeded (the same answers on every run); prompts with an empty answer are dropped.
+    ``backend``: ``"vllm"`` (``swiftkv_serve.answers``: batched, a seed per prompt), ``"hf"`` (``generate`` in
+    batches of ``batch_size``, a seed per batch) or ``"auto"`` (vLLM where installed). With ``cache``, the
+    answers are kept in ``data_dir()/teacher_answers`` under a key of the model's identity, the backend, the
+    settings and the prompts (``teacher_answers_cache_file``; a ``.meta.json`` beside each file says what it
+    holds), and later calls with the same key read them instead of generating.
+    """
+    records = _answerable(prompts)
+    texts = [r["prompt"] for r in records]
+    entry, metadata = teacher_answers_cache_file(
+        records, model, max_new_tokens, batch_size, temperature, top_p, seed, backend
+    )
+    path, backend = Path(metadata["model"]["path"]), metadata["backend"]
+    if cache and entry.is_file():
+        with entry.open(encoding="utf-8") as f:
+            answers = [json.loads(line)["response"] for line in f]
+    else:
+        from transformers import AutoTokenizer
+
+        if not getattr(AutoTokenizer.from_pretrained(path), "chat_template", None):
+            raise ValueError(
+                f"{path}: the tokenizer has no chat template, so prompts cannot be posed to the model."
+            )
+        start = time.perf_counter()
+        if backend == "vllm":
+            from swiftkv_serve.answers import generate_answers
+
+            answers = generate_answers(path, texts, max_new_tokens, temperature, top_p, seed)
+        else:
+            answers = _hf_answers(path, texts, max_new_tokens, batch_size, temperature, top_p, seed)
+        if cache:
+            metadata["generation_s"] = round(time.perf_counter() - start, 1)
+            with atomic_file(entry.with_suffix(".meta.json")) as f:
+                f.write(json.dumps(metadata, indent=2))
+            _write_jsonl(entry, ({"prompt": p, "response": a} for p, a in zip(texts, answers, strict=True)))
+    return [
+        {"prompt": record["prompt"], "response": answer.strip(), "source": record.get("source")}
+        for record, answer in zip(records, answers, strict=True)
+        if answer.strip()
+    ]
 
 
 def _chat_answers(heldout: bool) -> list[dict]:
-    """The default model's answers to ``chat_prompts`` (generated once for both splits); every fifth held out."""
-    path = data_dir() / "teacher_answers_all.jsonl"
-    if not path.is_file():
-        _write_jsonl(path, teacher_answers(chat_prompts()))
-    with path.open(encoding="utf-8") as f:
-        records = [json.loads(line) for line in f]
+    """The default model's answers to ``chat_prompts`` (generated once for both splits, through the
+    ``teacher_answers`` cache); every fifth held out."""
+    records = teacher_answers(chat_prompts())
     return [r for i, r in enumerate(records) if (i % 5 == 4) == heldout]
+
+
+def _recipe_path(name: str) -> Path:
+    """The file of recipe ``name``; the answer recipes' names carry the key of the answers they come from, so a
+    change of teacher, backend or settings makes a new file instead of reusing another's."""
+    if name in _ANSWER_RECIPES:
+        entry, _ = teacher_answers_cache_file(chat_prompts())  # the defaults of _chat_answers
+        return data_dir() / f"{name}-{entry.stem.rsplit('-', 1)[-1]}.jsonl"
+    return data_dir() / f"{name}.jsonl"
 
 
 _BUILD = {
@@ -276,7 +392,7 @@ def prepare(name: str) -> Path:
     """Path of the recipe file ``name`` (one of ``RECIPES``), written on first use."""
     if name not in _BUILD:
         raise ValueError(f"Unknown data recipe {name!r}: choose from {list(RECIPES)}.")
-    path = data_dir() / f"{name}.jsonl"
+    path = _recipe_path(name)
     if not path.is_file():
         _write_jsonl(path, _BUILD[name]())
     return path
@@ -300,7 +416,12 @@ def prepare_data() -> None:
 
 
 def answer(
-    prompts: str, out: Path, model: str = "default", max_new_tokens: int = 160, batch_size: int = 16
+    prompts: str,
+    out: Path,
+    model: str = "default",
+    max_new_tokens: int = 160,
+    batch_size: int = 16,
+    backend: str = "auto",
 ) -> None:
     """Write a teacher's own answers to a file of prompts, as prompt/response records for distillation.
 
@@ -309,14 +430,15 @@ def answer(
         out: jsonl to write (atomically).
         model: the teacher: ``default``, a ``.gguf`` file or a local HF folder.
         max_new_tokens: the longest answer, in tokens.
-        batch_size: prompts answered at once.
+        batch_size: prompts answered at once (HF backend).
+        backend: ``vllm``, ``hf`` or ``auto`` (vLLM where installed).
     """
     (path,) = resolve_files([prompts])
     with open(path, encoding="utf-8") as f:
         records = [json.loads(line) for line in f if line.strip()]
     if not any(isinstance(r.get("prompt"), str) for r in records):
         raise ValueError(f"{path}: no {{'prompt': ...}} records to answer.")
-    answers = teacher_answers(records, model, max_new_tokens, batch_size)
+    answers = teacher_answers(records, model, max_new_tokens, batch_size, backend=backend)
     print(f"{_write_jsonl(Path(out), answers)}: {len(answers)} answers")
 
 

@@ -1,0 +1,128 @@
+"""swiftkv_serve.bench (the serving comparison as a library) and swiftkv_serve.answers (a teacher's answers with
+vLLM), with the teacher-answers cache of swiftkv_distill.corpora. Correctness only, never timings."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+
+from tests.serve.checkpoints import tiny_base
+
+PROMPTS = ["What is rain?", "Name a colour.", "Say hello to the world."]
+
+
+@pytest.mark.vllm
+def test_generate_answers_reproducible_and_independent_of_batching(tiny_llama):
+    """Seed per request: the same answers twice (in the child process and in-process), and a prompt's answer is
+    the same whether it is batched with others or alone (at the same seed)."""
+    from swiftkv_serve.answers import generate_answers, generate_in_process
+
+    batched = generate_in_process(tiny_llama, PROMPTS, max_new_tokens=8, seed=5)
+    assert len(batched) == len(PROMPTS) and all(isinstance(a, str) for a in batched)
+    assert generate_in_process(tiny_llama, PROMPTS[1:2], max_new_tokens=8, seed=6) == batched[1:2]
+    assert generate_answers(tiny_llama, PROMPTS, max_new_tokens=8, seed=5, progress=False) == batched
+
+
+def test_teacher_answers_cache_is_reused_and_keyed_by_model(tmp_path, monkeypatch, tiny_llama):
+    """A second call reads the cache (no generation); another model, backend or setting gets its own file, and the
+    metadata beside each file says what it holds."""
+    import swiftkv_serve.answers
+    from swiftkv_distill import corpora
+
+    monkeypatch.setattr(corpora, "data_dir", lambda: tmp_path / "data")
+    calls = []
+
+    def fake_generate(model, prompts, max_new_tokens, temperature, top_p, seed):
+        calls.append((str(model), max_new_tokens))
+        return [f"{model.name} says {i}" for i in range(len(prompts))]
+
+    monkeypatch.setattr(swiftkv_serve.answers, "generate_answers", fake_generate)
+    other = tiny_base(tmp_path / "other-llama", seed=3)
+    records = [{"prompt": p, "source": "t"} for p in PROMPTS] + [{"x": 1}, {"prompt": " "}]
+
+    first = corpora.teacher_answers(records, str(tiny_llama), max_new_tokens=8, backend="vllm")
+    assert [r["prompt"] for r in first] == PROMPTS and first[0]["source"] == "t"
+    assert corpora.teacher_answers(records, str(tiny_llama), max_new_tokens=8, backend="vllm") == first
+    assert len(calls) == 1  # the second call read the cache
+
+    theirs = corpora.teacher_answers(records, str(other), max_new_tokens=8, backend="vllm")
+    assert len(calls) == 2 and theirs != first and theirs[0]["response"].startswith("other-llama")
+    corpora.teacher_answers(records, str(tiny_llama), max_new_tokens=9, backend="vllm")
+    assert len(calls) == 3
+    corpora.teacher_answers(records, str(tiny_llama), max_new_tokens=8, backend="vllm", cache=False)
+    assert len(calls) == 4
+
+    files = sorted((tmp_path / "data" / "teacher_answers").glob("*.jsonl"))
+    assert len(files) == 3  # llama@8, other@8, llama@9; cache=False wrote nothing
+    metas = [json.loads(f.with_suffix(".meta.json").read_text()) for f in files]
+    assert {m["model"]["path"] for m in metas} == {str(tiny_llama.resolve()), str(other.resolve())}
+    assert all(m["backend"] == "vllm" and m["num_prompts"] == 3 and m["model"]["weight_sizes"] for m in metas)
+
+    # The same folder with other weights (a changed config) is another teacher.
+    entry, _ = corpora.teacher_answers_cache_file(records, str(tiny_llama), 8, backend="vllm")
+    changed = tmp_path / "changed"
+    shutil.copytree(tiny_llama, changed)
+    entry_copy, _ = corpora.teacher_answers_cache_file(records, str(changed), 8, backend="vllm")
+    config = json.loads((changed / "config.json").read_text())
+    (changed / "config.json").write_text(json.dumps({**config, "rms_norm_eps": 1e-5}))
+    entry_changed, _ = corpora.teacher_answers_cache_file(records, str(changed), 8, backend="vllm")
+    assert len({entry, entry_copy, entry_changed}) == 3
+    hf_entry, _ = corpora.teacher_answers_cache_file(records, str(tiny_llama), 8, backend="hf")
+    assert hf_entry != entry and "-hf-" in hf_entry.name
+
+
+@pytest.mark.vllm
+def test_compare_serving_tiny(tmp_path, tiny_llama, tiny_swiftkv_serving):
+    """Two short bursts per model, each model in a child process: the ratios are the per-model numbers' ratios,
+    KV capacity grows by L / l, every request produced its tokens, and the plot is written."""
+    from swiftkv_serve.bench import compare_serving, plot_serving
+
+    workloads = {"24/4": (24, 4), "40/2": (40, 2)}
+    lines = []
+    results = compare_serving(
+        tiny_llama,
+        tiny_swiftkv_serving,
+        workloads,
+        num_requests=2,
+        max_num_seqs=2,
+        compile=False,
+        kv_cache_gib=0.25,
+        progress=lines.append,
+    )
+    json.dumps(results)  # JSON-able
+    (stock_label, stock), (swift_label, swift) = results["runs"].items()
+    assert stock_label == "stock vLLM (base)" and swift_label == "SwiftKV l=4"
+    assert not stock["kv_sharing_fast_prefill"] and swift["kv_sharing_fast_prefill"]
+    assert results["num_key_value_layers"] == 4 and results["num_hidden_layers"] == 8
+    assert results["max_model_len"] == 256 and stock["max_model_len"] == 256
+    for name, (prompt_len, out_len) in workloads.items():
+        a, b = stock["workloads"][name], swift["workloads"][name]
+        for run in (a, b):
+            assert run["num_requests"] == 2
+            assert run["combined_tok_s"] * run["wall_s"] == pytest.approx(2 * (prompt_len + out_len))
+            assert run["output_tok_s"] * run["wall_s"] == pytest.approx(2 * out_len)
+        ratios = results["ratios_swiftkv_over_stock"][name]
+        assert ratios["combined_throughput_x"] == pytest.approx(b["combined_tok_s"] / a["combined_tok_s"])
+        assert ratios["ttft_lower_x"] == pytest.approx(a["ttft_mean_s"] / b["ttft_mean_s"])
+        assert ratios["tpot_lower_x"] == pytest.approx(a["tpot_mean_s"] / b["tpot_mean_s"])
+    assert results["kv_capacity_x"] == pytest.approx(swift["kv_cache_tokens"] / stock["kv_cache_tokens"])
+    assert results["kv_capacity_x"] == pytest.approx(8 / 4, rel=0.02)
+    assert any(line.startswith("SwiftKV l=4: burst 40/2") for line in lines)
+
+    plot_serving(results, tmp_path / "serve.png")
+    assert (tmp_path / "serve.png").read_bytes()[:4] == b"\x89PNG"
+
+
+@pytest.mark.vllm
+def test_failing_child_raises_with_its_errors(tmp_path, tiny_llama):
+    """A model the engine cannot load: the child's error lines are raised, nothing hangs."""
+    from swiftkv_serve.bench import ChildProcessFailed, run_in_child
+
+    broken = tmp_path / "no-weights"
+    broken.mkdir()
+    shutil.copy(tiny_llama / "config.json", broken / "config.json")
+    with pytest.raises(ChildProcessFailed, match="benchmark of broken") as error:
+        run_in_child(broken, "broken", {"8/2": (8, 2)}, 1, 1, False, kv_cache_gib=0.25, timeout_s=300)
+    assert "Error" in str(error.value) or "ERROR" in str(error.value)
