@@ -18,6 +18,7 @@ vLLM is imported only inside the functions that run an engine (in the child).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import math
 import os
@@ -184,19 +185,26 @@ def error_lines(log: str, limit: int = 8000) -> str:
     return "\n".join(errors or lines[-40:])[-limit:]
 
 
-def _terminate_group(proc: subprocess.Popen) -> None:
-    """End the child and whatever it started (vLLM's engine-core process) by the child's process group."""
+def _terminate_group(proc: subprocess.Popen, grace_s: float = 10) -> None:
+    """End the child and whatever it started (vLLM's engine-core process), by the child's process group:
+    SIGTERM, then SIGKILL for what is still there after ``grace_s``."""
     import signal
 
-    for sig in (signal.SIGTERM, signal.SIGKILL):
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+    except ProcessLookupError:
+        return
+    deadline = time.monotonic() + grace_s
+    while time.monotonic() < deadline:
+        proc.poll()  # reaps the child once it exits
         try:
-            os.killpg(proc.pid, sig)
-        except (ProcessLookupError, PermissionError):
+            os.killpg(proc.pid, 0)
+        except ProcessLookupError:
             return
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            continue
+        time.sleep(0.2)
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
 
 
 def run_module_in_child(
