@@ -15,3 +15,13 @@ test-fast: setup
 
 lint: setup
 	.venv/bin/ruff check . && .venv/bin/ruff format --check .
+
+# Images (docker/README.md). `docker`: every image, CUDA ones included (no GPU needed to build them).
+# `docker-test`: the CPU images built, served and trained for real (sets up the engine and base image first).
+.PHONY: docker docker-test
+docker:
+	@scripts/docker-setup.sh
+	@scripts/docker-build.sh serve-cpu train-cpu serve-cuda train-cuda ci-cuda
+
+docker-test: setup
+	@scripts/docker-test.sh

@@ -1,0 +1,306 @@
+"""Checks the CPU images for real (run by scripts/docker-test.sh, i.e. `make docker-test`, with the workspace's
+Python: `.venv/bin/python docker/check_images.py serve|train WORKDIR`).
+
+serve: the serving image on a SwiftKV serving export of the default model (SmolLM2-135M-Instruct, l=15): waits
+    for /health and Docker's own HEALTHCHECK, sends completions and chat requests at temperature 0 and compares
+    the answers token for token with swiftkv_core's HF greedy output of the same checkpoint, checks that malformed
+    requests get a 4xx while the server keeps serving, and that `docker stop` ends it cleanly.
+train: a few-step `swiftkv-distill fit` of the default model inside the training image, then the same through
+    `fabric run` with 2 processes (FSDP2), and loads each export outside the container.
+
+Containers use --network host (our machines have no bridge); users publish the port with -p 8000:8000.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+SERVE_IMAGE = os.environ.get("SERVE_IMAGE", "swiftkv-serve:cpu")
+TRAIN_IMAGE = os.environ.get("TRAIN_IMAGE", "swiftkv-train:cpu")
+MAX_TOKENS = 24
+COMPLETION_PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):",
+    "Once upon a time, in a small village by the sea,",
+]
+CHATS = [
+    [{"role": "user", "content": "What is the boiling point of water at sea level?"}],
+    [
+        {"role": "system", "content": "You are a concise assistant."},
+        {"role": "user", "content": "Name three primary colours."},
+    ],
+]
+
+
+def log(message: str) -> None:
+    print(f"[docker-test] {message}", flush=True)
+
+
+def docker(*args: str, check: bool = True, capture: bool = True) -> str:
+    result = subprocess.run(["docker", *args], check=False, text=True, capture_output=capture)
+    if check and result.returncode != 0:
+        raise SystemExit(f"docker {' '.join(args)} failed ({result.returncode}):\n{result.stderr}")
+    return (result.stdout or "").strip()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def post(url: str, body: bytes | dict, timeout: float = 300) -> tuple[int, dict]:
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    request = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as error:
+        return error.code, json.loads(error.read() or b"{}")
+
+
+# ---------------------------------------------------------------------------------------------------- serving
+def serving_checkpoint(work: Path) -> Path:
+    """A SwiftKV serving export of the default model (l=15 of 30, no distillation: equality needs none)."""
+    out = work / "smollm2-swiftkv-l15-serving"
+    if not (out / "config.json").is_file():
+        swiftkv = Path(sys.executable).parent / "swiftkv"
+        subprocess.run(
+            [
+                str(swiftkv),
+                "convert",
+                "--out_dir",
+                str(out),
+                "--num_key_value_layers",
+                "15",
+                "--serving",
+                "true",
+            ],
+            check=True,
+        )
+    return out
+
+
+def hf_greedy(checkpoint: Path) -> tuple[list[list[int]], list[list[int]], object]:
+    """swiftkv_core's HF greedy continuations of the completion prompts and of the chats (template applied)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    import swiftkv_core  # noqa: F401  (registers llama_swiftkv)
+
+    tokenizer = AutoTokenizer.from_pretrained(checkpoint)
+    model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
+    assert type(model).__name__ == "LlamaSwiftKVForCausalLM", type(model)
+
+    def greedy(ids: list[int]) -> list[int]:
+        with torch.no_grad():
+            out = model.generate(
+                torch.tensor([ids]),
+                max_new_tokens=MAX_TOKENS,
+                do_sample=False,
+                pad_token_id=tokenizer.eos_token_id,
+            )
+        return out[0, len(ids) :].tolist()
+
+    completions = [greedy(tokenizer(p)["input_ids"]) for p in COMPLETION_PROMPTS]
+    chats = [
+        greedy(
+            list(
+                tokenizer.apply_chat_template(c, add_generation_prompt=True, tokenize=True, return_dict=True)[
+                    "input_ids"
+                ]
+            )
+        )
+        for c in CHATS
+    ]
+    return completions, chats, tokenizer
+
+
+def strip_eos(ids: list[int], eos: int) -> list[int]:
+    return ids[: ids.index(eos) + 1] if eos in ids else ids
+
+
+def check_serve(work: Path) -> None:
+    checkpoint = serving_checkpoint(work)
+    log(f"checkpoint: {checkpoint}")
+    t0 = time.monotonic()
+    completions, chats, tokenizer = hf_greedy(checkpoint)
+    log(
+        f"HF greedy (swiftkv_core, fp32): {len(completions)} completions + {len(chats)} chats in {time.monotonic() - t0:.0f} s"
+    )
+
+    port = free_port()
+    name = f"swiftkv-serve-test-{port}"
+    command = [
+        "run", "-d", "--name", name, "--network", "host",
+        "-v", f"{checkpoint}:/model:ro",
+        "-e", "VLLM_CPU_KVCACHE_SPACE=1",
+        SERVE_IMAGE, "/model",
+        "--port", str(port), "--dtype", "float32", "--enforce-eager", "--max-model-len", "1024", "--seed", "0",
+    ]  # fmt: skip
+    log("docker " + " ".join(command))
+    docker("rm", "-f", name, check=False)
+    docker(*command)
+    base = f"http://127.0.0.1:{port}"
+    failures: list[str] = []
+    try:
+        t0 = time.monotonic()
+        while True:
+            if docker("inspect", "-f", "{{.State.Running}}", name) != "true":
+                raise SystemExit(f"the server container exited:\n{docker('logs', '--tail', '60', name)}")
+            try:
+                with urllib.request.urlopen(f"{base}/health", timeout=2) as response:
+                    if response.status == 200:
+                        break
+            except OSError:
+                pass
+            if time.monotonic() - t0 > 600:
+                raise SystemExit(f"no /health after 600 s:\n{docker('logs', '--tail', '60', name)}")
+            time.sleep(1)
+        log(f"/health answered 200 after {time.monotonic() - t0:.0f} s (--enforce-eager)")
+        while (status := docker("inspect", "-f", "{{.State.Health.Status}}", name)) == "starting":
+            time.sleep(2)
+        log(f"Docker HEALTHCHECK: {status}")
+        if status != "healthy":
+            failures.append(f"HEALTHCHECK status {status}")
+
+        eos = tokenizer.eos_token_id
+        for prompt, expected in zip(COMPLETION_PROMPTS, completions, strict=True):
+            body = {"model": "/model", "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0.0,
+                    "return_token_ids": True}  # fmt: skip
+            code, response = post(f"{base}/v1/completions", body)
+            got = response["choices"][0]["token_ids"] if code == 200 else None
+            same = got == strip_eos(expected, eos)
+            log(f"completion {prompt!r}: HTTP {code}, {'EQUAL' if same else 'DIFFERENT'} to HF greedy: "
+                f"{tokenizer.decode(expected)!r}")  # fmt: skip
+            if not same:
+                failures.append(f"completion {prompt!r}: vLLM {got} vs HF {expected}")
+        for messages, expected in zip(CHATS, chats, strict=True):
+            body = {"model": "/model", "messages": messages, "max_tokens": MAX_TOKENS, "temperature": 0.0,
+                    "return_token_ids": True}  # fmt: skip
+            code, response = post(f"{base}/v1/chat/completions", body)
+            choice = response["choices"][0] if code == 200 else {}
+            got = choice.get("token_ids")
+            text = choice.get("message", {}).get("content")
+            expected_text = tokenizer.decode(expected, skip_special_tokens=True)
+            same = got == strip_eos(expected, eos) if got is not None else text == expected_text
+            log(f"chat {messages[-1]['content']!r}: HTTP {code}, {'EQUAL' if same else 'DIFFERENT'} to HF greedy "
+                f"(compared {'token ids' if got is not None else 'text'}): {expected_text!r}")  # fmt: skip
+            if not same:
+                failures.append(f"chat {messages[-1]['content']!r}: vLLM {got or text!r} vs HF {expected}")
+
+        for label, body in [
+            ("malformed JSON", b"{not json"),
+            ("max_tokens=-5", {"model": "/model", "prompt": "Hi", "max_tokens": -5}),
+        ]:
+            code, _ = post(f"{base}/v1/completions", body)
+            ok, response = post(f"{base}/v1/completions", {"model": "/model", "prompt": "Hi", "max_tokens": 4,
+                                                            "temperature": 0.0})  # fmt: skip
+            keeps = ok == 200 and len(response["choices"][0]["text"]) > 0
+            log(
+                f"{label}: HTTP {code}; next request HTTP {ok} ({'still serving' if keeps else 'NOT serving'})"
+            )
+            if not (400 <= code < 500 and keeps):
+                failures.append(f"{label}: HTTP {code}, then {ok}")
+    finally:
+        t0 = time.monotonic()
+        docker("stop", "-t", "60", name, check=False)
+        seconds = time.monotonic() - t0
+        state = json.loads(docker("inspect", "-f", "{{json .State}}", name, check=False) or "{}")
+        tail = docker("logs", "--tail", "8", name, check=False)
+        with open(work / "serve-container.log", "w") as f:
+            subprocess.run(["docker", "logs", name], stdout=f, stderr=subprocess.STDOUT, check=False)
+        docker("rm", "-f", name, check=False)
+    exit_code = state.get("ExitCode")
+    clean = exit_code == 0 and seconds < 60 and not state.get("OOMKilled")
+    log(f"docker stop: exited with {exit_code} after {seconds:.1f} s ({'clean' if clean else 'NOT clean'}); "
+        f"last log lines:\n{tail}")  # fmt: skip
+    if not clean:
+        failures.append(f"docker stop: exit code {exit_code} after {seconds:.1f} s")
+    if failures:
+        raise SystemExit("serve check FAILED:\n  " + "\n  ".join(failures))
+    log("serve: all checks passed")
+
+
+# ---------------------------------------------------------------------------------------------------- training
+QUICK_FIT = [
+    "--trainer.max_steps", "3", "--trainer.max_time", "null", "--trainer.log_every_n_steps", "1",
+    "--model.evaluate_before_training", "false", "--model.kv_init_tokens", "1024", "--model.schedule_seconds", "0",
+    "--data.train_files", "[recipe:chat_prompts]", "--data.val_files", "[recipe:chat_prompts]",
+    "--data.max_length", "64", "--data.batch_size", "2", "--data.max_train_rows", "32", "--data.max_val_rows", "4",
+]  # fmt: skip
+
+
+def load_export(export: Path) -> str:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    import swiftkv_core  # noqa: F401
+
+    model = AutoModelForCausalLM.from_pretrained(export, dtype=torch.float32).eval()
+    tokenizer = AutoTokenizer.from_pretrained(export)
+    ids = tokenizer("The capital of France is", return_tensors="pt")["input_ids"]
+    with torch.no_grad():
+        out = model.generate(ids, max_new_tokens=8, do_sample=False, pad_token_id=tokenizer.eos_token_id)
+    config = model.config
+    return (
+        f"{type(model).__name__} (l={config.num_key_value_layers} of {config.num_hidden_layers}) greedy: "
+        f"{tokenizer.decode(out[0, ids.shape[1] :])!r}"
+    )
+
+
+def run_job(work: Path, label: str, job: list[str], extra: list[str] = (), env: list[str] = ()) -> Path:
+    outputs = work / f"train-{label}"
+    subprocess.run(["rm", "-rf", str(outputs)], check=True)
+    outputs.mkdir(parents=True)
+    outputs.chmod(0o777)  # the image's user (uid 1000) writes here
+    root = f"outputs/{label}"
+    command = [
+        "run", "--rm", "--network", "host", "--shm-size", "1g",
+        "-v", f"{outputs}:/workspace/outputs", "-v", "swiftkv-docker-test-cache:/cache", *env,
+        TRAIN_IMAGE, *job, "--config", "configs/distill/smollm2-135m-cpu.yaml",  # options after the config win
+        "--trainer.default_root_dir", root, *QUICK_FIT, *extra,
+    ]  # fmt: skip
+    log("docker " + " ".join(command))
+    t0 = time.monotonic()
+    with open(work / f"train-{label}.log", "w") as f:
+        result = subprocess.run(["docker", *command], stdout=f, stderr=subprocess.STDOUT, check=False)
+    seconds = time.monotonic() - t0
+    if result.returncode != 0:
+        raise SystemExit(f"{label}: the container exited with {result.returncode}:\n"
+                         + (work / f"train-{label}.log").read_text()[-4000:])  # fmt: skip
+    export = outputs / label / "export" / "hf-serving"
+    if not (export / "config.json").is_file():
+        found = sorted(str(p.relative_to(outputs)) for p in outputs.rglob("config.json"))
+        raise SystemExit(f"{label}: no export at {export} (config.json files: {found})")
+    log(f"{label}: container exited 0 after {seconds:.0f} s; export {export.relative_to(work)}")
+    log(f"{label}: export loaded outside the container: {load_export(export)}")
+    return export
+
+
+def check_train(work: Path) -> None:
+    docker("volume", "rm", "-f", "swiftkv-docker-test-cache", check=False)  # a fresh cache: the default model
+    run_job(work, "fit", ["swiftkv-distill", "fit"])  # is materialised inside the container
+    run_job(
+        work, "fabric",
+        ["fabric", "run", "--accelerator", "cpu", "--devices", "2", "apps/distill.py"],
+        ["--trainer.strategy", "lightning.pytorch.strategies.ModelParallelStrategy",
+         "--trainer.strategy.data_parallel_size", "2", "--trainer.strategy.tensor_parallel_size", "1"],
+        env=["-e", "OMP_NUM_THREADS=1"],  # 2 processes on 2 cores
+    )  # fmt: skip
+    docker("volume", "rm", "-f", "swiftkv-docker-test-cache", check=False)
+    log("train: all checks passed")
+
+
+if __name__ == "__main__":
+    what, work = sys.argv[1], Path(sys.argv[2]).resolve()
+    work.mkdir(parents=True, exist_ok=True)
+    {"serve": check_serve, "train": check_train}[what](work)

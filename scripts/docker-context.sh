@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# Fills docker/context/ (git-ignored, read by the images' build stage only) with what the registry cannot give:
+#   cpu:  the CPU build of torch (torch-2.13.0+cpu), from the local wheel folder that pip's find-links names
+#         (our machines: /opt/wheels) or TORCH_CPU_WHEEL=path;
+#   both: the CA bundle pip is configured with, when the registries are reached through a TLS-intercepting
+#         proxy (our machines); elsewhere nothing is needed.
+# Usage: scripts/docker-context.sh cpu|cuda
+set -euo pipefail
+cd "$(dirname "$0")/.."
+device=${1:?usage: scripts/docker-context.sh cpu|cuda}
+context=docker/context
+mkdir -p "$context"
+
+pip_config() { python3 -m pip config list 2>/dev/null | sed -n "s/^[a-z:]*\.$1='\(.*\)'$/\1/p" | head -1; }
+
+cert=${SWIFTKV_DOCKER_CA:-$(pip_config cert)}
+if [ -n "$cert" ] && [ -f "$cert" ]; then
+    cp "$cert" "$context/ca-certificates.crt"
+    echo "docker-context: CA bundle $cert (build stage only)"
+else
+    rm -f "$context/ca-certificates.crt"
+fi
+
+if [ "$device" = cpu ]; then
+    version=$(sed -n 's/^torch==\([^ ;]*\).*/\1/p' docker/requirements/serve-cpu.txt)
+    wheel=${TORCH_CPU_WHEEL:-}
+    if [ -z "$wheel" ]; then
+        for dir in $(pip_config find-links) /opt/wheels; do
+            for candidate in "$dir"/torch-"$version"-cp311-*.whl; do
+                [ -f "$candidate" ] && wheel=$candidate && break 2
+            done
+        done
+    fi
+    if [ -z "$wheel" ] || [ ! -f "$wheel" ]; then
+        echo "docker-context: no torch-$version wheel found (pip find-links, /opt/wheels or TORCH_CPU_WHEEL)." >&2
+        echo "  Get it with: pip download --no-deps --dest /opt/wheels --index-url https://download.pytorch.org/whl/cpu torch==$version" >&2
+        exit 1
+    fi
+    target="$context/$(basename "$wheel")"
+    [ -f "$target" ] || ln "$wheel" "$target" 2>/dev/null || cp "$wheel" "$target"
+    echo "docker-context: $(basename "$wheel")"
+fi
