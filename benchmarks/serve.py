@@ -4,6 +4,8 @@ Same run, same prompts, same engine settings. For each workload (prompt tokens /
 requests is submitted at once to vLLM's async engine (the engine behind ``vllm serve``), streaming, and we
 measure per request the time to first token (TTFT) and time per output token after the first (TPOT), and the
 combined throughput (prompt + output tokens / wall time of the burst). Each model runs in its own process.
+The measurement itself is ``swiftkv_serve.bench`` (``compare_serving``, ``plot_serving``); this script prepares
+the SwiftKV checkpoint and writes the report.
 
     flock /tmp/swiftkv-heavy.lock .venv/bin/python benchmarks/serve.py            # default model, l=15, CPU
     flock /tmp/swiftkv-heavy.lock .venv/bin/python benchmarks/serve.py --num_requests 16 --max_num_seqs 16 \
@@ -14,107 +16,18 @@ Writes ``benchmarks/results/serve.{json,png,md}``.
 
 from __future__ import annotations
 
-import asyncio
 import json
-import os
-import random
-import statistics
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 from jsonargparse import auto_cli
 
+from swiftkv_serve.bench import ChildProcessFailed, compare_serving, plot_serving
+
 RESULTS = Path(__file__).parent / "results"
 WORKLOADS = {"2000/200": (2000, 200), "500/500": (500, 500)}
-
-
-def make_prompts(
-    num_requests: int, prompt_len: int, vocab_low: int = 100, vocab_high: int = 49000, seed: int = 0
-):
-    rng = random.Random(seed + prompt_len)
-    return [[rng.randrange(vocab_low, vocab_high) for _ in range(prompt_len)] for _ in range(num_requests)]
-
-
-async def _burst(engine, prompts, max_tokens: int) -> dict:
-    from vllm import SamplingParams
-    from vllm.inputs import TokensPrompt
-
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-
-    async def one(i: int, prompt: list[int]) -> dict:
-        start = time.perf_counter()
-        first = None
-        n_out = 0
-        async for out in engine.generate(
-            TokensPrompt(prompt_token_ids=prompt), params, request_id=f"r{i}-{start}"
-        ):
-            n_out = len(out.outputs[0].token_ids)
-            if first is None and n_out:
-                first = time.perf_counter()
-        end = time.perf_counter()
-        return {
-            "ttft": first - start,
-            "tpot": (end - first) / max(n_out - 1, 1),
-            "n_in": len(prompt),
-            "n_out": n_out,
-        }
-
-    start = time.perf_counter()
-    per_request = await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts)))
-    wall = time.perf_counter() - start
-    tokens = sum(r["n_in"] + r["n_out"] for r in per_request)
-    return {
-        "num_requests": len(prompts),
-        "wall_s": wall,
-        "combined_tok_s": tokens / wall,
-        "output_tok_s": sum(r["n_out"] for r in per_request) / wall,
-        "ttft_mean_s": statistics.mean(r["ttft"] for r in per_request),
-        "ttft_median_s": statistics.median(r["ttft"] for r in per_request),
-        "tpot_mean_s": statistics.mean(r["tpot"] for r in per_request),
-        "tpot_median_s": statistics.median(r["tpot"] for r in per_request),
-    }
-
-
-def run_one_model(model: str, num_requests: int, max_num_seqs: int, enforce_eager: bool) -> dict:
-    """Runs in a child process: one engine, every workload, a short warm-up first."""
-    from vllm import AsyncEngineArgs
-    from vllm.v1.engine.async_llm import AsyncLLM
-
-    args = AsyncEngineArgs(
-        model=model,
-        dtype="float32",
-        enforce_eager=enforce_eager,
-        max_model_len=2304,
-        max_num_seqs=max_num_seqs,
-        max_num_batched_tokens=2048,
-        enable_prefix_caching=False,
-        seed=0,
-    )
-    start = time.perf_counter()
-    engine = AsyncLLM.from_engine_args(args)
-    startup = time.perf_counter() - start
-    config = engine.vllm_config
-    results = {
-        "startup_s": startup,
-        "kv_cache_tokens": config.cache_config.kv_cache_size_tokens
-        if hasattr(config.cache_config, "kv_cache_size_tokens")
-        else None,
-        "kv_sharing_fast_prefill": config.cache_config.kv_sharing_fast_prefill,
-        "workloads": {},
-    }
-
-    async def main():
-        await _burst(engine, make_prompts(2, 64, seed=99), 4)  # warm-up
-        for name, (prompt_len, out_len) in WORKLOADS.items():
-            results["workloads"][name] = await _burst(engine, make_prompts(num_requests, prompt_len), out_len)
-
-    try:
-        asyncio.run(main())
-    finally:
-        engine.shutdown()
-    return results
+KV_CACHE_GIB = 4
+_DTYPES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
 
 
 def prepare_swiftkv(base: Path, num_key_value_layers: int, out_dir: Path) -> Path:
@@ -129,37 +42,6 @@ def prepare_swiftkv(base: Path, num_key_value_layers: int, out_dir: Path) -> Pat
     return out_dir
 
 
-def plot(results: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    metrics = [
-        ("combined_tok_s", "combined throughput (tok/s), higher is better"),
-        ("ttft_mean_s", "mean TTFT (s), lower is better"),
-        ("tpot_mean_s", "mean TPOT (s), lower is better"),
-    ]
-    workloads = list(WORKLOADS)
-    fig, axes = plt.subplots(1, len(metrics), figsize=(15, 4))
-    for ax, (key, title) in zip(axes, metrics, strict=True):
-        width = 0.38
-        for k, (label, run) in enumerate(results["runs"].items()):
-            values = [run["workloads"][w][key] for w in workloads]
-            bars = ax.bar([i + (k - 0.5) * width for i in range(len(workloads))], values, width, label=label)
-            ax.bar_label(bars, fmt="%.3g", fontsize=8)
-        ax.set_xticks(range(len(workloads)), [f"{w} (prompt/output)" for w in workloads])
-        ax.set_title(title, fontsize=10)
-    axes[0].legend(fontsize=8)
-    fig.suptitle(
-        f"vLLM {results['vllm_version']} on {results['device']}: {results['model']} stock vs SwiftKV "
-        f"(l={results['num_key_value_layers']}), {results['num_requests']} requests per burst",
-        fontsize=10,
-    )
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-
-
 def main(
     model: str = "default",
     num_key_value_layers: int | None = None,
@@ -168,7 +50,6 @@ def main(
     compile: bool = False,
     out: Path | None = None,
     report_only: bool = False,
-    run_one: str | None = None,
 ) -> None:
     """Stock vLLM vs SwiftKV (through the swiftkv_serve plugin) on the same bursts of requests.
 
@@ -180,17 +61,12 @@ def main(
         compile: vLLM's default torch.compile mode for both models (default: eager).
         out: output prefix (default: benchmarks/results/serve, or serve-compile with compile).
         report_only: rewrite the .md/.png from the .json at ``out``.
-        run_one: internal: benchmark this one model in this process and print its results.
     """
     if out is None:
         out = RESULTS / ("serve-compile" if compile else "serve")
 
     if report_only:
         write_report(json.loads(out.with_suffix(".json").read_text()), out)
-        return
-
-    if run_one:  # child process
-        print("RESULT " + json.dumps(run_one_model(run_one, num_requests, max_num_seqs, not compile)))
         return
 
     from transformers import AutoConfig
@@ -203,64 +79,22 @@ def main(
     swiftkv = prepare_swiftkv(
         base, l, Path.home() / ".cache" / "swiftkv" / "bench" / f"{base.name}-swiftkv-l{l}"
     )
-
-    import vllm
-
-    runs = {}
-    for label, path in (("stock vLLM (base)", base), (f"SwiftKV l={l}", swiftkv)):
-        print(f"== {label}: {path}", flush=True)
-        command = [
-            sys.executable,
-            __file__,
-            "--run_one",
-            str(path),
-            "--num_requests",
-            str(num_requests),
-            "--max_num_seqs",
-            str(max_num_seqs),
-            "--compile",
-            str(compile).lower(),
-        ]
-        # A fixed KV cache space (GiB) for both models: without it vLLM's CPU backend reserves 92% of memory.
-        env = {"VLLM_CPU_KVCACHE_SPACE": "4", **os.environ}
-        proc = subprocess.run(command, capture_output=True, text=True, env=env)
-        lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
-        if proc.returncode or not lines:
-            sys.stderr.write("\n".join(line for line in proc.stderr.splitlines() if "ERROR" in line)[-8000:])
-            raise SystemExit(f"benchmark of {label} failed (exit {proc.returncode})")
-        runs[label] = json.loads(lines[-1][len("RESULT ") :])
-        # Evidence of what was torch.compiled: vLLM tags the log lines of the SwiftKV model's compile units.
-        runs[label]["swiftkv_compile_units_in_log"] = sorted(
-            tag
-            for tag in ("swiftkv_self_decoder", "swiftkv_cross_decoder")
-            if f"[{tag}]" in proc.stdout + proc.stderr
+    try:
+        results = compare_serving(
+            base,
+            swiftkv,
+            WORKLOADS,
+            num_requests,
+            max_num_seqs,
+            compile,
+            kv_cache_gib=KV_CACHE_GIB,
+            progress=lambda line: print(line, flush=True),
         )
-
-    (stock, stock_run), (swift, swift_run) = runs.items()
-    ratios = {}
-    for w in WORKLOADS:
-        a, b = stock_run["workloads"][w], swift_run["workloads"][w]
-        ratios[w] = {
-            "combined_throughput_x": b["combined_tok_s"] / a["combined_tok_s"],
-            "ttft_lower_x": a["ttft_mean_s"] / b["ttft_mean_s"],
-            "tpot_lower_x": a["tpot_mean_s"] / b["tpot_mean_s"],
-        }
-    command = " ".join(["flock /tmp/swiftkv-heavy.lock .venv/bin/python benchmarks/serve.py", *sys.argv[1:]])
-    results = {
-        "model": base.name,
-        "num_hidden_layers": num_layers,
-        "num_key_value_layers": l,
-        "vllm_version": vllm.__version__,
-        "device": f"CPU ({os.cpu_count()} cores), fp32",
-        "enforce_eager": not compile,
-        "num_requests": num_requests,
-        "max_num_seqs": max_num_seqs,
-        "workloads": {w: {"prompt_tokens": p, "output_tokens": o} for w, (p, o) in WORKLOADS.items()},
-        "runs": runs,
-        "ratios_swiftkv_over_stock": ratios,
-        "command": command,
-    }
-
+    except ChildProcessFailed as error:
+        raise SystemExit(str(error)) from None
+    results["command"] = " ".join(
+        ["flock /tmp/swiftkv-heavy.lock .venv/bin/python benchmarks/serve.py", *sys.argv[1:]]
+    )
     write_report(results, out)
 
 
@@ -270,7 +104,7 @@ def write_report(results: dict, out: Path) -> None:
     l, num_layers, n = results["num_key_value_layers"], results["num_hidden_layers"], results["num_requests"]
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".json").write_text(json.dumps(results, indent=2))
-    plot(results, out.with_suffix(".png"))
+    plot_serving(results, out.with_suffix(".png"))
     lines = [
         f"# Serving benchmark: {results['model']} in stock vLLM vs SwiftKV (l={l} of {num_layers})",
         "",
@@ -280,7 +114,7 @@ def write_report(results: dict, out: Path) -> None:
         "| workload (prompt/output) | model | combined tok/s | mean TTFT (s) | mean TPOT (ms) |",
         "|---|---|---|---|---|",
     ]
-    for w in WORKLOADS:
+    for w in results["workloads"]:
         for label, run in runs.items():
             r = run["workloads"][w]
             lines.append(
@@ -313,7 +147,8 @@ def write_report(results: dict, out: Path) -> None:
             "the SwiftKV model as two compile units, layers < l with the K/V projection and cache writes for all "
             "tokens, and layers >= l for the gathered tokens whose logits are sampled; "
         )
-        + "fp32, prefix caching off, the same KV cache space (4 GiB). "
+        + f"{_DTYPES.get(results.get('dtype', 'float32'))}, prefix caching off, the same KV cache space "
+        f"({results.get('kv_cache_gib', KV_CACHE_GIB):g} GiB). "
         "The SwiftKV model is the base converted at l=L/2 (published init, not distilled: speed does not depend "
         "on the weights) and exported for serving.",
         "",
