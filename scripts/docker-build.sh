@@ -9,6 +9,8 @@ cd "$(dirname "$0")/.."
 export DOCKER_BUILDKIT=0  # the classic builder: no frontend image to pull
 [ $# -gt 0 ] || set -- serve-cpu serve-cuda train-cpu train-cuda ci-cuda
 read -r -a extra <<<"${DOCKER_BUILD_ARGS:-}"
+docker image inspect debian:bookworm-slim >/dev/null 2>&1 || docker pull -q debian:bookworm-slim >/dev/null 2>&1 \
+    || { echo "docker-build: no debian:bookworm-slim image and no registry: run scripts/docker-setup.sh" >&2; exit 1; }
 for image in "$@"; do
     role=${image%-*} device=${image##*-}
     case $image in

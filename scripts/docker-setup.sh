@@ -44,7 +44,8 @@ if ! docker image inspect debian:bookworm-slim >/dev/null 2>&1; then
         as_root rm -rf "$rootfs"
         as_root debootstrap --variant=minbase bookworm "$rootfs" http://deb.debian.org/debian >"$state/debootstrap.log" 2>&1 \
             || fail "debootstrap failed; see $state/debootstrap.log."
-        as_root tar -C "$rootfs" -c . | docker import -q - debian:bookworm-slim >/dev/null
+        as_root tar -C "$rootfs" -c . | docker import - debian:bookworm-slim >/dev/null \
+            || fail "docker import of $rootfs failed."
         as_root rm -rf "$rootfs"
     fi
 fi
