@@ -74,16 +74,16 @@ def test_teacher_answers_cache_is_reused_and_keyed_by_model(tmp_path, monkeypatc
 
 
 @pytest.mark.vllm
-def test_compare_serving_tiny(tmp_path, tiny_llama, tiny_swiftkv_serving):
+def test_compare_serving_tiny(tmp_path, tiny_llama, tiny_swiftkv):
     """Two short bursts per model, each model in a child process: the ratios are the per-model numbers' ratios,
-    KV capacity grows by L / l, every request produced its tokens, and the plot is written."""
+    KV capacity grows by L / (l + (L - l) / g), every request produced its tokens, and the plot is written."""
     from swiftkv_serve.bench import compare_serving, plot_serving
 
     workloads = {"24/4": (24, 4), "40/2": (40, 2)}
     lines = []
     results = compare_serving(
         tiny_llama,
-        tiny_swiftkv_serving,
+        tiny_swiftkv,
         workloads,
         num_requests=2,
         max_num_seqs=2,
@@ -108,7 +108,7 @@ def test_compare_serving_tiny(tmp_path, tiny_llama, tiny_swiftkv_serving):
         assert ratios["ttft_lower_x"] == pytest.approx(a["ttft_mean_s"] / b["ttft_mean_s"])
         assert ratios["tpot_lower_x"] == pytest.approx(a["tpot_mean_s"] / b["tpot_mean_s"])
     assert results["kv_capacity_x"] == pytest.approx(swift["kv_cache_tokens"] / stock["kv_cache_tokens"])
-    assert results["kv_capacity_x"] == pytest.approx(8 / 4, rel=0.02)
+    assert results["kv_capacity_x"] == pytest.approx(8 / (4 + 4 / 2), rel=0.02)  # l=4 of 8, g=2
     assert any(line.startswith("SwiftKV l=4: burst 40/2") for line in lines)
 
     plot_serving(results, tmp_path / "serve.png")

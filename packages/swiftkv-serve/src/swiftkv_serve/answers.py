@@ -105,6 +105,9 @@ def generate_in_process(
         max_model_len=max(len(p) for p in prompt_ids) + max_new_tokens,
         kv_cache_memory_bytes=KV_CACHE_GIB * 2**30,
         enable_prefix_caching=False,
+        # vLLM 0.32 rewinds a seeded request's generator after a partial prefill chunk (gpu_model_runner:
+        # gen.set_offset), which CPU generators refuse ("CPU Generator does not use offset"): whole prompts only.
+        enable_chunked_prefill=False,
         seed=seed,
     )
     options.update(engine_options or {})
