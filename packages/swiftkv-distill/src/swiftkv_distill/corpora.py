@@ -8,7 +8,7 @@
 - ``chat_answers``: the same questions answered by the teacher itself (the default model, sampled at T=0.7,
   top-p 0.9, seeded), as prompt/response records: chat-shaped data whose answers follow the teacher's own
   distribution rather than a dataset's. Generated once with vLLM where it is installed (``swiftkv_serve.answers``),
-  else with HF ``generate`` (749 answers: about 16 minutes on a 2-core CPU with HF; vLLM: see
+  else with HF ``generate`` (749 answers on a 2-core CPU: about 5 minutes with vLLM, 16 with HF; see
   ``benchmarks/results/teacher-answers.md``), and cached under a key of the teacher, the backend and the settings;
   ``chat_answers_heldout`` is every fifth of them (never in ``chat_answers``). ``teacher_answers`` (and
   ``python -m swiftkv_distill.corpora answer``) does the same for any model and prompt file.
