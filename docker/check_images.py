@@ -233,7 +233,7 @@ def check_serve(work: Path) -> None:
 # ---------------------------------------------------------------------------------------------------- training
 QUICK_FIT = [
     "--trainer.max_steps", "3", "--trainer.max_time", "null", "--trainer.log_every_n_steps", "1",
-    "--model.evaluate_before_training", "false", "--model.kv_init_tokens", "1024", "--model.schedule_seconds", "0",
+    "--model.evaluate_before_training", "false", "--model.kv_init_tokens", "1024", "--model.schedule_seconds", "null",
     "--data.train_files", "[recipe:chat_prompts]", "--data.val_files", "[recipe:chat_prompts]",
     "--data.max_length", "64", "--data.batch_size", "2", "--data.max_train_rows", "32", "--data.max_val_rows", "4",
 ]  # fmt: skip
