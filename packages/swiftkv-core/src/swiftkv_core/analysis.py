@@ -51,8 +51,15 @@ def recommend_num_key_value_layers(similarity: Sequence[float], threshold: float
     return len(similarity) + 1
 
 
-def write_report(similarity: Sequence[float], threshold: float, out_dir: str | Path, title: str = "") -> dict:
-    """``similarity.json`` and ``similarity.png`` in ``out_dir``; returns the JSON content."""
+def write_report(
+    similarity: Sequence[float],
+    threshold: float,
+    out_dir: str | Path,
+    title: str = "",
+    chosen: int | None = None,
+) -> dict:
+    """``similarity.json`` and ``similarity.png`` in ``out_dir``; returns the JSON content. ``chosen``: the ``l``
+    actually used, marked on the plot beside the threshold rule's recommendation."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -73,7 +80,15 @@ def write_report(similarity: Sequence[float], threshold: float, out_dir: str | P
     fig, ax = plt.subplots(figsize=(7, 4))
     ax.plot(range(len(similarity)), similarity, marker="o", ms=3, label="input similarity (Eq. 1)")
     ax.axhline(threshold, color="gray", ls="--", label=f"threshold {threshold}")
-    ax.axvline(recommended, color="C3", ls=":", label=f"recommended l = {recommended}")
+    ax.axvline(recommended, color="C3", ls=":", label=f"threshold rule: l = {recommended}")
+    if chosen is not None:
+        ax.axvline(
+            chosen,
+            color="C2",
+            ls="-",
+            lw=2,
+            label=f"chosen l = {chosen} ({(num_layers - chosen) / num_layers:.0%} skipped)",
+        )
     ax.set_xlabel("layer i")
     ax.set_ylabel("mean cosine similarity with later layers' inputs")
     ax.set_title(title or "SwiftKV layer input similarity")

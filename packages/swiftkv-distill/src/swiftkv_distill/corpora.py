@@ -10,7 +10,9 @@
   distribution rather than a dataset's. Generated once with vLLM where it is installed (``swiftkv_serve.answers``),
   else with HF ``generate`` (749 answers on a 2-core CPU: about 5 minutes with vLLM, 16 with HF; see
   ``benchmarks/results/teacher-answers.md``), and cached under a key of the teacher, the backend and the settings;
-  ``chat_answers_heldout`` is every fifth of them (never in ``chat_answers``). ``teacher_answers`` (and
+  ``chat_answers_heldout`` answers the held-out prompts (never in ``chat_answers``).
+- ``chat_prompts_heldout``: every fifth chatterbot prompt, the held-out side of the chat split (the quickstart's
+  chat evaluation has the teacher answer them). ``teacher_answers`` (and
   ``python -m swiftkv_distill.corpora answer``) does the same for any model and prompt file.
 - ``python_docs``: docstrings of Python's own standard library (always available; the fallback when npm is not).
 
@@ -40,6 +42,7 @@ RECIPES = (
     "brown_train",
     "brown_heldout",
     "chat_prompts",
+    "chat_prompts_heldout",
     "chat_answers",
     "chat_answers_heldout",
     "python_docs",
@@ -362,11 +365,20 @@ def teacher_answers(
     ]
 
 
+def _is_heldout_prompt(index: int) -> bool:
+    """The chat split: every fifth chatterbot prompt is held out (never answered for training)."""
+    return index % 5 == 4
+
+
+def _chat_prompts(heldout: bool) -> list[dict]:
+    return [r for i, r in enumerate(chat_prompts()) if _is_heldout_prompt(i) == heldout]
+
+
 def _chat_answers(heldout: bool) -> list[dict]:
     """The default model's answers to ``chat_prompts`` (generated once for both splits, through the
-    ``teacher_answers`` cache); every fifth held out."""
-    records = teacher_answers(chat_prompts())
-    return [r for i, r in enumerate(records) if (i % 5 == 4) == heldout]
+    ``teacher_answers`` cache), split by prompt as ``chat_prompts_heldout``."""
+    held_out = {r["prompt"] for r in _chat_prompts(heldout=True)}
+    return [r for r in teacher_answers(chat_prompts()) if (r["prompt"] in held_out) == heldout]
 
 
 def _recipe_path(name: str) -> Path:
@@ -382,6 +394,7 @@ _BUILD = {
     "brown_train": lambda: _brown(heldout=False),
     "brown_heldout": lambda: _brown(heldout=True),
     "chat_prompts": chat_prompts,
+    "chat_prompts_heldout": lambda: _chat_prompts(heldout=True),
     "chat_answers": lambda: _chat_answers(heldout=False),
     "chat_answers_heldout": lambda: _chat_answers(heldout=True),
     "python_docs": python_docs,

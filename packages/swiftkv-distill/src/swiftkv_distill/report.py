@@ -1,0 +1,218 @@
+"""The quickstart's report: ``report.md`` (headline first, tables, plots inline), ``report.json`` (every number, the
+settings and versions) and the PNG plots, all written from the run's recorded step results."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+
+def headline(settings: dict, results: dict) -> dict:
+    """The figures a reader wants first, each computed once here (the Markdown and the JSON both print these)."""
+    out: dict = {"num_key_value_layers": settings["num_key_value_layers"]}
+    analysis = results["analyze"]
+    L = analysis["num_hidden_layers"]
+    out["num_hidden_layers"] = L
+    out["skipped_fraction"] = (L - settings["num_key_value_layers"]) / L
+    rows = results["prefill"]["rows"]
+    if rows:
+        longest = rows[-1]
+        out["prefill"] = {k: longest[k] for k in ("prompt_tokens", "speedup_x", "flops_bound_x")}
+    metrics = results["evaluate"]["metrics"]
+    out["quality"] = {
+        key: {"kl": value["kl"], "agreement": value["agreement"]} for key, value in sorted(metrics.items())
+    }
+    serve = results.get("serve", {})
+    if "ratios_swiftkv_over_stock" in serve:
+        out["serving"] = serve["ratios_swiftkv_over_stock"]
+        out["kv_capacity_x"] = serve["kv_capacity_x"]
+    distill = results["distill"]
+    out["distill"] = {k: distill[k] for k in ("steps", "train_seconds", "train_tokens")}
+    return out
+
+
+def write_report(root: Path, settings: dict, results: dict, versions: dict) -> list[Path]:
+    """Write the plots, ``report.json`` and ``report.md`` into ``root``; returns their paths."""
+    from swiftkv_core.atomic import atomic_file
+
+    plots = [_plot_prefill(results["prefill"]["rows"], root / "prefill.png")]
+    if "ratios_swiftkv_over_stock" in results.get("serve", {}):
+        from swiftkv_serve.bench import plot_serving
+
+        plot_serving(results["serve"], root / "serving.png")
+        plots.append(root / "serving.png")
+    head = headline(settings, results)
+    with atomic_file(root / "report.json") as f:
+        json.dump(
+            {"headline": head, "settings": settings, "results": results, "versions": versions}, f, indent=2
+        )
+    with atomic_file(root / "report.md") as f:
+        f.write(_markdown(root, settings, results, versions, head))
+    return [root / "report.md", root / "report.json", *plots]
+
+
+def _pct(x: float) -> str:
+    return f"{100 * x:.1f}%"
+
+
+def _markdown(root: Path, settings: dict, results: dict, versions: dict, head: dict) -> str:
+    s, l, L = settings, head["num_key_value_layers"], head["num_hidden_layers"]
+    g = s["key_value_group_size"]
+    metrics = results["evaluate"]["metrics"]
+    lines = [
+        f"# SwiftKV on {Path(s['model']).name}: l = {l} of {L} layers ({_pct(head['skipped_fraction'])} of the layers skipped "
+        f"in prefill), AcrossKV g = {g}",
+        "",
+        "## Headline (measured in this run, on this machine)",
+        "",
+    ]
+    if "prefill" in head:
+        p = head["prefill"]
+        lines.append(
+            f"- **Prefill (HF, {p['prompt_tokens']} tokens): {p['speedup_x']:.2f}x faster** with SwiftKV on than off "
+            f"(same weights; FLOPs bound {p['flops_bound_x']:.2f}x)."
+        )
+    for workload, r in head.get("serving", {}).items():
+        lines.append(
+            f"- **vLLM serving {workload} (prompt/output tokens): {r['combined_throughput_x']:.2f}x throughput, "
+            f"TTFT {_lower(r['ttft_lower_x'])}**, TPOT {_lower(r['tpot_lower_x'])} (the distilled serving export vs "
+            "the base model in stock vLLM)."
+        )
+    if "kv_capacity_x" in head:
+        lines.append(
+            f"- KV-cache capacity in vLLM: {head['kv_capacity_x']:.2f}x the tokens in the same memory."
+        )
+    for name in ("text", "chat"):
+        after, before = metrics.get(f"distilled/{name}"), metrics.get(f"converted/{name}")
+        if after:
+            lines.append(
+                f"- **Held-out {name}: top-1 agreement with the teacher {_pct(after['agreement'])}** "
+                f"(KL {after['kl']:.3f}) after distillation, {_pct(before['agreement'])} (KL {before['kl']:.3f}) "
+                "before."
+            )
+    d = head["distill"]
+    lines += [
+        f"- Distillation: {d['train_seconds'] / 60:.1f} min of training, {d['steps']} steps, "
+        f"{d['train_tokens']:,} tokens.",
+        "",
+        "## Quality against the teacher (the original model)",
+        "",
+        "Per held-out token: KL(teacher || model), whether the model's top-1 next token is the teacher's, and "
+        "perplexity. *converted*: SwiftKV with the least-squares K/V init, before distillation.",
+        "",
+        "| model | held-out | KL | top-1 agreement | perplexity | teacher perplexity | tokens |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for key, v in sorted(metrics.items()):
+        model, name = key.split("/")
+        lines.append(
+            f"| {model} | {name} | {v['kl']:.3f} | {_pct(v['agreement'])} | {v.get('student_ppl', float('nan')):.2f} | "
+            f"{v.get('teacher_ppl', float('nan')):.2f} | {int(v['tokens']):,} |"
+        )
+    answers = results["evaluate"]["answers"]
+    lines += ["", "Greedy answers, teacher vs SwiftKV (distilled):", ""]
+    for prompt, a, b in zip(
+        results["evaluate"]["prompts"], answers["teacher"], answers["swiftkv"], strict=True
+    ):
+        lines += [f"- **{prompt}**", f"  - teacher: {_one_line(a)}", f"  - SwiftKV: {_one_line(b)}"]
+    lines += [
+        "",
+        "## Distillation",
+        "",
+        f"![loss and held-out agreement]({results['distill']['plot']})",
+        "",
+        "## Prefill latency (HF transformers, SwiftKV off vs on, median of 3)",
+        "",
+        "| prompt tokens | SwiftKV off (ms) | SwiftKV on (ms) | speed-up | FLOPs bound |",
+        "|---|---|---|---|---|",
+    ]
+    for r in results["prefill"]["rows"]:
+        lines.append(
+            f"| {r['prompt_tokens']} | {r['off_s'] * 1e3:.0f} | {r['on_s'] * 1e3:.0f} | {r['speedup_x']:.2f}x | "
+            f"{r['flops_bound_x']:.2f}x |"
+        )
+    lines += ["", "![prefill latency](prefill.png)", ""]
+    serve = results.get("serve", {})
+    if "runs" in serve:
+        lines += [
+            "## Serving (vLLM, one burst of requests per workload)",
+            "",
+            "| workload | model | combined tok/s | mean TTFT (s) | mean TPOT (ms) | KV cache (tokens) |",
+            "|---|---|---|---|---|---|",
+        ]
+        for workload in serve["ratios_swiftkv_over_stock"]:
+            for label, run in serve["runs"].items():
+                w = run["workloads"][workload]
+                lines.append(
+                    f"| {workload} | {label} | {w['combined_tok_s']:.0f} | {w['ttft_mean_s']:.2f} | "
+                    f"{1e3 * w['tpot_mean_s']:.1f} | {run['kv_cache_tokens']:,} |"
+                )
+        lines += ["", "![serving](serving.png)", ""]
+    else:
+        lines += ["## Serving", "", f"Not measured: {serve.get('skipped', 'see the settings')}.", ""]
+    analysis = results["analyze"]
+    lines += [
+        "## Which l (paper Eq. 1: similarity of each layer's input to the later layers' inputs)",
+        "",
+        f"Chosen l = {l} (similarity {analysis['similarity'][l]:.3f}); the threshold rule "
+        f"({analysis['threshold']}) would pick l = {analysis['recommended_num_key_value_layers']}.",
+        "",
+        f"![layer input similarity]({results['analyze']['plot']})",
+        "",
+        "## The checkpoints",
+        "",
+        "- `distilled/`: full SwiftKV checkpoint (teacher q/k/v kept: `model.swiftkv(False)` is the original model)",
+        "- `distilled-serving/`: the serving export (no teacher q/k/v); serve it:",
+        "",
+        f"      swiftkv serve {root / 'distilled-serving'} --port 8000",
+        "",
+        "- `converted/`: before distillation (least-squares K/V init)",
+        "",
+        "## Settings and versions",
+        "",
+        "```json",
+        json.dumps({"settings": settings, "versions": versions}, indent=2),
+        "```",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def _lower(ratio: float) -> str:
+    """``stock / swiftkv`` of a time, in words."""
+    return f"{ratio:.2f}x lower" if ratio >= 1 else f"{1 / ratio:.2f}x higher"
+
+
+def _one_line(text: str) -> str:
+    return " ".join(text.split()) or "(empty)"
+
+
+def _plot_prefill(rows: list[dict], path: Path) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    lengths = [r["prompt_tokens"] for r in rows]
+    fig, (ax, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+    ax.plot(lengths, [1e3 * r["off_s"] for r in rows], "o-", label="SwiftKV off (the original model)")
+    ax.plot(lengths, [1e3 * r["on_s"] for r in rows], "o-", label="SwiftKV on")
+    ax.set(
+        xscale="log",
+        yscale="log",
+        xlabel="prompt tokens",
+        ylabel="prefill latency (ms)",
+        title="prefill latency",
+    )
+    ax.set_xticks(lengths, [str(n) for n in lengths])
+    ax.legend()
+    ax2.plot(lengths, [r["speedup_x"] for r in rows], "o-", label="measured speed-up")
+    ax2.plot(lengths, [r["flops_bound_x"] for r in rows], "k--", label="FLOPs bound")
+    ax2.set(xscale="log", xlabel="prompt tokens", ylabel="x faster", title="SwiftKV speed-up")
+    ax2.set_xticks(lengths, [str(n) for n in lengths])
+    ax2.set_ylim(bottom=1.0)
+    ax2.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

@@ -1,0 +1,174 @@
+"""The main job end to end on a tiny model with a tiny budget: the report's figures, resume, bad input."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+from tests.distill.conftest import write_jsonl
+from tests.serve.checkpoints import tiny_base
+
+SENTENCES = [
+    "The jury said the election was conducted well and praised the city for its manner of running it.",
+    "Rain fell on the harbour all night; by morning the boats were pulling at their ropes.",
+    "A function returns a value; a generator yields many values, one at a time, when asked.",
+    "She opened the letter, read the first line twice, and put it back in the envelope.",
+    "The committee will meet on Tuesday to discuss the budget for the coming school year.",
+]
+PROMPTS = ["What is rain?", "Name a colour.", "Say hi.", "Why is the sky blue?"]
+
+
+@pytest.fixture(scope="module")
+def inputs(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("quickstart")
+    model = tiny_base(folder / "tiny-llama")
+    text = [{"text": " ".join(SENTENCES[i:] + SENTENCES[:i]) * 3} for i in range(5)] * 8
+    return {
+        "model": str(model),
+        "train": str(write_jsonl(folder / "train.jsonl", text)),
+        "heldout": str(write_jsonl(folder / "heldout.jsonl", text[:5])),
+        "prompts": str(write_jsonl(folder / "prompts.jsonl", [{"prompt": p} for p in PROMPTS])),
+    }
+
+
+@pytest.fixture(autouse=True)
+def own_data_cache(tmp_path, monkeypatch):
+    """The tiny teacher's answers go to a temporary data cache, not the user's."""
+    from swiftkv_distill import corpora
+
+    monkeypatch.setattr(corpora, "data_dir", lambda: tmp_path / "data-cache")
+
+
+def run_quickstart(inputs, out: Path, **overrides):
+    from swiftkv_distill.quickstart import main
+
+    kwargs = dict(
+        model=inputs["model"],
+        out=out,
+        num_key_value_layers=4,
+        key_value_group_size=2,
+        budget_minutes=0.05,
+        train_files=[inputs["train"]],
+        heldout_text=[inputs["heldout"]],
+        heldout_chat_prompts=inputs["prompts"],
+        max_eval_rows=4,
+        prompt_lengths=[64, 128],
+        serve_workloads=["96/8"],
+        serve_requests=2,
+        serve_compile=False,
+    )
+    return main(**(kwargs | overrides))
+
+
+def numbers(text: str) -> list[float]:
+    return [float(x) for x in re.findall(r"\d+\.\d+", text)]
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+def test_quickstart_report_is_complete_and_consistent(inputs, tmp_path):
+    report = run_quickstart(inputs, tmp_path / "run")
+    root = report.parent
+    data = json.loads((root / "report.json").read_text())
+    head, results = data["headline"], data["results"]
+
+    # every figure of the headline follows from the recorded measurements
+    longest = results["prefill"]["rows"][-1]
+    assert head["prefill"]["speedup_x"] == pytest.approx(longest["off_s"] / longest["on_s"])
+    assert head["prefill"]["flops_bound_x"] > 1
+    (workload,) = head["serving"]
+    stock, swift = (run["workloads"][workload] for run in results["serve"]["runs"].values())
+    kv_stock, kv_swift = (run["kv_cache_tokens"] for run in results["serve"]["runs"].values())
+    ratios = head["serving"][workload]
+    assert ratios["combined_throughput_x"] == pytest.approx(swift["combined_tok_s"] / stock["combined_tok_s"])
+    assert ratios["ttft_lower_x"] == pytest.approx(stock["ttft_mean_s"] / swift["ttft_mean_s"])
+    assert head["kv_capacity_x"] == pytest.approx(kv_swift / kv_stock)
+    assert kv_swift > kv_stock  # g=2: fewer K/V per token, more tokens in the same cache
+    metrics = results["evaluate"]["metrics"]
+    assert set(metrics) == {"converted/text", "converted/chat", "distilled/text", "distilled/chat"}
+    for values in metrics.values():
+        assert 0 <= values["agreement"] <= 1 and values["kl"] >= 0 and values["tokens"] > 0
+    assert results["distill"]["steps"] >= 1 and results["distill"]["train_tokens"] > 0
+    assert results["teacher_answers"]["answers"] == len(PROMPTS)
+    assert results["analyze"]["chosen"] == 4 and len(results["analyze"]["similarity"]) == 7
+
+    # the Markdown says the same numbers, headline first, and every plot it shows exists
+    markdown = report.read_text()
+    first = markdown.split("## Quality")[0]
+    assert f"{head['prefill']['speedup_x']:.2f}x faster" in first
+    assert f"{ratios['combined_throughput_x']:.2f}x throughput" in first
+    assert f"{head['kv_capacity_x']:.2f}x the tokens" in first
+    assert f"{100 * metrics['distilled/text']['agreement']:.1f}%" in first
+    assert f"{100 * metrics['distilled/chat']['agreement']:.1f}%" in first
+    for row in results["prefill"]["rows"]:
+        assert f"| {row['prompt_tokens']} | {row['off_s'] * 1e3:.0f} | {row['on_s'] * 1e3:.0f} |" in markdown
+    images = re.findall(r"!\[[^\]]*\]\(([^)]+)\)", markdown)
+    assert len(images) == 4
+    for image in images:
+        assert (root / image).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", image
+    for folder in ("distilled", "distilled-serving", "converted"):
+        assert (root / folder / "config.json").is_file()
+
+
+@pytest.mark.slow
+def test_an_interrupted_run_resumes_without_redoing_finished_steps(inputs, tmp_path, monkeypatch):
+    from swiftkv_distill import progress, quickstart
+
+    out = tmp_path / "run"
+    real = progress.BudgetProgress.on_train_batch_end
+
+    def crash_at_step_3(self, trainer, *args):
+        real(self, trainer, *args)
+        if trainer.global_step == 3:
+            raise RuntimeError("power cut")
+
+    monkeypatch.setattr(quickstart, "CHECKPOINT_EVERY_N_STEPS", 2)
+    with pytest.MonkeyPatch.context() as patch, pytest.raises(RuntimeError, match="power cut"):
+        patch.setattr(progress.BudgetProgress, "on_train_batch_end", crash_at_step_3)
+        run_quickstart(inputs, out, serve=False, budget_minutes=0.5)
+    state = json.loads((out / "state.json").read_text())["results"]
+    assert list(state) == ["analyze", "convert", "teacher_answers"]
+    assert (out / "distill" / "checkpoints" / "last.ckpt").is_file()
+    mtimes = {p: p.stat().st_mtime_ns for p in (out / "converted").iterdir()}
+
+    calls = []
+    for name in ("analyze", "convert", "teacher_answers"):
+        monkeypatch.setattr(quickstart, f"step_{name}", lambda run, name=name: calls.append(name))
+    run_quickstart(inputs, out, serve=False, budget_minutes=0.5)
+    assert calls == []  # finished steps are reused, not run again
+    results = json.loads((out / "report.json").read_text())["results"]
+    assert results["analyze"] == state["analyze"] and results["convert"] == state["convert"]
+    assert {p: p.stat().st_mtime_ns for p in (out / "converted").iterdir()} == mtimes
+    assert results["distill"]["resumed"] and results["distill"]["steps"] > 3  # on from step 2's checkpoint
+
+
+def test_bad_input_fails_before_any_compute(inputs, tmp_path):
+    from swiftkv_distill.quickstart import QuickstartError
+
+    cases = [
+        (dict(model=str(tmp_path / "missing")), "does not exist"),
+        (dict(num_key_value_layers=8), r"\[1, 7\]"),
+        (dict(key_value_group_size=3), "must divide"),
+        (dict(budget_minutes=0.0), "too small to run one distillation step"),
+        (dict(serve_workloads=["2000"]), "PROMPT/OUTPUT"),
+    ]
+    for overrides, message in cases:
+        with pytest.raises(QuickstartError, match=message):
+            run_quickstart(inputs, tmp_path / "never", **overrides)
+        assert not (tmp_path / "never").exists()
+    config = json.loads((Path(inputs["model"]) / "config.json").read_text())
+    gemma = tmp_path / "gemma"
+    gemma.mkdir()
+    (gemma / "config.json").write_text(json.dumps({**config, "model_type": "gemma3_text"}))
+    with pytest.raises(QuickstartError, match="not supported.*llama"):
+        run_quickstart(inputs, tmp_path / "never", model=str(gemma))
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "state.json").write_text(
+        json.dumps({"settings": {"model": "x", "model_identity": {"path": "x"}}, "results": {}})
+    )
+    with pytest.raises(QuickstartError, match="another model"):
+        run_quickstart(inputs, other)
