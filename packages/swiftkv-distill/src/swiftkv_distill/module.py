@@ -268,11 +268,12 @@ class SwiftKVDistillation(L.LightningModule):
         if self.global_step > 0:
             return
         hp = self.hparams
+        # not when continuing from a SwiftKV checkpoint: its K/V projections are already initialised or trained
+        fresh = self.model_config.model_type not in SWIFTKV_FAMILIES
         loader = self._val_loader() if hp.evaluate_before_training else None
         if loader is not None and not self.before_metrics:
-            self.before_metrics = self._evaluate_and_log(loader, "before", "converted, published init")
-        # not when continuing from a SwiftKV checkpoint: its K/V projections are already trained
-        fresh = self.model_config.model_type not in SWIFTKV_FAMILIES
+            what = "converted, published init" if fresh else "the SwiftKV checkpoint, before training"
+            self.before_metrics = self._evaluate_and_log(loader, "before", what)
         if hp.kv_init == "least_squares" and fresh and not self.kv_init_report:
             started = time.perf_counter()
             report = self.kv_init_report = self.fit_kv_init()
