@@ -44,11 +44,12 @@ def log(message: str) -> None:
     print(f"[docker-test] {message}", flush=True)
 
 
-def docker(*args: str, check: bool = True, capture: bool = True) -> str:
-    result = subprocess.run(["docker", *args], check=False, text=True, capture_output=capture)
+def docker(*args: str, check: bool = True) -> str:
+    """``docker ARGS``' output; ``docker logs`` writes the container's stderr to stderr, so both are kept."""
+    result = subprocess.run(["docker", *args], check=False, text=True, capture_output=True)
     if check and result.returncode != 0:
         raise SystemExit(f"docker {' '.join(args)} failed ({result.returncode}):\n{result.stderr}")
-    return (result.stdout or "").strip()
+    return (result.stdout + (result.stderr if args[0] == "logs" else "")).strip()
 
 
 def free_port() -> int:
@@ -86,6 +87,7 @@ def serving_checkpoint(work: Path) -> Path:
             ],
             check=True,
         )
+    subprocess.run(["chmod", "-R", "a+rX", str(work)], check=True)  # the image's user (uid 1000) reads it
     return out
 
 
@@ -140,7 +142,7 @@ def check_serve(work: Path) -> None:
     port = free_port()
     name = f"swiftkv-serve-test-{port}"
     command = [
-        "run", "-d", "--name", name, "--network", "host",
+        "run", "-d", "--name", name, "--network", "host", "--shm-size", "1g",
         "-v", f"{checkpoint}:/model:ro",
         "-e", "VLLM_CPU_KVCACHE_SPACE=1",
         SERVE_IMAGE, "/model",

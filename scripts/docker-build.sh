@@ -30,7 +30,7 @@ for image in "$@"; do
         exit 1
     fi
     seconds=$(($(date +%s) - start))
-    grep -E '^(plugin registered|torch |vllm )' "$log" | sed 's/^/  build check: /' || true
+    grep -v '^Step ' "$log" | grep -oE '(plugin registered|torch [0-9]|vllm [0-9]).*' | sed 's/^/  build check: /' || true
     size=$(docker image inspect --format '{{.Size}}' "$tag")
     awk -v t="$tag" -v s="$seconds" -v b="$size" 'BEGIN { printf "docker-build: %-20s built in %4d s, %.2f GB\n", t, s, b / 1e9 }'
 done

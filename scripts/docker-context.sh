@@ -21,6 +21,7 @@ else
     rm -f "$context/ca-certificates.crt"
 fi
 
+rm -f "$context"/torch-*.whl  # only the CPU images read it
 if [ "$device" = cpu ]; then
     version=$(sed -n 's/^torch==\([^ ;]*\).*/\1/p' docker/requirements/serve-cpu.txt)
     wheel=${TORCH_CPU_WHEEL:-}
@@ -37,6 +38,6 @@ if [ "$device" = cpu ]; then
         exit 1
     fi
     target="$context/$(basename "$wheel")"
-    [ -f "$target" ] || ln "$wheel" "$target" 2>/dev/null || cp "$wheel" "$target"
+    ln "$wheel" "$target" 2>/dev/null || cp "$wheel" "$target"
     echo "docker-context: $(basename "$wheel")"
 fi
