@@ -209,7 +209,7 @@ def _check(
         serve=serve, serve_workloads=workloads, serve_requests=serve_requests, serve_compile=serve_compile,
         threshold=threshold, model_identity=_identity(path),
     )  # fmt: skip
-    name = "default" if model in ("default", None) else Path(model).name.removesuffix(".gguf")
+    name = (path.name if model in ("default", None) else Path(model).name.removesuffix(".gguf")).lower()
     default_out = Path("runs") / (f"{name}-l{l}" + ("" if g == 1 else f"-g{g}"))
     return settings, Path(out) if out is not None else default_out
 
