@@ -343,7 +343,7 @@ def step_analyze(run: Run) -> dict:
         similarity,
         run.settings.threshold,
         run.path("analysis"),
-        title=f"{run.settings.model}: layer input similarity",
+        title=f"{Path(run.settings.model_identity['path']).name}: layer input similarity",
         chosen=run.settings.num_key_value_layers,
     )
     l, rule = (

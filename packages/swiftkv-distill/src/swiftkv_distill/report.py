@@ -60,7 +60,7 @@ def _markdown(root: Path, settings: dict, results: dict, versions: dict, head: d
     g = s["key_value_group_size"]
     metrics = results["evaluate"]["metrics"]
     lines = [
-        f"# SwiftKV on {Path(s['model']).name}: l = {l} of {L} layers ({_pct(head['skipped_fraction'])} of the layers skipped "
+        f"# SwiftKV on {Path(s['model_identity']['path']).name}: l = {l} of {L} layers ({_pct(head['skipped_fraction'])} of the layers skipped "
         f"in prefill), AcrossKV g = {g}",
         "",
         "## Headline (measured in this run, on this machine)",
@@ -205,11 +205,13 @@ def _plot_prefill(rows: list[dict], path: Path) -> Path:
         title="prefill latency",
     )
     ax.set_xticks(lengths, [str(n) for n in lengths])
+    ax.minorticks_off()
     ax.legend()
     ax2.plot(lengths, [r["speedup_x"] for r in rows], "o-", label="measured speed-up")
     ax2.plot(lengths, [r["flops_bound_x"] for r in rows], "k--", label="FLOPs bound")
     ax2.set(xscale="log", xlabel="prompt tokens", ylabel="x faster", title="SwiftKV speed-up")
     ax2.set_xticks(lengths, [str(n) for n in lengths])
+    ax2.minorticks_off()
     ax2.set_ylim(bottom=1.0)
     ax2.legend()
     fig.tight_layout()
