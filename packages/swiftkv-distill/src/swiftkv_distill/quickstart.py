@@ -131,7 +131,8 @@ def main(
     print("Serve the distilled model (OpenAI-compatible server on port 8000):")
     print(f"  swiftkv serve {run.path('distilled-serving')} --port 8000")
     print(
-        f"  docker run -p 8000:8000 -v {run.path('distilled-serving').resolve()}:/model swiftkv-serve-cpu /model"
+        f"  docker run --shm-size 1g -p 8000:8000 -v {run.path('distilled-serving').resolve()}:/model "
+        "swiftkv-serve:cpu /model    # the image: make docker (docker/README.md)"
     )
     return report
 

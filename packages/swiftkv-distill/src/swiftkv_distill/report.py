@@ -165,6 +165,8 @@ def _markdown(root: Path, settings: dict, results: dict, versions: dict, head: d
         "- `distilled-serving/`: the serving export (no teacher q/k/v); serve it:",
         "",
         f"      swiftkv serve {root / 'distilled-serving'} --port 8000",
+        f"      docker run --shm-size 1g -p 8000:8000 -v {(root / 'distilled-serving').resolve()}:/model "
+        "swiftkv-serve:cpu /model",
         "",
         "- `converted/`: before distillation (least-squares K/V init)",
         "",
