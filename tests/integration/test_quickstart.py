@@ -172,3 +172,10 @@ def test_bad_input_fails_before_any_compute(inputs, tmp_path):
     )
     with pytest.raises(QuickstartError, match="another model"):
         run_quickstart(inputs, other)
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "thesis.tex").write_text("not a run")
+    for force in (False, True):
+        with pytest.raises(QuickstartError, match="not a quickstart run"):
+            run_quickstart(inputs, mine, force=force)
+    assert (mine / "thesis.tex").read_text() == "not a run"  # --force deletes only quickstart runs

@@ -275,6 +275,11 @@ class Run:
         self.root, self.settings = root, settings
         state_file = root / "state.json"
         if force and root.exists():
+            if not state_file.is_file() and any(root.iterdir()):  # never delete what is not a quickstart run
+                raise QuickstartError(
+                    f"--out {root} is not a quickstart run (no state.json): --force deletes only those. Choose "
+                    "another --out."
+                )
             shutil.rmtree(root)
         if state_file.is_file():
             earlier = json.loads(state_file.read_text())
