@@ -19,7 +19,7 @@ from jsonargparse import auto_cli
 
 from swiftkv_core.convert import convert
 from swiftkv_core.flops import ModelShape, count_flops, prefill_flops_total
-from swiftkv_core.generation import load, sample_prompt_ids, time_prefill
+from swiftkv_core.generation import load, sample_prompt_ids, time_prefill_off_on
 
 RESULTS = Path(__file__).parent / "results"
 
@@ -48,12 +48,7 @@ def main(
     rows = []
     for length in prompt_lengths:
         ids = sample_prompt_ids(tokenizer, length)
-        for enabled in (False, True):  # warm-up
-            time_prefill(model.swiftkv(enabled), ids, repeats=1, warmup=0)
-        times = {False: [], True: []}
-        for _ in range(repeats):  # interleaved, so machine noise hits both sides alike
-            for enabled in (False, True):
-                times[enabled].append(time_prefill(model.swiftkv(enabled), ids, repeats=1, warmup=0))
+        times = time_prefill_off_on(model, ids, repeats)
         median = {k: sorted(v)[len(v) // 2] for k, v in times.items()}
         with torch.inference_mode():
             measured = {

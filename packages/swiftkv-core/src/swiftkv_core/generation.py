@@ -57,3 +57,16 @@ def time_prefill(model, input_ids: torch.Tensor, repeats: int = 3, warmup: int =
         if i >= warmup:
             times.append(time.perf_counter() - start)
     return sorted(times)[len(times) // 2]
+
+
+def time_prefill_off_on(model, input_ids: torch.Tensor, repeats: int = 3) -> dict[bool, list[float]]:
+    """Seconds of ``repeats`` prefills of a SwiftKV model with SwiftKV off (``False``) and on (``True``): one
+    warm-up each, then interleaved, so machine noise hits both alike. The model is left with SwiftKV on."""
+    for enabled in (False, True):
+        time_prefill(model.swiftkv(enabled), input_ids, repeats=1, warmup=0)
+    times: dict[bool, list[float]] = {False: [], True: []}
+    for _ in range(repeats):
+        for enabled in (False, True):
+            times[enabled].append(time_prefill(model.swiftkv(enabled), input_ids, repeats=1, warmup=0))
+    model.swiftkv(True)
+    return times

@@ -19,7 +19,6 @@ over. Bad input (model, family, l/g, budget, an output folder of another model) 
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import math
@@ -147,7 +146,7 @@ def _check(
     from swiftkv_core.configuration import validate_layers
     from swiftkv_core.convert import FAMILIES
 
-    from .corpora import RECIPE_PREFIX
+    from .corpora import RECIPE_PREFIX, model_identity
 
     try:
         from swiftkv_core.default_model import resolve_model_path
@@ -208,18 +207,11 @@ def _check(
         recipe=str(recipe), train_files=train_files, heldout_text=heldout_text,
         heldout_chat_prompts=heldout_chat_prompts, max_eval_rows=max_eval_rows, prompt_lengths=lengths,
         serve=serve, serve_workloads=workloads, serve_requests=serve_requests, serve_compile=serve_compile,
-        threshold=threshold, model_identity=_identity(path),
+        threshold=threshold, model_identity=model_identity(path),
     )  # fmt: skip
     name = (path.name if model in ("default", None) else Path(model).name.removesuffix(".gguf")).lower()
     default_out = Path("runs") / (f"{name}-l{l}" + ("" if g == 1 else f"-g{g}"))
     return settings, Path(out) if out is not None else default_out
-
-
-def _identity(path: Path) -> dict:
-    """What makes a model this model: its config and the sizes of its weight files (cheap to read)."""
-    config = (path / "config.json").read_bytes()
-    weights = {p.name: p.stat().st_size for p in sorted(path.glob("*.safetensors"))}
-    return {"path": str(path), "config_sha256": hashlib.sha256(config).hexdigest()[:16], "weights": weights}
 
 
 def _recipe(path: Path) -> dict:
@@ -516,7 +508,7 @@ def step_prefill(run: Run) -> dict:
     from tqdm.auto import tqdm
 
     from swiftkv_core.flops import ModelShape, prefill_flops_total
-    from swiftkv_core.generation import load, sample_prompt_ids, time_prefill
+    from swiftkv_core.generation import load, sample_prompt_ids, time_prefill_off_on
 
     model, tokenizer = load(run.path("distilled"))
     shape, l, g = (
@@ -528,17 +520,10 @@ def step_prefill(run: Run) -> dict:
     torch.manual_seed(0)
     for length in tqdm(run.settings.prompt_lengths, desc="   prefill lengths", unit="length"):
         ids = sample_prompt_ids(tokenizer, length)
-        for enabled in (False, True):  # warm-up, then interleaved repeats: noise hits both alike
-            time_prefill(model.swiftkv(enabled), ids, repeats=1, warmup=0)
-        samples = {False: [], True: []}
-        for _ in range(3):
-            for enabled in (False, True):
-                samples[enabled].append(time_prefill(model.swiftkv(enabled), ids, repeats=1, warmup=0))
-        times = {k: sorted(v)[1] for k, v in samples.items()}
+        times = {k: sorted(v)[1] for k, v in time_prefill_off_on(model, ids, repeats=3).items()}  # medians
         bound = prefill_flops_total(shape, length) / prefill_flops_total(shape, length, l, g)
         rows.append({"prompt_tokens": length, "off_s": times[False], "on_s": times[True],
                      "speedup_x": times[False] / times[True], "flops_bound_x": bound})  # fmt: skip
-    model.swiftkv(True)
     for r in rows:
         print(f"   {r['prompt_tokens']:>5} tokens: {r['off_s'] * 1e3:7.0f} -> {r['on_s'] * 1e3:7.0f} ms, "
               f"{r['speedup_x']:.2f}x (FLOPs bound {r['flops_bound_x']:.2f}x)")  # fmt: skip

@@ -13,7 +13,6 @@ engine) is a few tens of seconds, small next to the generation itself.
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 import time
@@ -166,9 +165,8 @@ def generate_answers(
         report_progress=True,
         engine_options=engine_options,
     )
-    env = dict(os.environ)
-    env.pop("VLLM_CPU_KVCACHE_SPACE", None)  # it would override kv_cache_memory_bytes on CPU
-    env.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine core in the child itself
+    # the engine core in the child itself (unless the caller's environment says otherwise)
+    env_overrides = {"VLLM_ENABLE_V1_MULTIPROCESSING": os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "0")}
     bar = tqdm(total=len(prompts), desc="teacher answers (vLLM)", unit="answer", disable=not progress)
 
     def on_line(line: str) -> None:
@@ -178,22 +176,14 @@ def generate_answers(
 
     try:
         answers, _ = run_module_in_child(
-            "swiftkv_serve.answers", spec, f"vLLM answer generation on {model}", on_line, env
+            "swiftkv_serve.answers", spec, f"vLLM answer generation on {model}", on_line, env_overrides
         )
     finally:
         bar.close()
     return answers
 
 
-def _child_main(spec_file: str, result_file: str) -> None:
-    """The child process of ``generate_answers``: settings from ``spec_file`` (JSON), answers to ``result_file``
-    (a JSON list). Internal: not a user command."""
-    from swiftkv_core.atomic import atomic_file
-
-    answers = generate_in_process(**json.loads(Path(spec_file).read_text()))
-    with atomic_file(Path(result_file)) as f:
-        f.write(json.dumps(answers, ensure_ascii=False))
-
-
 if __name__ == "__main__":
-    _child_main(*sys.argv[1:])
+    from .bench import child_main
+
+    child_main(generate_in_process, *sys.argv[1:])

@@ -212,17 +212,20 @@ def run_module_in_child(
     spec: dict,
     what: str,
     on_line: Callable[[str], None] | None = None,
-    env: dict[str, str] | None = None,
+    env_overrides: dict[str, str] | None = None,
     timeout_s: float | None = None,
 ) -> tuple[object, str]:
     """Run ``python -m module SPEC.json RESULT.json`` in a child process (its own session) and return the
-    JSON it wrote and its log (stdout + stderr).
+    JSON it wrote and its log (stdout + stderr). The child's engine sizes its KV cache itself
+    (``kv_cache_memory_bytes``), so ``VLLM_CPU_KVCACHE_SPACE``, which would override that on CPU, is removed from
+    its environment; ``env_overrides`` are added.
 
     ``on_line`` gets each line the child prints on stdout, while it runs. Raises ``ChildProcessFailed`` with
     the child's error lines when it exits with an error, writes no result, or runs past ``timeout_s``; the child
     and what it started are ended in every case.
     """
     on_line = on_line or (lambda line: None)
+    env = {k: v for k, v in os.environ.items() if k != "VLLM_CPU_KVCACHE_SPACE"} | (env_overrides or {})
     with tempfile.TemporaryDirectory(prefix="swiftkv-child-") as tmp:
         spec_path, result_path = Path(tmp) / "spec.json", Path(tmp) / "result.json"
         spec_path.write_text(json.dumps(spec))
@@ -293,10 +296,8 @@ def run_in_child(
         max_model_len=max_model_len,
         dtype=dtype,
     )
-    env = dict(os.environ)
-    env.pop("VLLM_CPU_KVCACHE_SPACE", None)  # it would override kv_cache_memory_bytes on CPU
     run, log = run_module_in_child(
-        "swiftkv_serve.bench", spec, f"benchmark of {label} ({model})", on_line, env, timeout_s
+        "swiftkv_serve.bench", spec, f"benchmark of {label} ({model})", on_line, timeout_s=timeout_s
     )
     # Evidence of what was torch.compiled: vLLM tags the log lines of the SwiftKV model's compile units.
     run["swiftkv_compile_units_in_log"] = sorted(tag for tag in COMPILE_UNIT_TAGS if f"[{tag}]" in log)
@@ -448,16 +449,15 @@ def plot_serving(results: dict, path: Path) -> None:
     plt.close(fig)
 
 
-def _child_main(spec_file: str, result_file: str) -> None:
-    """The child process of ``run_in_child``: ``run_one_model`` with the settings in ``spec_file`` (JSON),
-    the results written to ``result_file`` (JSON). Internal: not a user command."""
+def child_main(function: Callable[..., object], spec_file: str, result_file: str) -> None:
+    """The child side of ``run_module_in_child``: ``function(**spec)`` with the settings in ``spec_file`` (JSON),
+    its JSON-able result written to ``result_file`` (atomically: no file means it failed)."""
     from swiftkv_core.atomic import atomic_file
 
-    spec = json.loads(Path(spec_file).read_text())
-    results = run_one_model(**spec)
+    result = function(**json.loads(Path(spec_file).read_text()))
     with atomic_file(Path(result_file)) as f:
-        f.write(json.dumps(results))
+        f.write(json.dumps(result, ensure_ascii=False))
 
 
 if __name__ == "__main__":
-    _child_main(*sys.argv[1:])
+    child_main(run_one_model, *sys.argv[1:])
