@@ -53,12 +53,9 @@ def greedy_answers(
     checkpoint: str | Path, prompts: list[str], max_new_tokens: int = 48
 ) -> dict[str, list[str]]:
     """``{"teacher": [...], "swiftkv": [...]}``: greedy answers of the checkpoint with SwiftKV off and on."""
-    from transformers import AutoTokenizer
-
     from swiftkv_core.generation import load
 
-    model, _ = load(checkpoint)
-    tokenizer = AutoTokenizer.from_pretrained(checkpoint)
+    model, tokenizer = load(checkpoint)
     answers = {}
     for name, enabled in (("teacher", False), ("swiftkv", True)):
         with model.swiftkv_mode(enabled):
