@@ -29,7 +29,7 @@ def _batches(tokenizer, steps: int, batch_size: int, seq_len: int):
     from swiftkv_distill.data import collate, encode_record, pack
 
     records = [json.loads(line) for line in prepare("brown_train").open()][:4000]
-    rows = pack([encode_record(r, tokenizer) for r in records], seq_len)
+    rows = pack([encode_record(r, tokenizer)[0] for r in records], seq_len)
     return [collate(rows[i * batch_size : (i + 1) * batch_size], 0, seq_len) for i in range(steps)]
 
 

@@ -86,7 +86,7 @@ def test_gpu_recipe_strategy_is_fsdp2():
     assert raw["trainer"]["precision"] == "bf16-mixed" and raw["model"]["num_key_value_layers"] == 16
 
 
-def test_cli_fit_writes_logs_plot_summary_and_exports(tmp_path, tiny_model, text_file):
+def test_cli_fit_writes_logs_plot_summary_and_exports(tmp_path, tiny_model, text_file, chat_file):
     from swiftkv_distill.cli import main
 
     out = tmp_path / "run"
@@ -100,7 +100,9 @@ def test_cli_fit_writes_logs_plot_summary_and_exports(tmp_path, tiny_model, text
             "--model.early_exit",
             "true",
             "--data.train_files",
-            f"[{text_file}]",
+            f"[{text_file}, {chat_file}]",
+            "--data.val_files",
+            f"{{text: [{text_file}], chat: [{chat_file}]}}",
             "--data.max_length",
             "16",
             "--data.batch_size",
@@ -125,6 +127,9 @@ def test_cli_fit_writes_logs_plot_summary_and_exports(tmp_path, tiny_model, text
         "before"
     ].keys()
     assert {"kl", "agreement", "early_exit_agreement"} <= summary["after"].keys()
+    # the second validation set (chat) is measured and reported beside the first, under its name
+    assert {"chat/kl", "chat/agreement", "chat/tokens"} <= summary["before"].keys() & summary["after"].keys()
+    assert summary["after"]["chat/tokens"] < summary["after"]["tokens"]
     assert summary["init"]["kl"] < summary["before"]["kl"]  # the least-squares K/V init, before any step
     assert summary["kv_init"]["tokens"] > 0 and 0 < summary["kv_init"]["explained_mean"] <= 1
     assert (log_dir / "metrics.png").stat().st_size > 1000

@@ -83,6 +83,53 @@ def test_formats_and_chat_template(tiny_model, text_file, chat_file):
     assert batch["input_ids"].shape == (2, 64)
 
 
+def test_chat_rows_distil_the_answer_tokens_only(tiny_model):
+    """A chat row distils the positions that PREDICT the assistant's tokens: from the last token of the generation
+    prompt ("assistant\\n") to the one before the end-of-turn's last token. Prompt, system and template positions
+    are context only (a chat user never samples them)."""
+    tok = AutoTokenizer.from_pretrained(tiny_model)
+    record = {"prompt": "Say hi.", "response": "Hi there!"}
+    ids, distilled = encode_record(record, tok)
+    predicted = tok.decode([ids[t + 1] for t, flag in enumerate(distilled) if flag])
+    assert predicted == "Hi there!<|im_end|>\n"
+    prompt = tok.apply_chat_template([{"role": "user", "content": "Say hi."}], add_generation_prompt=True)
+    prompt = list(prompt["input_ids"] if hasattr(prompt, "keys") else prompt)
+    assert ids[: len(prompt)] == prompt and distilled.index(True) == len(prompt) - 1
+    assert encode_record(record, tok, chat_tokens="all")[1] == [True] * len(ids)
+    # every assistant turn of a conversation, none of the user's
+    turns = {"messages": [{"role": "user", "content": "A?"}, {"role": "assistant", "content": "One."},
+                          {"role": "user", "content": "B?"}, {"role": "assistant", "content": "Two."}]}  # fmt: skip
+    ids, distilled = encode_record(turns, tok)
+    predicted = [tok.decode(ids[t + 1]) for t, flag in enumerate(distilled) if flag]
+    assert "".join(predicted) == "One.<|im_end|>\nTwo.<|im_end|>\n" and "B" not in predicted
+    # text and prompt-only records distil every position
+    assert all(encode_record({"text": "Rain fell."}, tok)[1]) and all(encode_record({"prompt": "A?"}, tok)[1])
+    # through packing and the collator: loss_mask = the distilled positions, token_mask = every real token
+    rows = pack([ids, [5, 6, 7]], max_length=len(ids) + 3, distilled=[distilled, [True] * 3])
+    batch = collate(rows, pad_id=0, pad_to=len(ids) + 5)
+    assert batch["loss_mask"][0].tolist() == distilled + [True] * 3 + [False] * 2
+    assert batch["token_mask"][0].tolist() == [True] * (len(ids) + 3) + [False] * 2
+
+
+def test_named_validation_sets(tiny_model, text_file, chat_file):
+    dm = DistillDataModule(
+        str(tiny_model),
+        [str(text_file)],
+        val_files={"text": [str(text_file)], "chat": [str(chat_file)]},
+        max_length=32,
+        batch_size=2,
+    )
+    dm.setup()
+    assert dm.val_set_names == ["text", "chat"] and dm.val_rows == dm.val_set_rows["text"]
+    text, chat = dm.val_dataloader()
+    chat_batch = next(iter(chat))
+    # chat rows score fewer positions than they hold (the answers), text rows all of them
+    assert chat_batch["loss_mask"].sum() < chat_batch["token_mask"].sum()
+    assert next(iter(text))["loss_mask"].sum() == next(iter(text))["token_mask"].sum()
+    with pytest.raises(DataError, match="chat_tokens"):
+        DistillDataModule(str(tiny_model), [str(text_file)], chat_tokens="prompt")
+
+
 def test_data_errors(tmp_path, tiny_model, text_file):
     empty = tmp_path / "empty.jsonl"
     empty.write_text("")
@@ -150,5 +197,41 @@ def test_teacher_answers_are_reproducible_chat_data(tiny_model, tmp_path, monkey
                   "--max_new_tokens", "6", "--batch_size", "2", "--backend", "hf"])  # fmt: skip
     written = load_records([str(out)])
     assert written == first and record_kind(written[0]) == "prompt_response"
-    text = tokenizer.decode(encode_record(written[0], tokenizer))  # the chat template around both turns
+    text = tokenizer.decode(encode_record(written[0], tokenizer)[0])  # the chat template around both turns
     assert "What is rain?" in text and written[0]["response"] in text and "assistant" in text
+
+
+def test_answer_recipes_are_answered_by_the_data_modules_teacher(tiny_model, tmp_path, monkeypatch):
+    """recipe:chat_answers is answered by the model the data module names (one generation for both splits, the
+    held-out prompts never in the training split), and a SwiftKV checkpoint is refused with the way out."""
+    from swiftkv_core.convert import convert, save_checkpoint
+    from swiftkv_distill import corpora
+
+    monkeypatch.setattr(corpora, "data_dir", lambda: tmp_path / "data")
+    prompts = [{"prompt": f"Name {n} colours.", "source": "t"} for n in range(10)]
+    monkeypatch.setattr(corpora, "chat_prompts", lambda: prompts)
+    monkeypatch.setattr(
+        corpora, "answer_backend", lambda backend="auto": "hf"
+    )  # the fast path for a tiny model
+    dm = DistillDataModule(
+        str(tiny_model),
+        ["recipe:chat_answers"],
+        val_files={"chat": ["recipe:chat_answers_heldout"]},
+        max_length=64,
+    )
+    dm.setup()
+    train, heldout = (load_records(corpora.resolve_files([f"recipe:{n}"], str(tiny_model)))
+                      for n in ("chat_answers", "chat_answers_heldout"))  # fmt: skip
+    assert (
+        len(train) + len(heldout) <= 10
+        and heldout
+        and not {r["prompt"] for r in train} & {r["prompt"] for r in heldout}
+    )
+    assert len(list((tmp_path / "data" / "teacher_answers").glob("*.jsonl"))) == 1  # one generation
+    entry = {m: corpora.teacher_answers_cache_file(prompts, m)[0] for m in (str(tiny_model), "default")}
+    assert (
+        entry[str(tiny_model)].is_file() and entry[str(tiny_model)] != entry["default"]
+    )  # keyed by the teacher
+    swiftkv = save_checkpoint(convert(str(tiny_model), 2), tmp_path / "swiftkv")
+    with pytest.raises(ValueError, match="SwiftKV checkpoint.*prepare-data answer"):
+        corpora.resolve_files(["recipe:chat_answers"], str(swiftkv))

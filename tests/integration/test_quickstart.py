@@ -87,10 +87,14 @@ def test_quickstart_report_is_complete_and_consistent(inputs, tmp_path):
     assert ratios["ttft_lower_x"] == pytest.approx(stock["ttft_mean_s"] / swift["ttft_mean_s"])
     assert head["kv_capacity_x"] == pytest.approx(kv_swift / kv_stock)
     assert kv_swift > kv_stock  # g=2: fewer K/V per token, more tokens in the same cache
-    metrics = results["evaluate"]["metrics"]
+    metrics = results["distill"]["metrics"]
     assert set(metrics) == {"converted/text", "converted/chat", "distilled/text", "distilled/chat"}
     for values in metrics.values():
         assert 0 <= values["agreement"] <= 1 and values["kl"] >= 0 and values["tokens"] > 0
+    greedy = head["greedy_prefix"]
+    assert greedy["prompts"] == len(PROMPTS) and greedy["tokens"] == 8
+    assert all(share * len(PROMPTS) == round(share * len(PROMPTS)) for share in greedy["share"].values())
+    assert set(greedy["share"]) == {"converted", "distilled"}
     assert results["distill"]["steps"] >= 1 and results["distill"]["train_tokens"] > 0
     assert results["teacher_answers"]["answers"] == len(PROMPTS)
     assert results["analyze"]["chosen"] == 4 and len(results["analyze"]["similarity"]) == 7
@@ -103,6 +107,7 @@ def test_quickstart_report_is_complete_and_consistent(inputs, tmp_path):
     assert f"{head['kv_capacity_x']:.2f}x the tokens" in first
     assert f"{100 * metrics['distilled/text']['agreement']:.1f}%" in first
     assert f"{100 * metrics['distilled/chat']['agreement']:.1f}%" in first
+    assert f"{100 * greedy['share']['distilled']:.1f}% start with the teacher's first 8 tokens" in first
     for row in results["prefill"]["rows"]:
         assert f"| {row['prompt_tokens']} | {row['off_s'] * 1e3:.0f} | {row['on_s'] * 1e3:.0f} |" in markdown
     images = re.findall(r"!\[[^\]]*\]\(([^)]+)\)", markdown)
@@ -130,12 +135,12 @@ def test_an_interrupted_run_resumes_without_redoing_finished_steps(inputs, tmp_p
         patch.setattr(progress.BudgetProgress, "on_train_batch_end", crash_at_step_3)
         run_quickstart(inputs, out, serve=False, budget_minutes=0.5)
     state = json.loads((out / "state.json").read_text())["results"]
-    assert list(state) == ["analyze", "convert", "teacher_answers"]
+    assert list(state) == ["teacher_answers", "analyze", "convert"]
     assert (out / "distill" / "checkpoints" / "last.ckpt").is_file()
     mtimes = {p: p.stat().st_mtime_ns for p in (out / "converted").iterdir()}
 
     calls = []
-    for name in ("analyze", "convert", "teacher_answers"):
+    for name in ("teacher_answers", "analyze", "convert"):
         monkeypatch.setattr(quickstart, f"step_{name}", lambda run, name=name: calls.append(name))
     run_quickstart(inputs, out, serve=False, budget_minutes=0.5)
     assert calls == []  # finished steps are reused, not run again

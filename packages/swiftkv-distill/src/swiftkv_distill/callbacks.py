@@ -89,7 +89,12 @@ def plot_metrics(
     ]
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     for ax, (train_key, val_key, title, before_key) in zip(axes, panels, strict=True):
-        for key, style in ((train_key, "-"), (val_key, "o-")):
+        name = before_key.split("/")[1]
+        # every validation set: val/kl (the first set) and val/<set>/kl (the others, e.g. chat)
+        val_keys = [val_key] + sorted(
+            k for k in series if k.startswith("val/") and k.endswith(f"/{name}") and k != val_key
+        )
+        for key, style in [(train_key, "-")] + [(k, "o-") for k in val_keys]:
             if key in series:
                 xs, ys = zip(*series[key], strict=True)
                 if style == "-" and len(ys) > 20:  # smooth the noisy per-step curve
@@ -99,16 +104,22 @@ def plot_metrics(
                         for i in range(len(ys))
                     ]
                 ax.plot(xs, ys, style, label=key)
-        name = before_key.split("/")[1]
         for values, color, label in (
             (before, "gray", "undistilled"),
             (init, "tab:green", "least-squares init"),
         ):
-            if values and name in values and not math.isnan(values[name]):
-                ax.axhline(values[name], ls="--", color=color, label=f"{label} ({values[name]:.3f})")
+            for key in [k.removeprefix("val/") for k in val_keys]:
+                if values and key in values and not math.isnan(values[key]):
+                    set_name = f" {key.rsplit('/', 1)[0]}" if "/" in key else ""
+                    ax.axhline(
+                        values[key],
+                        ls=":" if set_name else "--",
+                        color=color,
+                        label=f"{label}{set_name} ({values[key]:.3f})",
+                    )
         ax.set_xlabel("step")
         ax.set_title(title)
-        ax.legend()
+        ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(png_path, dpi=110)
     plt.close(fig)

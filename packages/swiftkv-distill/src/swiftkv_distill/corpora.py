@@ -5,9 +5,9 @@
   each genre (files ``*05``, ``*10``, ...), so the held-out paragraphs come from documents never trained on.
 - ``chat_prompts``: the English questions of ``chatterbot-corpus`` (PyPI, BSD), as prompt-only records
   (prefill-style distillation: the teacher's distribution over the prompt is the target).
-- ``chat_answers``: the same questions answered by the teacher itself (the default model, sampled at T=0.7,
-  top-p 0.9, seeded), as prompt/response records: chat-shaped data whose answers follow the teacher's own
-  distribution rather than a dataset's. Generated once with vLLM where it is installed (``swiftkv_serve.answers``),
+- ``chat_answers``: the same questions answered by the teacher itself (the model of the data module: the
+  default model unless the recipe names another; sampled at T=0.7, top-p 0.9, seeded), as prompt/response
+  records: chat-shaped data whose answers follow the teacher's own distribution rather than a dataset's. Generated once with vLLM where it is installed (``swiftkv_serve.answers``),
   else with HF ``generate`` (749 answers on a 2-core CPU: about 5 minutes with vLLM, 16 with HF; see
   ``benchmarks/results/teacher-answers.md``), and cached under a key of the teacher, the backend and the settings;
   ``chat_answers_heldout`` answers the held-out prompts (never in ``chat_answers``).
@@ -374,47 +374,65 @@ def _chat_prompts(heldout: bool) -> list[dict]:
     return [r for i, r in enumerate(chat_prompts()) if _is_heldout_prompt(i) == heldout]
 
 
-def _chat_answers(heldout: bool) -> list[dict]:
-    """The default model's answers to ``chat_prompts`` (generated once for both splits, through the
-    ``teacher_answers`` cache), split by prompt as ``chat_prompts_heldout``."""
+def _chat_answers(heldout: bool, model: str) -> list[dict]:
+    """``model``'s answers to ``chat_prompts`` (generated once for both splits, through the ``teacher_answers``
+    cache), split by prompt as ``chat_prompts_heldout``."""
     held_out = {r["prompt"] for r in _chat_prompts(heldout=True)}
-    return [r for r in teacher_answers(chat_prompts()) if (r["prompt"] in held_out) == heldout]
+    return [r for r in teacher_answers(chat_prompts(), model) if (r["prompt"] in held_out) == heldout]
 
 
-def _recipe_path(name: str) -> Path:
+def _teacher(model: str) -> str:
+    """``model`` if it can answer as the teacher: a base model, not a SwiftKV checkpoint."""
+    from swiftkv_core.default_model import resolve_model_path
+
+    config = json.loads((resolve_model_path(model) / "config.json").read_text())
+    if "num_key_value_layers" in config:
+        raise ValueError(
+            f"{model} is a SwiftKV checkpoint, and recipe:chat_answers needs the teacher's (the base model's) own "
+            "answers. Write them with `swiftkv prepare-data answer --prompts recipe:chat_prompts --model BASE "
+            "--out answers.jsonl` and name that file instead of the recipe."
+        )
+    return model
+
+
+def _recipe_path(name: str, model: str = "default") -> Path:
     """The file of recipe ``name``; the answer recipes' names carry the key of the answers they come from, so a
     change of teacher, backend or settings makes a new file instead of reusing another's."""
     if name in _ANSWER_RECIPES:
-        entry, _ = teacher_answers_cache_file(chat_prompts())  # the defaults of _chat_answers
+        entry, _ = teacher_answers_cache_file(chat_prompts(), model)  # the defaults of _chat_answers
         return data_dir() / f"{name}-{entry.stem.rsplit('-', 1)[-1]}.jsonl"
     return data_dir() / f"{name}.jsonl"
 
 
 _BUILD = {
-    "brown_train": lambda: _brown(heldout=False),
-    "brown_heldout": lambda: _brown(heldout=True),
-    "chat_prompts": chat_prompts,
-    "chat_prompts_heldout": lambda: _chat_prompts(heldout=True),
-    "chat_answers": lambda: _chat_answers(heldout=False),
-    "chat_answers_heldout": lambda: _chat_answers(heldout=True),
-    "python_docs": python_docs,
+    "brown_train": lambda model: _brown(heldout=False),
+    "brown_heldout": lambda model: _brown(heldout=True),
+    "chat_prompts": lambda model: chat_prompts(),
+    "chat_prompts_heldout": lambda model: _chat_prompts(heldout=True),
+    "chat_answers": lambda model: _chat_answers(False, model),
+    "chat_answers_heldout": lambda model: _chat_answers(True, model),
+    "python_docs": lambda model: python_docs(),
 }
 
 
-def prepare(name: str) -> Path:
-    """Path of the recipe file ``name`` (one of ``RECIPES``), written on first use."""
+def prepare(name: str, model: str = "default") -> Path:
+    """Path of the recipe file ``name`` (one of ``RECIPES``), written on first use. ``model`` is the teacher
+    that answers the ``chat_answers*`` recipes (``"default"``, a ``.gguf`` file or a base-model folder)."""
     if name not in _BUILD:
         raise ValueError(f"Unknown data recipe {name!r}: choose from {list(RECIPES)}.")
-    path = _recipe_path(name)
+    if name in _ANSWER_RECIPES:
+        model = _teacher(model)
+    path = _recipe_path(name, model)
     if not path.is_file():
-        _write_jsonl(path, _BUILD[name]())
+        _write_jsonl(path, _BUILD[name](model))
     return path
 
 
-def resolve_files(files: Iterable[str]) -> list[str]:
-    """``recipe:NAME`` entries -> prepared local files; other entries unchanged."""
+def resolve_files(files: Iterable[str], model: str = "default") -> list[str]:
+    """``recipe:NAME`` entries -> prepared local files (answers by ``model``); other entries unchanged."""
     return [
-        str(prepare(f[len(RECIPE_PREFIX) :])) if str(f).startswith(RECIPE_PREFIX) else str(f) for f in files
+        str(prepare(f[len(RECIPE_PREFIX) :], model)) if str(f).startswith(RECIPE_PREFIX) else str(f)
+        for f in files
     ]
 
 

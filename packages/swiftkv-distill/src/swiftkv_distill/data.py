@@ -8,7 +8,14 @@ A record is one of (detected per record):
 - prompt + answer: ``{"prompt": ..., "response"|"completion": ...}`` rendered as a two-turn chat;
 - plain text: ``{"text": "..."}`` (``.txt`` files: one record per line), followed by EOS.
 
-Distillation needs no labels: every real token is a position where the student must match the teacher.
+Distillation needs no labels: the student matches the teacher's next-token distribution at every DISTILLED
+position. Text and prompt-only records distil every position. Chat and prompt + answer records distil, with
+``chat_tokens="answers"`` (the default), only the positions that predict an assistant turn's tokens (from the last
+token of the generation prompt to the turn's end-of-turn token): those are the distributions a user samples
+answers from. The prompt and template positions still run through both models and give the answer positions
+their context (the K/V the student computes for them are trained through the answers' loss); only their own
+next-token KL is left out, because a chat user never samples prompt tokens. ``chat_tokens="all"`` distils
+every position of every record.
 With ``pack=True`` sequences are concatenated into rows of exactly ``max_length`` tokens; each keeps its own
 position ids (restarting at 0), and the model's causal mask keeps packed sequences from attending to each
 other (transformers derives the block-diagonal mask from the position ids when no attention mask is given).
@@ -26,6 +33,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 IGNORE = -100
+CHAT_TOKENS = ("answers", "all")
 _BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".txt": "text", ".text": "text"}
 
 
@@ -82,24 +90,53 @@ def record_kind(record: dict) -> str | None:
     return None
 
 
-def encode_record(record: dict, tokenizer) -> list[int]:
-    """Token ids of one record (see the module docstring for the formats)."""
+def encode_record(record: dict, tokenizer, chat_tokens: str = "answers") -> tuple[list[int], list[bool]]:
+    """Token ids of one record (see the module docstring for the formats) and, per position, whether it is
+    distilled (``chat_tokens``: ``"answers"`` or ``"all"``)."""
     kind = record_kind(record)
     if kind == "text":
         ids = tokenizer(record["text"], add_special_tokens=True)["input_ids"]
-        return ids + ([tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else [])
+        ids = ids + ([tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else [])
+        return ids, [True] * len(ids)
+    if kind == "prompt":
+        ids = _chat_ids(tokenizer, [{"role": "user", "content": record["prompt"]}], generation_prompt=True)
+        return ids, [True] * len(ids)
     if kind == "chat":
-        messages, generation_prompt = record["messages"], False
-    elif kind == "prompt":
-        messages, generation_prompt = [{"role": "user", "content": record["prompt"]}], True
+        messages = record["messages"]
     else:
         answer = record.get("response") or record.get("completion")
         messages = [{"role": "user", "content": record["prompt"]}, {"role": "assistant", "content": answer}]
-        generation_prompt = False
+    ids = _chat_ids(tokenizer, messages)
+    if chat_tokens == "all":
+        return ids, [True] * len(ids)
+    distilled = [False] * len(ids)
+    for i, message in enumerate(messages):
+        if message.get("role") != "assistant":
+            continue
+        start = _common_prefix(ids, _chat_ids(tokenizer, messages[:i], generation_prompt=True))
+        end = len(_chat_ids(tokenizer, messages[: i + 1]))
+        # position t predicts token t + 1: the answer's tokens are predicted from start - 1 to end - 2
+        for t in range(max(start - 1, 0), end - 1):
+            distilled[t] = True
+    return ids, distilled
+
+
+def _chat_ids(tokenizer, messages: list[dict], generation_prompt: bool = False) -> list[int]:
+    if not messages:
+        return []
     ids = tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=generation_prompt)
     if hasattr(ids, "keys"):  # transformers 5 returns a BatchEncoding
         ids = ids["input_ids"]
     return list(ids)
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
 
 
 def split_indices(n: int, val_fraction: float, seed: int) -> tuple[list[int], list[int]]:
@@ -111,38 +148,51 @@ def split_indices(n: int, val_fraction: float, seed: int) -> tuple[list[int], li
     return sorted(order[n_val:]), sorted(order[:n_val])
 
 
-def pack(sequences: Sequence[list[int]], max_length: int) -> list[dict]:
+def pack(
+    sequences: Sequence[list[int]], max_length: int, distilled: Sequence[list[bool]] | None = None
+) -> list[dict]:
     """Concatenate sequences into rows of ``max_length`` tokens; a sequence crossing a row end continues in the
-    next row (positions restart there). Returns ``{"input_ids": [...], "segments": [lengths...]}`` per row; the
-    last row may be shorter (the collator pads it)."""
+    next row (positions restart there). Returns ``{"input_ids", "segments": [lengths...], "distilled"}`` per row
+    (``distilled``: per token, from ``distilled`` or all True); the last row may be shorter (the collator pads
+    it)."""
     rows: list[dict] = []
     ids: list[int] = []
+    flags: list[bool] = []
     segments: list[int] = []
-    for sequence in sequences:
+    for index, sequence in enumerate(sequences):
         rest = list(sequence)
+        rest_flags = list(distilled[index]) if distilled is not None else [True] * len(rest)
         while rest:
             take = min(len(rest), max_length - len(ids))
             ids.extend(rest[:take])
+            flags.extend(rest_flags[:take])
             segments.append(take)
-            rest = rest[take:]
+            rest, rest_flags = rest[take:], rest_flags[take:]
             if len(ids) == max_length:
-                rows.append({"input_ids": ids, "segments": segments})
-                ids, segments = [], []
+                rows.append({"input_ids": ids, "segments": segments, "distilled": flags})
+                ids, segments, flags = [], [], []
     if ids:
-        rows.append({"input_ids": ids, "segments": segments})
+        rows.append({"input_ids": ids, "segments": segments, "distilled": flags})
     return rows
 
 
-def unpacked(sequences: Sequence[list[int]], max_length: int) -> list[dict]:
+def unpacked(
+    sequences: Sequence[list[int]], max_length: int, distilled: Sequence[list[bool]] | None = None
+) -> list[dict]:
     """One row per sequence, truncated to ``max_length``."""
-    return [
-        {"input_ids": list(s[:max_length]), "segments": [min(len(s), max_length)]} for s in sequences if s
-    ]
+    rows = []
+    for index, s in enumerate(sequences):
+        if s:
+            flags = list(distilled[index]) if distilled is not None else [True] * len(s)
+            n = min(len(s), max_length)
+            rows.append({"input_ids": list(s[:n]), "segments": [n], "distilled": flags[:n]})
+    return rows
 
 
 def collate(rows: Sequence[dict], pad_id: int = 0, pad_to: int | None = None) -> dict[str, torch.Tensor]:
-    """Batch rows into ``input_ids``, ``position_ids`` (restarting per packed sequence), ``loss_mask`` (real
-    tokens) and ``labels`` (the next token of the same sequence, ``-100`` at each sequence's last token).
+    """Batch rows into ``input_ids``, ``position_ids`` (restarting per packed sequence), ``token_mask`` (real
+    tokens), ``loss_mask`` (the distilled ones: real and flagged in the row's ``distilled``) and ``labels`` (the
+    next token of the same sequence, ``-100`` at each sequence's last token).
 
     Padding is on the right and gets its own positions (a separate "sequence"), so real tokens never see it.
     """
@@ -150,6 +200,7 @@ def collate(rows: Sequence[dict], pad_id: int = 0, pad_to: int | None = None) ->
     batch = {
         "input_ids": torch.full((len(rows), length), pad_id, dtype=torch.long),
         "position_ids": torch.zeros((len(rows), length), dtype=torch.long),
+        "token_mask": torch.zeros((len(rows), length), dtype=torch.bool),
         "loss_mask": torch.zeros((len(rows), length), dtype=torch.bool),
         "labels": torch.full((len(rows), length), IGNORE, dtype=torch.long),
     }
@@ -157,7 +208,8 @@ def collate(rows: Sequence[dict], pad_id: int = 0, pad_to: int | None = None) ->
         ids = torch.tensor(row["input_ids"], dtype=torch.long)
         n = len(ids)
         batch["input_ids"][i, :n] = ids
-        batch["loss_mask"][i, :n] = True
+        batch["token_mask"][i, :n] = True
+        batch["loss_mask"][i, :n] = torch.tensor(row.get("distilled", [True] * n), dtype=torch.bool)
         start = 0
         for seg in row["segments"]:
             batch["position_ids"][i, start : start + seg] = torch.arange(seg)
@@ -229,7 +281,12 @@ class DistillDataModule(L.LightningDataModule):
     Args:
         model: the model whose tokenizer and context length apply: a local HF checkpoint or ``"default"``.
         train_files: jsonl / json / parquet / txt files (see the module docstring for record formats).
-        val_files: held-out files; when empty, ``val_fraction`` of the train records is held out.
+        val_files: held-out files; when empty, ``val_fraction`` of the train records is held out. A mapping of
+            names to files validates on each set separately (e.g. ``{text: [...], chat: [...]}``: prose and chat
+            side by side); the first set's metrics are logged as ``val/kl``..., the others' as
+            ``val/<name>/kl``...
+        chat_tokens: which positions of chat / prompt + answer records are distilled: ``answers`` (those that
+            predict the assistant's tokens) or ``all`` (see the module docstring).
         val_fraction: fraction of records held out when ``val_files`` is empty.
         max_length: tokens per row (the packed sequence length); must not exceed the model's context.
         pack: concatenate sequences into full rows (no padding); else one sequence per row, truncated.
@@ -245,7 +302,7 @@ class DistillDataModule(L.LightningDataModule):
         self,
         model: str = "default",
         train_files: list[str] | None = None,
-        val_files: list[str] | None = None,
+        val_files: list[str] | dict[str, list[str]] | None = None,
         val_fraction: float = 0.05,
         max_length: int = 512,
         pack: bool = True,
@@ -255,6 +312,7 @@ class DistillDataModule(L.LightningDataModule):
         max_val_rows: int = 0,
         seed: int = 0,
         num_workers: int = 0,
+        chat_tokens: str = "answers",
     ):
         super().__init__()
         if not train_files:
@@ -263,11 +321,19 @@ class DistillDataModule(L.LightningDataModule):
             raise DataError(f"max_length must be >= 2, got {max_length}.")
         if not 0 <= val_fraction < 1:
             raise DataError(f"val_fraction must be in [0, 1), got {val_fraction}.")
+        if chat_tokens not in CHAT_TOKENS:
+            raise DataError(f"chat_tokens must be one of {list(CHAT_TOKENS)}, got {chat_tokens!r}.")
         self.save_hyperparameters()
         self.model_path = model
-        self.train_files, self.val_files = list(train_files), list(val_files or [])
+        self.train_files = list(train_files)
+        # named validation sets; "" is the unnamed one (a plain list, or the train split)
+        sets = val_files if isinstance(val_files, dict) else {"": list(val_files or [])}
+        if any(not files for files in sets.values()) and len(sets) > 1:
+            raise DataError(f"val_files: every named set needs at least one file, got {dict(sets)}.")
+        self.val_sets = {str(name): list(files) for name, files in sets.items()}
         self.train_rows: list[dict] | None = None
-        self.val_rows: list[dict] | None = None
+        self.val_rows: list[dict] | None = None  # the first set's rows
+        self.val_set_rows: dict[str, list[dict]] = {}
         self.tokenizer = None
 
     def _load_tokenizer(self):
@@ -285,6 +351,15 @@ class DistillDataModule(L.LightningDataModule):
             )
         return AutoTokenizer.from_pretrained(path)
 
+    @property
+    def val_files(self) -> list[str]:
+        return [f for files in self.val_sets.values() for f in files]
+
+    @property
+    def val_set_names(self) -> list[str]:
+        """The validation sets' names, in dataloader order (the first set's metrics are logged without one)."""
+        return list(self.val_set_rows)
+
     def build(self) -> None:
         """Read, check, tokenise, split and pack (idempotent). Called by ``setup``; errors come before compute."""
         if self.train_rows is not None:
@@ -293,32 +368,43 @@ class DistillDataModule(L.LightningDataModule):
         from .corpora import resolve_files
 
         self.tokenizer = tokenizer = self._load_tokenizer()
-        train_records = load_records(resolve_files(self.train_files))
-        val_records = load_records(resolve_files(self.val_files)) if self.val_files else []
-        needs_template = any(record_kind(r) != "text" for r in train_records + val_records)
-        if needs_template and not getattr(tokenizer, "chat_template", None):
+        train_records = load_records(resolve_files(self.train_files, self.model_path))
+        val_records = {
+            name: load_records(resolve_files(files, self.model_path))
+            for name, files in self.val_sets.items()
+            if files
+        }
+        every = train_records + [r for records in val_records.values() for r in records]
+        if any(record_kind(r) != "text" for r in every) and not getattr(tokenizer, "chat_template", None):
             raise DataError(
                 f"The data holds chat / prompt records but the tokenizer of {self.model_path} has no "
                 "chat template. Use a chat (instruct) model, set tokenizer.chat_template, or give text."
             )
         if not val_records:
             train_idx, val_idx = split_indices(len(train_records), hp.val_fraction, hp.seed)
-            val_records = [train_records[i] for i in val_idx]
+            val_records = {"": [train_records[i] for i in val_idx]}
             train_records = [train_records[i] for i in train_idx]
-        shape = pack if hp.pack else unpacked
-        self.train_rows = shape([encode_record(r, tokenizer) for r in train_records], hp.max_length)
-        self.val_rows = shape([encode_record(r, tokenizer) for r in val_records], hp.max_length)
+        self.train_rows = self._rows(train_records)
         if hp.max_train_rows:
             self.train_rows = self.train_rows[: hp.max_train_rows]
-        if hp.max_val_rows:
-            self.val_rows = evenly_spaced(self.val_rows, hp.max_val_rows)
+        for name, records in val_records.items():
+            rows = self._rows(records)
+            self.val_set_rows[name] = evenly_spaced(rows, hp.max_val_rows) if hp.max_val_rows else rows
+        self.val_rows = next(iter(self.val_set_rows.values()))
         if not self.train_rows:
             raise DataError("No training rows after tokenisation.")
+
+    def _rows(self, records: list[dict]) -> list[dict]:
+        encoded = [encode_record(r, self.tokenizer, self.hparams.chat_tokens) for r in records]
+        shape = pack if self.hparams.pack else unpacked
+        return shape([ids for ids, _ in encoded], self.hparams.max_length, [d for _, d in encoded])
 
     def prepare_data(self) -> None:
         from .corpora import resolve_files
 
-        resolve_files(self.train_files + self.val_files)  # writes recipe files once, on one process
+        resolve_files(
+            self.train_files + self.val_files, self.model_path
+        )  # recipe files, once, on one process
 
     def setup(self, stage: str | None = None) -> None:
         self.build()
@@ -381,8 +467,13 @@ class DistillDataModule(L.LightningDataModule):
             collate_fn=self._collate,
         )
 
-    def val_dataloader(self) -> DataLoader:
-        dataset = RowsDataset(self.val_rows)
+    def val_dataloader(self) -> DataLoader | list[DataLoader]:
+        """One loader per validation set (a single loader when there is one set)."""
+        loaders = [self._val_loader(rows) for rows in self.val_set_rows.values()]
+        return loaders[0] if len(loaders) == 1 else loaders
+
+    def _val_loader(self, rows: list[dict]) -> DataLoader:
+        dataset = RowsDataset(rows)
         return DataLoader(
             dataset,
             batch_size=self.hparams.val_batch_size or self.hparams.batch_size,

@@ -1,8 +1,9 @@
-"""Held-out quality of a SwiftKV checkpoint against its own teacher (the same weights with SwiftKV off).
+"""What a chat user sees of a SwiftKV checkpoint against its own teacher (the same weights with SwiftKV off).
 
-The metrics are the distillation's validation metrics (``step.py``): per real token, KL(teacher || student),
-top-1 agreement and both models' next-token perplexity. ``greedy_answers`` gives what a user sees: the teacher's
-and the student's greedy answers to chat prompts.
+The teacher-forced metrics (KL, top-1 agreement, perplexity on held-out text and chat answers) are the
+distillation's validation metrics (``step.py``, ``module.py``). Here: ``greedy_answers``, the teacher's and the
+student's greedy answers to chat prompts side by side, and ``greedy_prefix_agreement``, how often they start
+with the same tokens.
 """
 
 from __future__ import annotations
@@ -10,42 +11,6 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-
-
-@torch.no_grad()
-def evaluate_checkpoint(
-    checkpoint: str | Path, files: list[str], max_rows: int = 40, max_length: int = 256, batch_size: int = 8
-) -> dict[str, float]:
-    """``kl``, ``agreement``, ``student_ppl``, ``teacher_ppl`` (and ``tokens``) of a full SwiftKV checkpoint
-    (teacher q/k/v kept) on held-out ``files`` (any record format of ``data.py``; every real token is scored)."""
-    from .build import build_swiftkv_model
-    from .data import DistillDataModule
-    from .step import DistillationStep, ValidationMetrics
-
-    model = build_swiftkv_model(str(checkpoint), *_layers(checkpoint)).eval()
-    data = DistillDataModule(
-        str(checkpoint),
-        train_files=files,
-        val_files=files,
-        max_length=max_length,
-        val_batch_size=batch_size,
-        max_val_rows=max_rows,
-    )
-    data.build()
-    step, metrics, tokens = DistillationStep(model), ValidationMetrics(), 0
-    for batch in data.val_dataloader():
-        metrics.update(step.evaluate(batch))
-        tokens += int(batch["loss_mask"].sum())
-    return {**metrics.compute(), "tokens": float(tokens)}
-
-
-def _layers(checkpoint: str | Path) -> tuple[int, int]:
-    from transformers import AutoConfig
-
-    import swiftkv_core  # noqa: F401  (registers the SwiftKV configs)
-
-    config = AutoConfig.from_pretrained(checkpoint)
-    return config.num_key_value_layers, config.key_value_group_size
 
 
 @torch.inference_mode()
@@ -61,6 +26,48 @@ def greedy_answers(
         with model.swiftkv_mode(enabled):
             answers[name] = [_answer(model, tokenizer, prompt, max_new_tokens) for prompt in prompts]
     return answers
+
+
+@torch.inference_mode()
+def greedy_prefix_agreement(
+    checkpoints: dict[str, str | Path], prompts: list[str], tokens: int = 8, batch_size: int = 16
+) -> dict:
+    """Per checkpoint, the share of ``prompts`` whose greedy answer (SwiftKV on) starts with the same ``tokens``
+    tokens as the teacher's: what a chat user sees first. The teacher is the first checkpoint with SwiftKV off
+    (the checkpoints of one run share the teacher's weights). An answer that ends sooner counts as equal when
+    it ends at the same token (the rest is padding in both)."""
+    from swiftkv_core.generation import load
+
+    reference, results = None, {}
+    for name, checkpoint in checkpoints.items():
+        model, tokenizer = load(checkpoint)
+        if reference is None:
+            with model.swiftkv_mode(False):
+                reference = _greedy_ids(model, tokenizer, prompts, tokens, batch_size)
+        with model.swiftkv_mode(True):
+            ids = _greedy_ids(model, tokenizer, prompts, tokens, batch_size)
+        results[name] = sum(a == b for a, b in zip(ids, reference, strict=True)) / len(prompts)
+    return {"tokens": tokens, "prompts": len(prompts), "share": results}
+
+
+def _greedy_ids(model, tokenizer, prompts: list[str], tokens: int, batch_size: int) -> list[list[int]]:
+    """The first ``tokens`` greedy tokens of each answer (left-padded batches; EOS and what follows cut off)."""
+    tokenizer.padding_side = "left"
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    out = []
+    for start in range(0, len(prompts), batch_size):
+        inputs = tokenizer.apply_chat_template(
+            [[{"role": "user", "content": p}] for p in prompts[start : start + batch_size]],
+            add_generation_prompt=True,
+            padding=True,
+            return_tensors="pt",
+            return_dict=True,
+        )
+        generated = model.generate(**inputs, max_new_tokens=tokens, do_sample=False, pad_token_id=pad)
+        for row in generated[:, inputs["input_ids"].shape[1] :].tolist():
+            ends = [i for i, t in enumerate(row) if t in (tokenizer.eos_token_id, pad)]
+            out.append(row[: ends[0] + 1] if ends else row)
+    return out
 
 
 def _answer(model, tokenizer, prompt: str, max_new_tokens: int) -> str:

@@ -116,7 +116,7 @@ class SwiftKVDistillation(L.LightningModule):
         )
         self.step: DistillationStep | None = None
         self.strict_loading = False  # checkpoints hold the trained weights only (on_save_checkpoint)
-        self.val_metrics = ValidationMetrics()
+        self.val_metrics = nn.ModuleList([ValidationMetrics()])  # one per validation set (grown on demand)
         self.before_metrics: dict[str, float] = {}  # the converted model (published init), before training
         self.init_metrics: dict[str, float] = {}  # after the least-squares K/V init, before training
         self.kv_init_report: dict[str, float] = {}
@@ -182,7 +182,7 @@ class SwiftKVDistillation(L.LightningModule):
         self.log("train/hidden_mse", out["hidden_mse"], sync_dist=True, **log)
         if "early_kl" in out:
             self.log("train/early_exit_kl", out["early_kl"], sync_dist=True, **log)
-        self._tokens_seen += int(batch["loss_mask"].sum()) * world
+        self._tokens_seen += int(batch["token_mask"].sum()) * world
         return out["loss"]
 
     def step_positions(self, length: int, device, step: int | None = None) -> torch.Tensor | None:
@@ -235,27 +235,53 @@ class SwiftKVDistillation(L.LightningModule):
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
     # --- validation --------------------------------------------------------------------------------------------
-    def validation_step(self, batch: dict, batch_idx: int) -> None:
-        self.val_metrics.update(self.step.evaluate(batch))
+    def validation_step(self, batch: dict, batch_idx: int, dataloader_idx: int = 0) -> None:
+        self._set_metrics(dataloader_idx).update(self.step.evaluate(batch))
+
+    def _set_metrics(self, index: int) -> ValidationMetrics:
+        while len(self.val_metrics) <= index:
+            self.val_metrics.append(ValidationMetrics().to(self.device))
+        return self.val_metrics[index]
+
+    def _metric_names(self, index: int, metrics: dict[str, float]) -> dict[str, float]:
+        """The first validation set's metrics keep their names (``kl``...); another set's get its name as a prefix
+        (``chat/kl``...), from the data module's ``val_set_names``."""
+        if index == 0:
+            return metrics
+        names = getattr(getattr(self.trainer, "datamodule", None), "val_set_names", [])
+        name = names[index] if index < len(names) else str(index)
+        return {f"{name}/{k}": v for k, v in metrics.items()}
+
+    def _compute_val_metrics(self) -> dict[str, float]:
+        out: dict[str, float] = {}
+        for index, metrics in enumerate(self.val_metrics):
+            if metrics.means["kl"].update_count:
+                out.update(self._metric_names(index, metrics.compute(self.hparams.early_exit)))
+        return out
 
     def on_validation_epoch_end(self) -> None:
         if self.trainer.sanity_checking:
-            self.val_metrics.reset()
+            for metrics in self.val_metrics:
+                metrics.reset()
             return
-        self.last_val_metrics = self.val_metrics.compute(self.hparams.early_exit)
+        self.last_val_metrics = self._compute_val_metrics()
         self.last_val_step = self.global_step
         for name, value in self.last_val_metrics.items():
             self.log(f"val/{name}", value, prog_bar=name in ("kl", "agreement"), sync_dist=False)
 
     @torch.no_grad()
-    def evaluate(self, dataloader) -> dict[str, float]:
-        """The validation metrics over ``dataloader``, outside Lightning's loops (e.g. before training)."""
+    def evaluate(self, dataloaders) -> dict[str, float]:
+        """The validation metrics over ``dataloaders`` (one loader or a list: one per validation set), outside
+        Lightning's loops (e.g. before training)."""
         was_training = self.training
         self.eval()
-        for batch in dataloader:
-            self.val_metrics.update(self.step.evaluate(self.transfer_batch_to_device(batch, self.device, 0)))
+        loaders = dataloaders if isinstance(dataloaders, (list, tuple)) else [dataloaders]
+        for index, loader in enumerate(loaders):
+            for batch in loader:
+                batch = self.transfer_batch_to_device(batch, self.device, index)
+                self._set_metrics(index).update(self.step.evaluate(batch))
         self.train(was_training)
-        return self.val_metrics.compute(self.hparams.early_exit)
+        return self._compute_val_metrics()
 
     def _val_loader(self):
         datamodule = getattr(self.trainer, "datamodule", None)
@@ -315,7 +341,7 @@ class SwiftKVDistillation(L.LightningModule):
         with KVLeastSquares(self.swiftkv_model, hp.kv_init_ridge, hp.kv_init_weighting) as fit:
             for batch in datamodule.kv_init_dataloader(hp.kv_init_tokens):
                 batch = self.transfer_batch_to_device(batch, self.device, 0)
-                fit.mask = batch["loss_mask"]
+                fit.mask = batch["token_mask"]  # every real token's K/V (answer-only losses included)
                 self.step.teacher_pass(batch)
                 fit.collect()
             if self._world_size() > 1:

@@ -2,12 +2,14 @@
 
 From a Llama / Qwen2 / Mistral checkpoint (the embedded SmolLM2-135M-Instruct by default), one command runs
 
-    1. analyze          per-layer input similarity (paper Eq. 1) on the training text; l defaults to L/2
-    2. convert          SwiftKV at l (AcrossKV group size g), K/V projections fitted by least squares
-    3. teacher answers  the teacher's own answers to held-out chat prompts (the chat evaluation set)
-    4. distill          Lightning distillation within --budget_minutes of training, with a live progress bar
-    5. evaluate         converted vs distilled against the teacher on held-out text and chat: KL, agreement, ppl;
-                        greedy answers of teacher and SwiftKV side by side
+    1. teacher answers  the teacher's own answers to chat prompts (vLLM, cached): the recipe's chat training data
+                        and the held-out chat evaluation set
+    2. analyze          per-layer input similarity (paper Eq. 1) on the training text; l defaults to L/2
+    3. convert          SwiftKV at l (AcrossKV group size g), K/V projections fitted by least squares
+    4. distill          Lightning distillation within --budget_minutes of training, with a live progress bar;
+                        converted vs distilled against the teacher on held-out text and chat: KL, agreement, ppl
+    5. evaluate         greedy answers of teacher and SwiftKV side by side, and how often the first 8 tokens of
+                        their greedy answers to the held-out chat prompts are the same
     6. prefill          HF prefill latency over prompt lengths, SwiftKV off vs on (same weights, same run)
     7. serve            vLLM: the base checkpoint vs the distilled serving export on prompt-heavy workloads
     8. report           runs/<name>/report.md (+ report.json, PNG plots), the checkpoints, how to serve them
@@ -38,10 +40,12 @@ CHAT_PROMPTS = [
     "Give me three tips for writing clear emails.",
     "Explain in two sentences what a KV cache is in a transformer.",
 ]
+HELDOUT_CHAT_PROMPTS = "recipe:chat_prompts_heldout"  # answered together with recipe:chat_answers
+GREEDY_TOKENS = 8  # the greedy-answer metric: the first tokens of an answer, what a user reads first
 CHECKPOINT_EVERY_N_STEPS = (
     10  # what an interrupted distillation can lose (a checkpoint holds the trained weights)
 )
-STEPS = ("analyze", "convert", "teacher_answers", "distill", "evaluate", "prefill", "serve", "report")
+STEPS = ("teacher_answers", "analyze", "convert", "distill", "evaluate", "prefill", "serve", "report")
 
 
 class QuickstartError(ValueError):
@@ -79,7 +83,7 @@ def main(
     recipe: Path = DEFAULT_RECIPE,
     train_files: list[str] | None = None,
     heldout_text: list[str] | None = None,
-    heldout_chat_prompts: str = "recipe:chat_prompts_heldout",
+    heldout_chat_prompts: str = HELDOUT_CHAT_PROMPTS,
     max_eval_rows: int = 40,
     prompt_lengths: list[int] | None = None,
     serve: bool = True,
@@ -99,8 +103,9 @@ def main(
         budget_minutes: Training time of the distillation (the evaluations and K/V fit come on top).
         recipe: The distillation recipe whose model and data settings are used (its trainer settings are the
             quickstart's own: budget, checkpoints, progress).
-        train_files: Training data (jsonl / parquet / txt, or recipe:NAME); default: the recipe's.
-        heldout_text: Held-out text for the evaluation; default: the recipe's validation files.
+        train_files: Training data (jsonl / parquet / txt, or recipe:NAME: recipe:chat_answers is answered by
+            MODEL itself); default: the recipe's.
+        heldout_text: Held-out text for the evaluation; default: the recipe's (first) validation set.
         heldout_chat_prompts: Held-out chat prompts (a jsonl of {"prompt": ...} or recipe:NAME) that the teacher
             answers for the chat evaluation; '' to skip the chat evaluation.
         max_eval_rows: Held-out rows (of 256 tokens) per evaluation.
@@ -175,7 +180,16 @@ def _check(
         )
     recipe_config = _recipe(recipe)
     train_files = list(train_files or recipe_config["data"]["train_files"])
-    heldout_text = list(heldout_text or recipe_config["data"]["val_files"])
+    val_files = recipe_config["data"]["val_files"]
+    heldout_text = list(
+        heldout_text or (next(iter(val_files.values())) if isinstance(val_files, dict) else val_files)
+    )
+    if not _has_chat_template(path):  # a base model: no chat to distil or evaluate
+        chat = [f for f in train_files if f.startswith(f"{RECIPE_PREFIX}chat_")]
+        if chat:
+            print(f"note: {model} has no chat template (a base model): training on text only, without {chat}")
+        train_files = [f for f in train_files if f not in chat]
+        heldout_chat_prompts = ""
     for name in train_files + heldout_text + ([heldout_chat_prompts] if heldout_chat_prompts else []):
         if not name.startswith(RECIPE_PREFIX) and not Path(name).is_file():
             raise QuickstartError(
@@ -227,6 +241,12 @@ def _estimated_step_seconds(config, recipe_config) -> float:
     params = layers * 12 * hidden * hidden + config.vocab_size * hidden
     tokens = recipe_config["data"]["batch_size"] * recipe_config["data"]["max_length"]
     return 6 * params * tokens / 50e9
+
+
+def _has_chat_template(path) -> bool:
+    from transformers import AutoTokenizer
+
+    return bool(getattr(AutoTokenizer.from_pretrained(path), "chat_template", None))
 
 
 def _importable(module: str) -> bool:
@@ -329,10 +349,9 @@ def step_analyze(run: Run) -> dict:
     from swiftkv_core.analysis import layer_input_similarity, recommend_num_key_value_layers, write_report
     from swiftkv_core.generation import load
 
-    from .corpora import resolve_files
     from .data import load_records, record_kind
 
-    records = load_records(resolve_files(run.settings.train_files))
+    records = load_records(run.results["teacher_answers"]["train_files"])
     texts = [r["text"] for r in records if record_kind(r) == "text"][:400]
     texts = ["\n\n".join(texts[i : i + 25]) for i in range(0, len(texts), 25)][:8] or [str(records[0])]
     base, tokenizer = load(run.settings.model_identity["path"])
@@ -361,15 +380,14 @@ def step_convert(run: Run) -> dict:
     from swiftkv_core.convert import convert, save_checkpoint
     from swiftkv_core.kv_init import fit_kv_projections, text_batches
 
-    from .corpora import resolve_files
     from .data import encode_record, load_records
 
     s = run.settings
     path = s.model_identity["path"]
     tokenizer = AutoTokenizer.from_pretrained(path)
     model = convert(path, s.num_key_value_layers, s.key_value_group_size)
-    records = load_records(resolve_files(s.train_files))
-    texts = (tokenizer.decode(encode_record(r, tokenizer)) for r in records)
+    records = load_records(run.results["teacher_answers"]["train_files"])
+    texts = (tokenizer.decode(encode_record(r, tokenizer)[0]) for r in records)
     report = fit_kv_projections(
         model, text_batches(tokenizer, _joined(texts, 4000)), max_tokens=32768, weighting="attention"
     )
@@ -394,26 +412,30 @@ def _joined(texts, characters: int):
 
 
 def step_teacher_answers(run: Run) -> dict:
-    """The teacher's own answers to the held-out chat prompts: what the chat evaluation compares against."""
-    s = run.settings
-    if not s.heldout_chat_prompts:
-        return {"skipped": "no --heldout_chat_prompts"}
-    from transformers import AutoTokenizer
-
-    from .corpora import resolve_files, teacher_answers
-    from .data import load_records
-
-    if not getattr(AutoTokenizer.from_pretrained(s.model_identity["path"]), "chat_template", None):
-        print("   skipped: the model's tokenizer has no chat template (a base model, not a chat model)")
-        return {"skipped": "no chat template"}
-    prompts = [r for r in load_records(resolve_files([s.heldout_chat_prompts])) if r.get("prompt")]
-    answers = teacher_answers(prompts, model=s.model_identity["path"])
+    """The teacher's own answers to chat prompts (vLLM where installed, cached by the teacher's identity): the
+    training files' ``recipe:chat_answers`` and the held-out chat set the evaluations compare against."""
     from swiftkv_core.atomic import atomic_file
 
-    with atomic_file(run.path("chat_heldout.jsonl")) as f:
-        for record in answers:
-            f.write(json.dumps(record, ensure_ascii=False) + "\n")
-    return {"file": "chat_heldout.jsonl", "answers": len(answers), "prompts": len(prompts)}
+    from .corpora import prepare, resolve_files, teacher_answers
+    from .data import load_records
+
+    s = run.settings
+    teacher = s.model_identity["path"]
+    started = time.perf_counter()
+    train_files = resolve_files(s.train_files, teacher)  # answers recipe:chat_answers with the teacher, once
+    result = {"train_files": train_files}
+    if s.heldout_chat_prompts:
+        if s.heldout_chat_prompts == HELDOUT_CHAT_PROMPTS:  # answered with the training prompts, in one go
+            answers = load_records([prepare("chat_answers_heldout", teacher)])
+        else:
+            prompts = load_records(resolve_files([s.heldout_chat_prompts]))
+            answers = teacher_answers([r for r in prompts if r.get("prompt")], model=teacher)
+        with atomic_file(run.path("chat_heldout.jsonl")) as f:
+            for record in answers:
+                f.write(json.dumps(record, ensure_ascii=False) + "\n")
+        result.update(file="chat_heldout.jsonl", answers=len(answers))
+    print(f"   teacher answers ready in {time.perf_counter() - started:.0f} s (cached for later runs)")
+    return result
 
 
 def step_distill(run: Run) -> dict:
@@ -437,7 +459,14 @@ def step_distill(run: Run) -> dict:
         schedule_seconds=budget,
     )
     data_args = {k: v for k, v in recipe["data"].items() if k not in ("model", "train_files", "val_files")}
-    data_args.update(train_files=s.train_files, val_files=s.heldout_text, max_val_rows=s.max_eval_rows)
+    val_files = {"text": s.heldout_text}
+    if run.path("chat_heldout.jsonl").is_file():
+        val_files["chat"] = [str(run.path("chat_heldout.jsonl"))]
+    data_args.update(
+        train_files=run.results["teacher_answers"]["train_files"],
+        val_files=val_files,
+        max_val_rows=s.max_eval_rows,
+    )
     converted = str(run.path("converted"))
     L.seed_everything(recipe.get("seed_everything", 0), verbose=False)
     module = SwiftKVDistillation(converted, **model_args)
@@ -470,36 +499,43 @@ def step_distill(run: Run) -> dict:
     export(module, run.path("distilled"))
     export(module, run.path("distilled-serving"), serving=True)
     summary = json.loads((folder / "logs" / "version_0" / "summary.json").read_text())
+    metrics = {}  # the distillation's own validation: the converted model before the first step, and the last
+    for checkpoint, values in (("converted", summary["before"]), ("distilled", summary["after"])):
+        for name in val_files:
+            prefix = "" if name == "text" else f"{name}/"
+            metrics[f"{checkpoint}/{name}"] = m = {
+                k.removeprefix(prefix): v
+                for k, v in values.items()
+                if k.startswith(prefix) and "/" not in k.removeprefix(prefix)
+            }
+            print(f"   {checkpoint:>9} on held-out {name}: KL {m['kl']:.3f}, agreement {m['agreement']:.1%}, "
+                  f"ppl {m['student_ppl']:.1f} (teacher {m['teacher_ppl']:.1f})", flush=True)  # fmt: skip
     return {
         "steps": trainer.global_step,
         "train_seconds": module.train_seconds,
         "train_tokens": module._tokens_seen,
         "resumed": resumed,
-        "converted_on_heldout_text": summary["before"],
-        "distilled_on_heldout_text": summary["after"],
+        "metrics": metrics,
         "metrics_csv": "distill/logs/version_0/metrics.csv",
         "plot": "distill/logs/version_0/metrics.png",
     }
 
 
 def step_evaluate(run: Run) -> dict:
-    """Converted vs distilled against the teacher on held-out text and chat; greedy answers side by side."""
-    from .evaluation import evaluate_checkpoint, greedy_answers
+    """What a chat user sees: greedy answers of teacher and SwiftKV side by side, and over the held-out chat
+    prompts, how often the first 8 tokens of the greedy answers equal the teacher's (converted vs distilled)."""
+    from .data import load_records
+    from .evaluation import greedy_answers, greedy_prefix_agreement
 
-    s = run.settings
-    sets = {"text": s.heldout_text}
-    if (run.path("chat_heldout.jsonl")).is_file():
-        sets["chat"] = [str(run.path("chat_heldout.jsonl"))]
-    metrics = {}
-    for checkpoint in ("converted", "distilled"):
-        for name, files in sets.items():
-            metrics[f"{checkpoint}/{name}"] = values = evaluate_checkpoint(
-                run.path(checkpoint), files, s.max_eval_rows
-            )
-            print(f"   {checkpoint:>9} on held-out {name}: KL {values['kl']:.3f}, agreement {values['agreement']:.1%}, "
-                  f"ppl {values['student_ppl']:.1f} (teacher {values['teacher_ppl']:.1f})", flush=True)  # fmt: skip
-    answers = greedy_answers(run.path("distilled"), CHAT_PROMPTS)
-    return {"metrics": metrics, "prompts": CHAT_PROMPTS, "answers": answers}
+    result = {"prompts": CHAT_PROMPTS, "answers": greedy_answers(run.path("distilled"), CHAT_PROMPTS)}
+    if run.path("chat_heldout.jsonl").is_file():
+        prompts = [r["prompt"] for r in load_records([str(run.path("chat_heldout.jsonl"))])]
+        checkpoints = {name: run.path(name) for name in ("converted", "distilled")}
+        result["greedy_prefix"] = greedy = greedy_prefix_agreement(checkpoints, prompts, tokens=GREEDY_TOKENS)
+        shares = ", ".join(f"{name} {share:.1%}" for name, share in greedy["share"].items())
+        print(f"   greedy answers to {len(prompts)} held-out chat prompts, first {GREEDY_TOKENS} tokens equal to the "
+              f"teacher's: {shares}")  # fmt: skip
+    return result
 
 
 def step_prefill(run: Run) -> dict:

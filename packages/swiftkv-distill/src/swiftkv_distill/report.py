@@ -18,10 +18,12 @@ def headline(settings: dict, results: dict) -> dict:
     if rows:
         longest = rows[-1]
         out["prefill"] = {k: longest[k] for k in ("prompt_tokens", "speedup_x", "flops_bound_x")}
-    metrics = results["evaluate"]["metrics"]
+    metrics = results["distill"]["metrics"]
     out["quality"] = {
         key: {"kl": value["kl"], "agreement": value["agreement"]} for key, value in sorted(metrics.items())
     }
+    if "greedy_prefix" in results["evaluate"]:
+        out["greedy_prefix"] = results["evaluate"]["greedy_prefix"]
     serve = results.get("serve", {})
     if "ratios_swiftkv_over_stock" in serve:
         out["serving"] = serve["ratios_swiftkv_over_stock"]
@@ -58,7 +60,7 @@ def _pct(x: float) -> str:
 def _markdown(root: Path, settings: dict, results: dict, versions: dict, head: dict) -> str:
     s, l, L = settings, head["num_key_value_layers"], head["num_hidden_layers"]
     g = s["key_value_group_size"]
-    metrics = results["evaluate"]["metrics"]
+    metrics = results["distill"]["metrics"]
     lines = [
         f"# SwiftKV on {Path(s['model_identity']['path']).name}: l = {l} of {L} layers ({_pct(head['skipped_fraction'])} of the layers skipped "
         f"in prefill), AcrossKV g = {g}",
@@ -90,6 +92,12 @@ def _markdown(root: Path, settings: dict, results: dict, versions: dict, head: d
                 f"(KL {after['kl']:.3f}) after distillation, {_pct(before['agreement'])} (KL {before['kl']:.3f}) "
                 "before."
             )
+    if "greedy_prefix" in head:
+        g, share = head["greedy_prefix"], head["greedy_prefix"]["share"]
+        lines.append(
+            f"- **Greedy answers to {g['prompts']} held-out chat prompts: {_pct(share['distilled'])} start with the "
+            f"teacher's first {g['tokens']} tokens** after distillation, {_pct(share['converted'])} before."
+        )
     d = head["distill"]
     lines += [
         f"- Distillation: {d['train_seconds'] / 60:.1f} min of training, {d['steps']} steps, "
@@ -98,7 +106,9 @@ def _markdown(root: Path, settings: dict, results: dict, versions: dict, head: d
         "## Quality against the teacher (the original model)",
         "",
         "Per held-out token: KL(teacher || model), whether the model's top-1 next token is the teacher's, and "
-        "perplexity. *converted*: SwiftKV with the least-squares K/V init, before distillation.",
+        "perplexity. *text*: held-out prose; *chat*: the teacher's own answers to held-out chat prompts, scored on "
+        "the answer tokens (as they are distilled). *converted*: SwiftKV with the least-squares K/V init, before "
+        "distillation.",
         "",
         "| model | held-out | KL | top-1 agreement | perplexity | teacher perplexity | tokens |",
         "|---|---|---|---|---|---|---|",

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
-from torchmetrics import MeanMetric
+from torchmetrics import MeanMetric, SumMetric
 
 from swiftkv_core.early_exit import EarlyExitHead
 from swiftkv_core.weights import is_swiftkv_parameter
@@ -198,11 +198,13 @@ class ValidationMetrics(nn.Module):
     def __init__(self):
         super().__init__()
         self.means = nn.ModuleDict({name: MeanMetric() for name in self.NAMES})
+        self.tokens = SumMetric()  # the positions scored
 
     def update(self, evaluation: Evaluation) -> None:
         stats, m = evaluation.stats, self.means
         m["kl"].update(stats.kl)
         m["agreement"].update(stats.agree.float())
+        self.tokens.update(float(stats.agree.numel()))
         valid = ~torch.isnan(stats.student_nll)
         if valid.any():
             m["student_nll"].update(stats.student_nll[valid])
@@ -211,10 +213,14 @@ class ValidationMetrics(nn.Module):
             m["early_exit_agreement"].update(evaluation.early_exit_agreement.float())
 
     def compute(self, early_exit: bool = False) -> dict[str, float]:
-        """``kl``, ``agreement``, ``student_ppl`` / ``teacher_ppl`` (where there were labels) and
-        ``early_exit_agreement`` (with ``early_exit``); then starts over."""
+        """``kl``, ``agreement``, ``tokens`` (positions scored), ``student_ppl`` / ``teacher_ppl`` (where there were
+        labels) and ``early_exit_agreement`` (with ``early_exit``); then starts over."""
         m = self.means
-        values = {"kl": m["kl"].compute(), "agreement": m["agreement"].compute()}
+        values = {
+            "kl": m["kl"].compute(),
+            "agreement": m["agreement"].compute(),
+            "tokens": self.tokens.compute(),
+        }
         if m["student_nll"].update_count:
             values["student_ppl"] = m["student_nll"].compute().exp()
             values["teacher_ppl"] = m["teacher_nll"].compute().exp()
@@ -226,3 +232,4 @@ class ValidationMetrics(nn.Module):
     def reset(self) -> None:
         for metric in self.means.values():
             metric.reset()
+        self.tokens.reset()
