@@ -25,6 +25,7 @@ import json
 import logging
 import math
 import platform
+import random
 import shutil
 import time
 import warnings
@@ -374,7 +375,7 @@ def step_analyze(run: Run) -> dict:
 
 
 def step_convert(run: Run) -> dict:
-    """SwiftKV at l (and g), its K/V projections fitted to the teacher's by least squares on training text."""
+    """SwiftKV at l (and g), its K/V projections fitted to the teacher's by least squares on training data."""
     from transformers import AutoTokenizer
 
     from swiftkv_core.convert import convert, save_checkpoint
@@ -387,9 +388,15 @@ def step_convert(run: Run) -> dict:
     tokenizer = AutoTokenizer.from_pretrained(path)
     model = convert(path, s.num_key_value_layers, s.key_value_group_size)
     records = load_records(run.results["teacher_answers"]["train_files"])
+    random.Random(0).shuffle(records)  # the fit sees the training mix (prose and chat), not one file
     texts = (tokenizer.decode(encode_record(r, tokenizer)[0]) for r in records)
+    recipe = _recipe(Path(s.recipe))["model"]  # the recipe's K/V fit settings
     report = fit_kv_projections(
-        model, text_batches(tokenizer, _joined(texts, 4000)), max_tokens=32768, weighting="attention"
+        model,
+        text_batches(tokenizer, _joined(texts, 4000)),
+        max_tokens=recipe["kv_init_tokens"],
+        ridge=recipe["kv_init_ridge"],
+        weighting=recipe["kv_init_weighting"],
     )
     save_checkpoint(model, run.path("converted"), tokenizer)
     print(
