@@ -108,8 +108,9 @@ def generate(
     key_value_group_size: int = 1,
     max_new_tokens: int = 64,
     chat: bool = True,
+    kv_cache_dtype: str = "auto",
 ) -> None:
-    """Greedy generation; prints the text and the prefill time.
+    """Greedy generation; prints the text, the prefill time and the KV cache's bytes.
 
     Args:
         prompt: The prompt (wrapped in the chat template when chat is on and the tokenizer has one).
@@ -118,10 +119,13 @@ def generate(
         key_value_group_size: AcrossKV group size for on-the-fly conversion.
         max_new_tokens: Tokens to generate.
         chat: Apply the tokenizer's chat template.
+        kv_cache_dtype: 'auto' (the model's dtype) or 'fp8' (e4m3 with a float32 scale per token and KV head).
     """
     from .convert import convert as convert_model
     from .generation import load, time_prefill
+    from .kv_cache import check_kv_cache_dtype, kv_cache_nbytes, make_kv_cache
 
+    check_kv_cache_dtype(kv_cache_dtype)
     lm, tokenizer = load(model)
     if num_key_value_layers is not None and not hasattr(lm, "swiftkv"):
         lm = convert_model(lm, num_key_value_layers, key_value_group_size)
@@ -134,10 +138,11 @@ def generate(
         )
     else:
         inputs = tokenizer(prompt, return_tensors="pt")
-    prefill_s = time_prefill(lm, inputs["input_ids"], repeats=1)
+    prefill_s = time_prefill(lm, inputs["input_ids"], repeats=1, kv_cache_dtype=kv_cache_dtype)
+    cache = make_kv_cache(lm.config, kv_cache_dtype)
     start = time.perf_counter()
     with torch.inference_mode():
-        out = lm.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False)
+        out = lm.generate(**inputs, past_key_values=cache, max_new_tokens=max_new_tokens, do_sample=False)
     total_s = time.perf_counter() - start
     new = out[0, inputs["input_ids"].shape[1] :]
     mode = (
@@ -151,7 +156,8 @@ def generate(
     print(tokenizer.decode(new, skip_special_tokens=True))
     print(
         f"[{mode}] prompt {inputs['input_ids'].shape[1]} tokens: prefill {prefill_s * 1000:.1f} ms; "
-        f"{len(new)} new tokens in {total_s:.2f} s"
+        f"{len(new)} new tokens in {total_s:.2f} s; KV cache ({kv_cache_dtype}) "
+        f"{kv_cache_nbytes(cache) / 1024:.1f} KiB"
     )
 
 
@@ -161,6 +167,7 @@ def flops(
     key_value_group_size: int | None = None,
     seq_len: int = 8192,
     attention: str = "causal",
+    kv_cache_dtype: str = "bf16",
 ) -> None:
     """Analytic prefill FLOPs and KV-cache size per token; without --model, our model against paper Table 1.
 
@@ -170,12 +177,15 @@ def flops(
         key_value_group_size: AcrossKV group size g (default: the checkpoint's own, or 1).
         seq_len: Prompt length the attention row is averaged over.
         attention: 'causal' (keys a causal query sees) or 'dense' (all keys, as dense kernels compute).
+        kv_cache_dtype: KV cache storage to account: 'bf16', 'fp16', 'fp32' or 'fp8' (e4m3 + float32 scales).
     """
     from transformers import AutoConfig
 
     from .default_model import resolve_model_path
     from .flops import ROWS, ModelShape, format_table1, kv_cache_bytes_per_token, prefill_flops
+    from .kv_cache import storage_bytes
 
+    storage_bytes(kv_cache_dtype)  # an unknown name fails here, before any work
     if model is None:
         print(format_table1())
         return
@@ -193,10 +203,13 @@ def flops(
     for row in (*ROWS, "total"):
         print(f"{row:<12}{getattr(base, row) / 1e9:>12.4f}{getattr(swift, row) / 1e9:>12.4f}")
     print(f"relative prefill compute: {swift.total / base.total:.1%}")
-    kv_base, kv_swift = kv_cache_bytes_per_token(shape), kv_cache_bytes_per_token(shape, l, g)
+    kv_bf16 = kv_cache_bytes_per_token(shape)
+    kv_base = kv_cache_bytes_per_token(shape, kv_cache_dtype=kv_cache_dtype)
+    kv_swift = kv_cache_bytes_per_token(shape, l, g, kv_cache_dtype)
     print(
-        f"KV cache per token (bf16): {kv_base / 1024:.1f} KiB -> {kv_swift / 1024:.1f} KiB "
-        f"({kv_base / kv_swift:.2f}x more tokens in the same memory)"
+        f"KV cache per token ({kv_cache_dtype}): {kv_base / 1024:.1f} KiB -> {kv_swift / 1024:.1f} KiB "
+        f"({kv_base / kv_swift:.2f}x more tokens in the same memory; "
+        f"{1 - kv_swift / kv_bf16:.1%} less than the original model in bf16)"
     )
 
 

@@ -146,13 +146,21 @@ def kv_cache_bytes_per_token(
     shape: ModelShape,
     num_key_value_layers: int | None = None,
     key_value_group_size: int = 1,
-    bytes_per_element: int = 2,
+    kv_cache_dtype: str = "bf16",
 ) -> float:
-    """K and V bytes one token occupies in the cache: ``2 * (l + (L - l) / g) * kv_heads * head_dim * bytes``."""
+    """K and V bytes one token occupies in the cache, scales included:
+    ``2 * (l + (L - l) / g) * kv_heads * (head_dim * element_bytes + scale_bytes)``.
+
+    ``kv_cache_dtype``: ``"fp32"``, ``"bf16"``, ``"fp16"`` or ``"fp8"`` (e4m3 plus one float32 scale per token and
+    KV head, as ``kv_cache.FP8KVCache`` stores it); the byte sizes come from the cache's own storage format.
+    """
+    from .kv_cache import storage_bytes
+
+    element_bytes, scale_bytes = storage_bytes(kv_cache_dtype)
     L = shape.num_hidden_layers
     l = L if num_key_value_layers is None else num_key_value_layers
     kv_layers = num_kv_cache_layers(L, l, key_value_group_size)
-    return 2 * kv_layers * shape.num_key_value_heads * shape.head_dim * bytes_per_element
+    return 2 * kv_layers * shape.num_key_value_heads * (shape.head_dim * element_bytes + scale_bytes)
 
 
 # The paper's Table 1 (arXiv 2410.03960): Llama-3.1-70B, 128K context, GFLOPs per prefill token.

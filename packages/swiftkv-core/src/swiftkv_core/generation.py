@@ -9,6 +9,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from .default_model import resolve_model_path
+from .kv_cache import check_kv_cache_dtype, make_kv_cache
 
 
 def load(model: str | Path | None = None, dtype: torch.dtype = torch.float32, need_tokenizer: bool = True):
@@ -48,12 +49,19 @@ def sample_prompt_ids(tokenizer, num_tokens: int) -> torch.Tensor:
 
 
 @torch.inference_mode()
-def time_prefill(model, input_ids: torch.Tensor, repeats: int = 3, warmup: int = 1) -> float:
-    """Median seconds of a prefill (with KV cache, last-position logits only, as ``generate`` runs it)."""
+def time_prefill(
+    model, input_ids: torch.Tensor, repeats: int = 3, warmup: int = 1, kv_cache_dtype: str = "auto"
+) -> float:
+    """Median seconds of a prefill (with KV cache, last-position logits only, as ``generate`` runs it).
+
+    ``kv_cache_dtype``: ``"auto"`` (the model's dtype) or ``"fp8"`` (``kv_cache.FP8KVCache``).
+    """
+    check_kv_cache_dtype(kv_cache_dtype)
     times = []
     for i in range(warmup + repeats):
+        cache = make_kv_cache(model.config, kv_cache_dtype)
         start = time.perf_counter()
-        model(input_ids, use_cache=True, logits_to_keep=1)
+        model(input_ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
         if i >= warmup:
             times.append(time.perf_counter() - start)
     return sorted(times)[len(times) // 2]
