@@ -23,8 +23,43 @@ logger = logging.getLogger(__name__)
 PROMPT_LOGPROBS_GUARD = "swiftkv_serve.logits:SwiftKVPromptLogprobsGuard"
 
 
+def fp8_kv_cache_problem(cache_dtype: str, is_cpu: bool, has_avx512: bool, has_amx: bool) -> str | None:
+    """Why vLLM's CPU backend cannot hold a quantised (fp8) KV cache on this machine, or ``None``.
+
+    Its CPU attention has fp8 KV kernels for AVX-512 and AMX only (``cpu_attn._get_attn_isa``) and refuses other
+    CPUs only when it builds the attention metadata: after the model has loaded, in the engine-core process
+    (where a multiprocess engine reports a failed start), and without a way out. Here, while vLLM finalises its
+    config, the refusal comes first and says what to do instead.
+    """
+    from vllm.utils.torch_utils import is_quantized_kv_cache
+
+    if not is_cpu or not is_quantized_kv_cache(cache_dtype) or has_avx512 or has_amx:
+        return None
+    return (
+        f"--kv-cache-dtype {cache_dtype} is not available on this CPU: vLLM's CPU backend stores a quantised KV "
+        "cache only with its AVX-512 or AMX kernels, and this CPU has neither. Use the default kv-cache dtype "
+        "('auto', the model's dtype; AcrossKV still shrinks the cache) or serve on a GPU."
+    )
+
+
+def check_kv_cache_dtype(vllm_config) -> None:
+    """Raise ``fp8_kv_cache_problem`` for this machine, if any, before the model loads."""
+    import torch
+    from vllm.platforms import current_platform
+
+    problem = fp8_kv_cache_problem(
+        vllm_config.cache_config.cache_dtype,
+        current_platform.is_cpu(),
+        torch.cpu._is_avx512_supported(),
+        torch.cpu._is_amx_tile_supported(),
+    )
+    if problem:
+        raise ValueError(problem)
+
+
 def update_engine_config(vllm_config) -> None:
     """Fast prefill and the prompt-logprobs guard for a SwiftKV model that skips layers (``l < L``)."""
+    check_kv_cache_dtype(vllm_config)
     hf_config = vllm_config.model_config.hf_config  # a swiftkv_core SwiftKV config
     if not hf_config.swiftkv:
         logger.warning(
