@@ -139,3 +139,20 @@ def test_malformed_requests_get_4xx_and_server_keeps_serving(server, body, statu
     assert got == status, response
     ok, response = _complete(base, model, [101, 102, 103])
     assert ok == 200 and len(response["choices"][0]["token_ids"]) == MAX_TOKENS
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [{"prompt_logprobs": 0}, {"prompt_logprobs": 1}, {"echo": True, "logprobs": 1}],
+    ids=["prompt-logprobs-0", "prompt-logprobs-1", "echo-logprobs"],
+)
+def test_prompt_logprobs_refused_with_the_reason(server, extra):
+    """Every way of asking for prompt logprobs gets a 400 that says why (vLLM's own check under fast prefill
+    answers first for prompt_logprobs >= 1; the plugin's admission check catches the rest)."""
+    base, model = server
+    status, response = _complete(base, model, [101, 102, 103], **extra)
+    assert status == 400, response
+    message = response["error"]["message"]
+    assert (
+        "prompt_logprobs are not supported by SwiftKV" in message or "logprobs for prompt tokens" in message
+    )

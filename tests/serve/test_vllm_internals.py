@@ -32,6 +32,8 @@ INTERNAL_NAMES = (
     "set_model_tag",
     "get_attn_backend",
     "shard_id =",
+    "InputProcessor",
+    "_validate_params",
 )
 
 
@@ -80,14 +82,44 @@ def test_models_config_map_hook():
 
 
 def test_engine_config_fields_the_hook_sets():
-    from vllm.config import CacheConfig, ModelConfig
-    from vllm.v1.sample.logits_processor import LogitsProcessor
+    from vllm.config import CacheConfig
 
     assert CacheConfig.__dataclass_fields__["kv_sharing_fast_prefill"].default is False
-    assert "logits_processors" in ModelConfig.__dataclass_fields__
-    # The prompt-logprobs guard: vLLM calls this classmethod for every request at admission.
-    assert inspect.ismethod(LogitsProcessor.validate_params)
-    assert _parameters(LogitsProcessor.validate_params) == ["sampling_params"]
+
+
+def test_request_check_runs_at_admission_in_both_engines():
+    from vllm import SamplingParams
+    from vllm.exceptions import VLLMValidationError
+    from vllm.v1.engine.async_llm import AsyncLLM
+    from vllm.v1.engine.input_processor import InputProcessor
+    from vllm.v1.engine.llm_engine import LLMEngine
+
+    import swiftkv_serve
+    from swiftkv_core.configuration import LlamaSwiftKVConfig
+    from swiftkv_serve import vllm_internals
+    from swiftkv_serve.engine_config import PROMPT_LOGPROBS_MESSAGE, check_request
+
+    # The offline engine and the server's both admit a request through process_inputs -> _validate_params.
+    assert "self._validate_params(params" in inspect.getsource(InputProcessor.process_inputs)
+    assert "self.input_processor.process_inputs(" in inspect.getsource(LLMEngine.add_request)
+    assert "self.input_processor.process_inputs" in inspect.getsource(AsyncLLM.add_request)
+    assert "self.vllm_config = vllm_config" in inspect.getsource(InputProcessor.__init__)
+
+    swiftkv_serve.register()
+    swiftkv_serve.register()  # re-entrant: one wrapper, around vLLM's own method
+    installed = InputProcessor._validate_params
+    assert getattr(installed, vllm_internals.REQUEST_CHECK_ATTRIBUTE) is check_request
+    assert not hasattr(installed.__wrapped__, vllm_internals.REQUEST_CHECK_ATTRIBUTE)
+    assert _parameters(installed.__wrapped__) == ["self", "params", "supported_tasks"]
+
+    config = LlamaSwiftKVConfig(num_hidden_layers=4, num_key_value_layers=2)
+    vllm_config = SimpleNamespace(
+        model_config=SimpleNamespace(hf_config=config),
+        cache_config=SimpleNamespace(kv_sharing_fast_prefill=True),
+    )
+    processor = SimpleNamespace(vllm_config=vllm_config)
+    with pytest.raises(VLLMValidationError, match=re.escape(PROMPT_LOGPROBS_MESSAGE)):
+        installed(processor, SamplingParams(prompt_logprobs=0), ("generate",))
 
 
 def test_kv_cache_and_attention_ops():

@@ -6,7 +6,7 @@ in this package's ``pyproject.toml``). It
 - makes the SwiftKV config types (``llama_swiftkv``, ``qwen2_swiftkv``) known to transformers' ``AutoConfig``;
 - registers ``LlamaSwiftKVForCausalLM`` / ``Qwen2SwiftKVForCausalLM`` (``swiftkv_serve.model``) lazily, by name;
 - registers an engine-config hook for those architectures (``swiftkv_serve.engine_config``) that turns on
-  vLLM's fast-prefill path (``kv_sharing_fast_prefill``) and the prompt-logprobs guard.
+  vLLM's fast-prefill path (``kv_sharing_fast_prefill``), and a per-request check that refuses prompt logprobs.
 
 vLLM is never imported at module level here: importing this package must stay cheap and must not initialise
 any device.

@@ -2,13 +2,15 @@
 
 vLLM calls ``update_engine_config`` for the SwiftKV architectures while it finalises the engine configuration
 (the hook its in-tree models use; registered through ``vllm_internals.register_config_hook``). For a SwiftKV
-model with ``num_key_value_layers < num_hidden_layers`` it:
+model with ``num_key_value_layers < num_hidden_layers`` it turns on ``cache_config.kv_sharing_fast_prefill``:
+the runner then hands the attention layers of layers ``>= l`` metadata for the tokens whose logits are needed
+only, which is what lets those layers run for one token per prompt chunk instead of all of them.
 
-- turns on ``cache_config.kv_sharing_fast_prefill``: the runner then hands the attention layers of layers
-  ``>= l`` metadata for the tokens whose logits are needed only, which is what lets those layers run for one
-  token per prompt chunk instead of all of them;
-- adds ``SwiftKVPromptLogprobsGuard`` to the model's logits processors, which rejects prompt-logprobs requests
-  with a clear message at admission (prompt logprobs are not computable under SwiftKV).
+``check_request`` (installed by ``register_engine_config_hooks`` into vLLM's per-request admission check, through
+``vllm_internals.install_request_check``) then refuses prompt-logprobs requests to such a model with a clear
+message, offline and in the server: the prompt tokens' logits are never computed under fast prefill. It is not a
+logits processor, so speculative decoding (which vLLM refuses to start alongside custom logits processors),
+prefix caching and vLLM's other features stay available.
 
 Without this hook (or with fast prefill switched off) the model is still exact, just without the prefill saving.
 """
@@ -18,9 +20,15 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterable
 
+from swiftkv_core.configuration import SwiftKVConfigMixin
+
 logger = logging.getLogger(__name__)
 
-PROMPT_LOGPROBS_GUARD = "swiftkv_serve.logits:SwiftKVPromptLogprobsGuard"
+PROMPT_LOGPROBS_MESSAGE = (
+    "prompt_logprobs are not supported by SwiftKV models: layers >= num_key_value_layers run only for the "
+    "tokens whose next-token logits are sampled, so the prompt tokens' logprobs are never computed. "
+    "Serve the base (non-SwiftKV) checkpoint to score prompts."
+)
 
 
 def fp8_kv_cache_problem(cache_dtype: str, is_cpu: bool, has_avx512: bool, has_amx: bool) -> str | None:
@@ -58,7 +66,7 @@ def check_kv_cache_dtype(vllm_config) -> None:
 
 
 def update_engine_config(vllm_config) -> None:
-    """Fast prefill and the prompt-logprobs guard for a SwiftKV model that skips layers (``l < L``)."""
+    """Fast prefill for a SwiftKV model that skips layers (``l < L``)."""
     check_kv_cache_dtype(vllm_config)
     hf_config = vllm_config.model_config.hf_config  # a swiftkv_core SwiftKV config
     if not hf_config.swiftkv:
@@ -70,15 +78,22 @@ def update_engine_config(vllm_config) -> None:
     if not hf_config.num_kv_groups:
         return  # nothing skipped: the model is a plain Llama / Qwen2, prompt logprobs are right
     vllm_config.cache_config.kv_sharing_fast_prefill = True
-    model_config = vllm_config.model_config
-    processors = list(model_config.logits_processors or [])
-    if PROMPT_LOGPROBS_GUARD not in processors:
-        processors.append(PROMPT_LOGPROBS_GUARD)
-    model_config.logits_processors = processors
+
+
+def check_request(vllm_config, sampling_params) -> None:
+    """Refuse prompt logprobs for a SwiftKV model served with fast prefill (any other request passes)."""
+    if sampling_params.prompt_logprobs is None or not vllm_config.cache_config.kv_sharing_fast_prefill:
+        return
+    hf_config = vllm_config.model_config.hf_config
+    if isinstance(hf_config, SwiftKVConfigMixin) and hf_config.num_kv_groups:
+        from vllm.exceptions import VLLMValidationError
+
+        raise VLLMValidationError(PROMPT_LOGPROBS_MESSAGE, parameter="prompt_logprobs")
 
 
 def register_engine_config_hooks(architectures: Iterable[str]) -> None:
-    """Have vLLM apply ``update_engine_config`` to each architecture (idempotent)."""
-    from .vllm_internals import register_config_hook
+    """Have vLLM apply ``update_engine_config`` to each architecture, and ``check_request`` (idempotent)."""
+    from .vllm_internals import install_request_check, register_config_hook
 
     register_config_hook(architectures, update_engine_config)
+    install_request_check(check_request)

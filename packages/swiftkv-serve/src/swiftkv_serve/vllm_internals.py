@@ -7,7 +7,11 @@ which is what to read first on a vLLM upgrade.
 
 - ``register_config_hook``: an entry in ``MODELS_CONFIG_MAP`` (the per-architecture config hooks of vLLM's
   in-tree models; there is no public registration), so that a SwiftKV model gets ``kv_sharing_fast_prefill``
-  and the prompt-logprobs guard without the user asking for them.
+  without the user asking for it.
+- ``install_request_check``: a check run first in ``InputProcessor._validate_params``, the admission check of
+  every request in the offline ``LLM`` and in the server alike. It refuses prompt logprobs; a custom logits
+  processor's ``validate_params`` would too, but vLLM refuses to start speculative decoding with any custom
+  logits processor configured, and the server path (``AsyncLLM``) alone checks prompt logprobs under fast prefill.
 - ``fast_prefill_attention_backend``: the attention backend of layers ``>= l``, wrapped by
   ``create_fast_prefill_custom_backend`` so that their metadata covers only the tokens whose logits are sampled.
 - ``write_kv`` / ``attend``: the two custom ops ``Attention.forward`` runs back to back
@@ -23,7 +27,7 @@ which is what to read first on a vLLM upgrade.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from functools import cache
+from functools import cache, wraps
 
 import torch
 from vllm.compilation.backends import set_model_tag
@@ -62,6 +66,34 @@ def register_config_hook(architectures: Iterable[str], update_config: Callable) 
     hook = _config_hook_class(update_config)
     for architecture in architectures:
         MODELS_CONFIG_MAP[architecture] = hook
+
+
+REQUEST_CHECK_ATTRIBUTE = "swiftkv_request_check"
+
+
+def install_request_check(check: Callable) -> None:
+    """Have vLLM call ``check(vllm_config, sampling_params)`` for every generation request at admission.
+
+    ``check`` raises ``VLLMValidationError`` to refuse a request (``LLM.generate`` raises it, the server answers
+    HTTP 400) and must be cheap: it runs for every request of every engine in the process, SwiftKV or not.
+    Idempotent: installing again replaces the check, never stacks a second wrapper.
+    """
+    from vllm.sampling_params import SamplingParams
+    from vllm.v1.engine.input_processor import InputProcessor
+
+    validate_params = InputProcessor._validate_params
+    original = (
+        validate_params.__wrapped__ if hasattr(validate_params, REQUEST_CHECK_ATTRIBUTE) else validate_params
+    )
+
+    @wraps(original)
+    def _validate_params(self, params, *args, **kwargs):
+        if isinstance(params, SamplingParams):
+            check(self.vllm_config, params)
+        return original(self, params, *args, **kwargs)
+
+    setattr(_validate_params, REQUEST_CHECK_ATTRIBUTE, check)
+    InputProcessor._validate_params = _validate_params
 
 
 # --- attention: cache writes apart from attention, fast-prefill metadata ---
