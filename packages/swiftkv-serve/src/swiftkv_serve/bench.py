@@ -120,8 +120,17 @@ def run_one_model(
     kv_cache_gib: float = 4,
     max_model_len: int | None = None,
     dtype: str | None = None,
+    engine_options: dict | None = None,
+    prompts: dict[str, list[list[int]]] | None = None,
+    prefill_only: bool = False,
 ) -> dict:
     """One engine on ``model``, a short warm-up, then one burst per workload, in THIS process.
+
+    ``engine_options``: more engine arguments (``enable_prefix_caching``, ``speculative_config``); with prefix
+    caching each burst starts from an empty cache, so only the requests of one burst share blocks.
+    ``prompts``: a workload's prompts (its ``num_requests`` first ones), instead of random token ids.
+    ``prefill_only``: also time each burst with one output token (``results["prefill_only"]``), the prefill
+    share of the workload that bounds what a faster prefill can gain.
 
     ``compare_serving`` runs it in a child process per model; call it directly only in a process of its own.
     """
@@ -138,10 +147,10 @@ def run_one_model(
         max_model_len=max_model_len or default_max_model_len(workloads),
         max_num_seqs=max_num_seqs,
         max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS,
-        enable_prefix_caching=False,
         # A fixed KV cache space for both models: without it vLLM's CPU backend reserves 92% of memory.
         kv_cache_memory_bytes=int(kv_cache_gib * 2**30),
         seed=0,
+        **{"enable_prefix_caching": False, **(engine_options or {})},
     )
     start = time.perf_counter()
     engine = AsyncLLM.from_engine_args(args)
@@ -156,15 +165,26 @@ def run_one_model(
         "vllm_version": vllm.__version__,
         "torch_version": torch.__version__,
         "workloads": {},
+        **({"prefill_only": {}} if prefill_only else {}),
     }
+
+    async def burst(burst_prompts: list[list[int]], out_len: int) -> dict:
+        if config.cache_config.enable_prefix_caching:
+            await engine.reset_prefix_cache()
+        return await _burst(engine, burst_prompts, out_len)
 
     async def bursts():
         requests, prompt_len, out_len = WARMUP
-        await _burst(engine, make_prompts(requests, prompt_len, vocab_high=vocab_high, seed=99), out_len)
+        await burst(make_prompts(requests, prompt_len, vocab_high=vocab_high, seed=99), out_len)
         for name, (prompt_len, out_len) in workloads.items():
             print(f"PROGRESS burst {name}: {num_requests} requests", flush=True)
-            prompts = make_prompts(num_requests, prompt_len, vocab_high=vocab_high)
-            results["workloads"][name] = result = await _burst(engine, prompts, out_len)
+            if prompts and name in prompts:
+                burst_prompts = prompts[name][:num_requests]
+            else:
+                burst_prompts = make_prompts(num_requests, prompt_len, vocab_high=vocab_high)
+            if prefill_only:
+                results["prefill_only"][name] = await burst(burst_prompts, 1)
+            results["workloads"][name] = result = await burst(burst_prompts, out_len)
             print(
                 f"PROGRESS burst {name}: {result['combined_tok_s']:.0f} tok/s combined, "
                 f"mean TTFT {result['ttft_mean_s']:.2f} s, mean TPOT {1000 * result['tpot_mean_s']:.1f} ms",
@@ -277,6 +297,9 @@ def run_in_child(
     dtype: str | None = None,
     progress: Callable[[str], None] | None = None,
     timeout_s: float | None = None,
+    engine_options: dict | None = None,
+    prompts: dict[str, list[list[int]]] | None = None,
+    prefill_only: bool = False,
 ) -> dict:
     """``run_one_model`` in a child process (``python -m swiftkv_serve.bench``); raises ``ChildProcessFailed``
     with the child's error lines if it fails or runs past ``timeout_s``."""
@@ -295,6 +318,9 @@ def run_in_child(
         kv_cache_gib=kv_cache_gib,
         max_model_len=max_model_len,
         dtype=dtype,
+        engine_options=engine_options,
+        prompts=prompts,
+        prefill_only=prefill_only,
     )
     run, log = run_module_in_child(
         "swiftkv_serve.bench", spec, f"benchmark of {label} ({model})", on_line, timeout_s=timeout_s
