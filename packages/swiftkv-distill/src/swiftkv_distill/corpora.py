@@ -279,20 +279,16 @@ def _hf_answers(
     from tqdm.auto import tqdm
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(path, padding_side="left")
+    from .data import chat_prompt_batch
+
+    tokenizer = AutoTokenizer.from_pretrained(path)
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     lm = AutoModelForCausalLM.from_pretrained(path).eval()
     answers = []
     batches = range(0, len(prompts), batch_size)
     for index, start in enumerate(tqdm(batches, desc="teacher answers (HF)", unit="batch")):
-        inputs = tokenizer.apply_chat_template(
-            [[{"role": "user", "content": p}] for p in prompts[start : start + batch_size]],
-            add_generation_prompt=True,
-            padding=True,
-            return_tensors="pt",
-            return_dict=True,
-        )
+        inputs = chat_prompt_batch(tokenizer, prompts[start : start + batch_size])
         torch.manual_seed(seed + index)
         with torch.no_grad():
             generated = lm.generate(

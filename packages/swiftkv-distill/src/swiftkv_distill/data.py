@@ -121,6 +121,19 @@ def encode_record(record: dict, tokenizer, chat_tokens: str = "answers") -> tupl
     return ids, distilled
 
 
+def chat_prompt_batch(tokenizer, prompts: list[str]) -> dict:
+    """``prompts`` as one user turn each plus the generation prompt, left-padded into one batch: the inputs of
+    ``generate`` (answers start right after every prompt)."""
+    tokenizer.padding_side = "left"
+    return tokenizer.apply_chat_template(
+        [[{"role": "user", "content": p}] for p in prompts],
+        add_generation_prompt=True,
+        padding=True,
+        return_tensors="pt",
+        return_dict=True,
+    )
+
+
 def _chat_ids(tokenizer, messages: list[dict], generation_prompt: bool = False) -> list[int]:
     if not messages:
         return []

@@ -52,17 +52,12 @@ def greedy_prefix_agreement(
 
 def _greedy_ids(model, tokenizer, prompts: list[str], tokens: int, batch_size: int) -> list[list[int]]:
     """The first ``tokens`` greedy tokens of each answer (left-padded batches; EOS and what follows cut off)."""
-    tokenizer.padding_side = "left"
+    from .data import chat_prompt_batch
+
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     out = []
     for start in range(0, len(prompts), batch_size):
-        inputs = tokenizer.apply_chat_template(
-            [[{"role": "user", "content": p}] for p in prompts[start : start + batch_size]],
-            add_generation_prompt=True,
-            padding=True,
-            return_tensors="pt",
-            return_dict=True,
-        )
+        inputs = chat_prompt_batch(tokenizer, prompts[start : start + batch_size])
         generated = model.generate(**inputs, max_new_tokens=tokens, do_sample=False, pad_token_id=pad)
         for row in generated[:, inputs["input_ids"].shape[1] :].tolist():
             ends = [i for i, t in enumerate(row) if t in (tokenizer.eos_token_id, pad)]
@@ -71,11 +66,8 @@ def _greedy_ids(model, tokenizer, prompts: list[str], tokens: int, batch_size: i
 
 
 def _answer(model, tokenizer, prompt: str, max_new_tokens: int) -> str:
-    inputs = tokenizer.apply_chat_template(
-        [{"role": "user", "content": prompt}],
-        add_generation_prompt=True,
-        return_tensors="pt",
-        return_dict=True,
-    )
+    from .data import chat_prompt_batch
+
+    inputs = chat_prompt_batch(tokenizer, [prompt])
     out = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False)
     return tokenizer.decode(out[0, inputs["input_ids"].shape[1] :], skip_special_tokens=True).strip()
