@@ -82,10 +82,58 @@ async def _burst(engine, prompts: list[list[int]], max_tokens: int) -> dict:
         "wall_s": wall,
         "combined_tok_s": tokens / wall,
         "output_tok_s": sum(r["n_out"] for r in per_request) / wall,
+        "output_tokens": sum(r["n_out"] for r in per_request),
         "ttft_mean_s": statistics.mean(r["ttft"] for r in per_request),
         "ttft_median_s": statistics.median(r["ttft"] for r in per_request),
         "tpot_mean_s": statistics.mean(r["tpot"] for r in per_request),
         "tpot_median_s": statistics.median(r["tpot"] for r in per_request),
+    }
+
+
+SPEC_DECODE_COUNTERS = {
+    "drafts": "vllm:spec_decode_num_drafts",
+    "draft_tokens": "vllm:spec_decode_num_draft_tokens",
+    "accepted_tokens": "vllm:spec_decode_num_accepted_tokens",
+}
+
+
+def engine_counters() -> dict[str, float]:
+    """This process's vLLM speculative-decoding counters (``SPEC_DECODE_COUNTERS``) and engine steps (the
+    number of steps that gave outputs: the count of ``vllm:iteration_tokens_total``), summed over engines.
+    The async engine records them in this process (its output handler), from each step's scheduler stats."""
+    from vllm.v1.metrics.reader import Counter, Histogram, get_metrics_snapshot
+
+    names = {name: key for key, name in SPEC_DECODE_COUNTERS.items()}
+    values = dict.fromkeys([*SPEC_DECODE_COUNTERS, "engine_steps"], 0.0)
+    for metric in get_metrics_snapshot():
+        if isinstance(metric, Counter) and metric.name in names:
+            values[names[metric.name]] += metric.value
+        elif isinstance(metric, Histogram) and metric.name == "vllm:iteration_tokens_total":
+            values["engine_steps"] += metric.count
+    return values
+
+
+def spec_decode_stats(before: dict[str, float], after: dict[str, float], burst: dict) -> dict:
+    """Speculative decoding over one burst, from ``engine_counters`` before and after it.
+
+    Each decode step of a request emits one sampled token plus the drafts it accepted; a request's first token
+    comes from its prefill. So the burst's decode tokens (output tokens after each request's first) took
+    ``decode_steps = decode_tokens - accepted_tokens`` request-steps, ``tokens_per_step`` on average (1.0 without
+    speculation). ``acceptance_rate``: accepted / proposed draft tokens; ``mean_acceptance_length``: vLLM's
+    1 + accepted / drafts, over the steps that had a draft (steps without an n-gram match have none).
+    """
+    delta = {key: int(after[key] - before[key]) for key in after}
+    drafts, draft_tokens, accepted = delta["drafts"], delta["draft_tokens"], delta["accepted_tokens"]
+    decode_tokens = burst["output_tokens"] - burst["num_requests"]
+    # A request's last step may accept drafts beyond max_tokens that are cut off: at least one step remains.
+    decode_steps = max(decode_tokens - accepted, 1)
+    return {
+        **delta,
+        "decode_tokens": decode_tokens,
+        "decode_steps": decode_steps,
+        "tokens_per_step": decode_tokens / decode_steps,
+        "acceptance_rate": accepted / draft_tokens if draft_tokens else None,
+        "mean_acceptance_length": 1 + accepted / drafts if drafts else None,
     }
 
 
@@ -131,6 +179,8 @@ def run_one_model(
     ``prompts``: a workload's prompts (its ``num_requests`` first ones), instead of random token ids.
     ``prefill_only``: also time each burst with one output token (``results["prefill_only"]``), the prefill
     share of the workload that bounds what a faster prefill can gain.
+    With a ``speculative_config``, each timed burst also gets ``spec_decode`` (``spec_decode_stats``: drafts,
+    accepted tokens, acceptance rate, tokens per decode step), from the engine's counters.
 
     ``compare_serving`` runs it in a child process per model; call it directly only in a process of its own.
     """
@@ -184,7 +234,10 @@ def run_one_model(
                 burst_prompts = make_prompts(num_requests, prompt_len, vocab_high=vocab_high)
             if prefill_only:
                 results["prefill_only"][name] = await burst(burst_prompts, 1)
+            before = engine_counters()
             results["workloads"][name] = result = await burst(burst_prompts, out_len)
+            if config.speculative_config is not None:
+                result["spec_decode"] = spec_decode_stats(before, engine_counters(), result)
             print(
                 f"PROGRESS burst {name}: {result['combined_tok_s']:.0f} tok/s combined, "
                 f"mean TTFT {result['ttft_mean_s']:.2f} s, mean TPOT {1000 * result['tpot_mean_s']:.1f} ms",
