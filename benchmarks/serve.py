@@ -11,8 +11,12 @@ the SwiftKV checkpoint and writes the report.
     flock /tmp/swiftkv-heavy.lock .venv/bin/python benchmarks/serve.py --num_requests 16 --max_num_seqs 16 \
         --compile true                                                             # both models torch.compiled
     flock /tmp/swiftkv-heavy.lock .venv/bin/python benchmarks/serve.py --suite features  # + vLLM features
+    flock /tmp/swiftkv-heavy.lock .venv/bin/python benchmarks/serve.py --suite features \
+        --swiftkv_model runs/qs/distilled-serving --features '[n-gram, both]'   # a given export, 2 feature sets
 
-Writes ``benchmarks/results/serve.{json,png,md}`` (``serve-features.{json,md}`` with ``--suite features``).
+Writes ``benchmarks/results/serve.{json,png,md}`` (``serve-features.{json,png,md}`` with ``--suite features``).
+By default the SwiftKV model is the base converted at l (published init, not distilled: speed does not depend on
+the weights); ``--swiftkv_model`` serves a given SwiftKV serving export of the same base instead (a distilled one).
 
 ``--suite features`` runs workloads where vLLM's own features matter, each stock vs SwiftKV with none / prefix
 caching / n-gram speculative decoding / both: RAG (a few long documents shared by many questions), extraction
@@ -21,6 +25,13 @@ caching / n-gram speculative decoding / both: RAG (a few long documents shared b
 output token measures the prefill time ``T_prefill`` of the stock run's time ``T``, and the best SwiftKV can do is
 ``bound = T / (T - T_prefill * (1 - 1/R))``, with ``R`` the prefill FLOPs ratio (``swiftkv_core.flops``); the
 report gives the measured speed-up against it.
+
+With n-gram speculation speed DOES depend on the weights: the drafts are accepted when the model's greedy text
+copies its prompt, so an engine whose model writes other text takes another number of decode steps. Each burst
+with speculation records the engine's counters (drafts, accepted tokens; ``swiftkv_serve.bench.spec_decode_stats``),
+and the acceptance-adjusted bound scales the stock run's decode time by the ratio of decode steps
+(``prefill_bound``'s ``decode_steps_ratio``). Use a distilled SwiftKV export (``--swiftkv_model``) for rows where
+the two models should write the same text.
 """
 
 from __future__ import annotations
@@ -28,6 +39,7 @@ from __future__ import annotations
 import json
 import random
 import sys
+from dataclasses import asdict
 from pathlib import Path
 
 from jsonargparse import auto_cli
@@ -45,6 +57,37 @@ FEATURES = {
 }
 KV_CACHE_GIB = 4
 _DTYPES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
+
+
+def check_swiftkv_export(base: Path, swiftkv: Path) -> int:
+    """Refuse (``SystemExit``, before any engine starts) a ``--swiftkv_model`` that is not a SwiftKV checkpoint
+    of ``base``'s family and shape; returns its l."""
+    from transformers import AutoConfig
+
+    import swiftkv_core  # noqa: F401  (registers the SwiftKV configs with AutoConfig)
+    from swiftkv_core.flops import ModelShape
+
+    if not (swiftkv / "config.json").is_file():
+        raise SystemExit(
+            f"--swiftkv_model {swiftkv}: no config.json there (a SwiftKV serving export folder)."
+        )
+    config, base_config = AutoConfig.from_pretrained(swiftkv), AutoConfig.from_pretrained(base)
+    if getattr(config, "num_key_value_layers", None) is None:
+        raise SystemExit(f"--swiftkv_model {swiftkv} is not a SwiftKV checkpoint (no num_key_value_layers).")
+    if config.model_type != f"{base_config.model_type}_swiftkv":
+        raise SystemExit(
+            f"--swiftkv_model {swiftkv} is a {config.model_type} checkpoint; the base {base} is "
+            f"{base_config.model_type} (expected {base_config.model_type}_swiftkv)."
+        )
+    shape, base_shape = asdict(ModelShape.from_config(config)), asdict(ModelShape.from_config(base_config))
+    differ = [
+        f"{key} {shape[key]} (base {base_shape[key]})" for key in shape if shape[key] != base_shape[key]
+    ]
+    if differ:
+        raise SystemExit(
+            f"--swiftkv_model {swiftkv} is not a SwiftKV version of {base}: {', '.join(differ)}."
+        )
+    return config.num_key_value_layers
 
 
 def prepare_swiftkv(base: Path, num_key_value_layers: int, out_dir: Path) -> Path:
@@ -68,6 +111,8 @@ def main(
     out: Path | None = None,
     report_only: bool = False,
     suite: str = "lengths",
+    swiftkv_model: Path | None = None,
+    features: list[str] | None = None,
 ) -> None:
     """Stock vLLM vs SwiftKV (through the swiftkv_serve plugin) on the same bursts of requests.
 
@@ -81,9 +126,17 @@ def main(
         report_only: rewrite the .md/.png from the .json at ``out``.
         suite: ``lengths`` (random prompts of two lengths, no vLLM features) or ``features`` (RAG, extraction
             and decode-heavy workloads, each with none / prefix caching / n-gram / both; see above).
+        swiftkv_model: a SwiftKV serving export of ``model`` to serve (e.g. a distilled one), instead of the
+            base converted at l (undistilled); its family and shape must match the base's.
+        features: with ``--suite features``, only these feature sets (names of ``FEATURES``), in this order.
     """
     if suite not in ("lengths", "features"):
         raise SystemExit(f"--suite {suite!r}: use 'lengths' or 'features'.")
+    unknown = [name for name in features or [] if name not in FEATURES]
+    if unknown or (features is not None and (suite != "features" or not features)):
+        raise SystemExit(
+            f"--features {features}: with --suite features, a non-empty list of {list(FEATURES)}."
+        )
     if out is None:
         out = RESULTS / ("serve-compile" if compile else "serve")
         if suite == "features":
@@ -99,16 +152,25 @@ def main(
     from swiftkv_core.default_model import resolve_model_path
 
     base = resolve_model_path(model)
-    num_layers = AutoConfig.from_pretrained(base).num_hidden_layers
-    l = num_key_value_layers or num_layers // 2
-    swiftkv = prepare_swiftkv(
-        base, l, Path.home() / ".cache" / "swiftkv" / "bench" / f"{base.name}-swiftkv-l{l}"
-    )
+    if swiftkv_model is not None:
+        swiftkv = Path(swiftkv_model).expanduser().resolve()
+        l = check_swiftkv_export(base, swiftkv)
+        if num_key_value_layers not in (None, l):
+            raise SystemExit(f"--num_key_value_layers {num_key_value_layers}, but --swiftkv_model has l={l}.")
+    else:
+        num_layers = AutoConfig.from_pretrained(base).num_hidden_layers
+        l = num_key_value_layers or num_layers // 2
+        swiftkv = prepare_swiftkv(
+            base, l, Path.home() / ".cache" / "swiftkv" / "bench" / f"{base.name}-swiftkv-l{l}"
+        )
+    swiftkv_source = str(swiftkv) if swiftkv_model is not None else None
     if suite == "features":
+        selected = {name: FEATURES[name] for name in features or FEATURES}
         try:
-            results = compare_features(base, swiftkv, num_requests, max_num_seqs, compile)
+            results = compare_features(base, swiftkv, num_requests, max_num_seqs, compile, selected)
         except ChildProcessFailed as error:
             raise SystemExit(str(error)) from None
+        results["swiftkv_export"] = swiftkv_source
         results["command"] = " ".join(
             ["flock /tmp/swiftkv-heavy.lock .venv/bin/python benchmarks/serve.py", *sys.argv[1:]]
         )
@@ -127,10 +189,21 @@ def main(
         )
     except ChildProcessFailed as error:
         raise SystemExit(str(error)) from None
+    results["swiftkv_export"] = swiftkv_source
     results["command"] = " ".join(
         ["flock /tmp/swiftkv-heavy.lock .venv/bin/python benchmarks/serve.py", *sys.argv[1:]]
     )
     write_report(results, out)
+
+
+def swiftkv_origin(results: dict) -> str:
+    """One sentence: which SwiftKV checkpoint was served."""
+    if results.get("swiftkv_export"):
+        return f"The SwiftKV model is the given serving export `{results['swiftkv_export']}`."
+    return (
+        "The SwiftKV model is the base converted at l=L/2 (published init, not distilled: speed does not depend "
+        "on the weights, except through speculative decoding's acceptance) and exported for serving."
+    )
 
 
 def write_report(results: dict, out: Path) -> None:
@@ -183,9 +256,7 @@ def write_report(results: dict, out: Path) -> None:
             "tokens, and layers >= l for the gathered tokens whose logits are sampled; "
         )
         + f"{_DTYPES.get(results.get('dtype', 'float32'))}, prefix caching off, the same KV cache space "
-        f"({results.get('kv_cache_gib', KV_CACHE_GIB):g} GiB). "
-        "The SwiftKV model is the base converted at l=L/2 (published init, not distilled: speed does not depend "
-        "on the weights) and exported for serving.",
+        f"({results.get('kv_cache_gib', KV_CACHE_GIB):g} GiB). " + swiftkv_origin(results),
         "",
         "Command:",
         "",
@@ -237,15 +308,38 @@ def feature_workloads(
     }
 
 
-def prefill_bound(total_s: float, prefill_s: float, flops_ratio: float) -> float:
+def prefill_bound(
+    total_s: float, prefill_s: float, flops_ratio: float, decode_steps_ratio: float = 1.0
+) -> float:
     """The most a prefill ``flops_ratio`` times cheaper can speed up a run of ``total_s`` of which ``prefill_s``
-    is prefill (Amdahl): ``T / (T - T_prefill * (1 - 1/R))``."""
-    return total_s / (total_s - min(prefill_s, total_s) * (1 - 1 / flops_ratio))
+    is prefill (Amdahl): ``T / (T_prefill / R + (T - T_prefill) * s)``, i.e. ``T / (T - T_prefill * (1 - 1/R))``
+    for ``s = 1``.
+
+    ``decode_steps_ratio`` ``s``: the decode steps the faster engine needs per decode step of the measured one.
+    Without speculation both emit one token per request-step, so ``s = 1``. With n-gram speculation a step emits
+    one token plus the accepted drafts, and two models that write different text accept different numbers:
+    the decode part ``T - T_prefill``, at the same cost per step, then scales by ``s`` (the acceptance-adjusted
+    bound). Its efficiency (speed-up / bound) is the ideal time over the measured one: it charges SwiftKV's
+    serving for what it does with the steps its text needs, not for the text. It keeps the cost of a step fixed,
+    though a step's cost grows with the draft tokens it verifies (little on a GPU, more on a CPU): compare the
+    two engines' draft tokens per step (``spec_decode``) before reading much into a few percent.
+    """
+    prefill_s = min(prefill_s, total_s)
+    return total_s / (prefill_s / flops_ratio + (total_s - prefill_s) * decode_steps_ratio)
 
 
-def compare_features(base: Path, swiftkv: Path, num_requests: int, max_num_seqs: int, compile: bool) -> dict:
-    """Every feature set of ``FEATURES`` on every workload of ``feature_workloads``, stock and SwiftKV, each
-    (model, feature set) in its own child process; stock runs also time each burst prefill-only."""
+def compare_features(
+    base: Path,
+    swiftkv: Path,
+    num_requests: int,
+    max_num_seqs: int,
+    compile: bool,
+    features: dict[str, dict] | None = None,
+) -> dict:
+    """Every feature set of ``features`` (default ``FEATURES``) on every workload of ``feature_workloads``,
+    stock and SwiftKV, each (model, feature set) in its own child process; stock runs also time each burst
+    prefill-only. ``summary``: per workload and feature set the speed-up, the bound and the efficiency, and with
+    speculation each engine's acceptance and the acceptance-adjusted bound (``feature_summary``)."""
     import torch
     from transformers import AutoConfig, AutoTokenizer
 
@@ -266,8 +360,9 @@ def compare_features(base: Path, swiftkv: Path, num_requests: int, max_num_seqs:
         name: prefill_flops_total(shape, p) / prefill_flops_total(shape, p, l, g)
         for name, (p, _) in shapes.items()
     }
+    features = FEATURES if features is None else features
     runs: dict[str, dict[str, dict]] = {}
-    for feature, options in FEATURES.items():
+    for feature, options in features.items():
         for label, path in ((STOCK_LABEL, base), (f"SwiftKV l={l}", swiftkv)):
             print(f"== {feature}: {label}", flush=True)
             runs.setdefault(feature, {})[label] = run_in_child(
@@ -285,18 +380,15 @@ def compare_features(base: Path, swiftkv: Path, num_requests: int, max_num_seqs:
                 prompts=prompts,
                 prefill_only=label == STOCK_LABEL,
             )
-    summary = {}
-    for feature, by_label in runs.items():
-        stock, swift = by_label[STOCK_LABEL], by_label[f"SwiftKV l={l}"]
-        for name in shapes:
-            total, swift_total = stock["workloads"][name]["wall_s"], swift["workloads"][name]["wall_s"]
-            bound = prefill_bound(total, stock["prefill_only"][name]["wall_s"], flops_ratio[name])
-            summary.setdefault(name, {})[feature] = {
-                "speedup_x": total / swift_total,
-                "bound_x": bound,
-                "efficiency": (total / swift_total) / bound,
-                "prefill_share": stock["prefill_only"][name]["wall_s"] / total,
-            }
+    summary = {
+        name: {
+            feature: feature_summary(
+                by_label[STOCK_LABEL], by_label[f"SwiftKV l={l}"], name, flops_ratio[name]
+            )
+            for feature, by_label in runs.items()
+        }
+        for name in shapes
+    }
     return {
         "model": base.name,
         "swiftkv_model": swiftkv.name,
@@ -311,7 +403,7 @@ def compare_features(base: Path, swiftkv: Path, num_requests: int, max_num_seqs:
         "max_num_seqs": max_num_seqs,
         "max_model_len": max_model_len,
         "kv_cache_gib": KV_CACHE_GIB,
-        "features": FEATURES,
+        "features": features,
         "workloads": {name: {"max_prompt_tokens": p, "output_tokens": o} for name, (p, o) in shapes.items()},
         "prefill_flops_ratio": flops_ratio,
         "runs": runs,
@@ -319,26 +411,99 @@ def compare_features(base: Path, swiftkv: Path, num_requests: int, max_num_seqs:
     }
 
 
+def feature_summary(stock: dict, swiftkv: dict, workload: str, flops_ratio: float) -> dict:
+    """One row of the features report from the two engines' runs: ``speedup_x`` (stock wall time / SwiftKV's),
+    ``bound_x``, ``efficiency`` (speed-up / bound), ``prefill_share``; with speculation also each engine's
+    ``spec_decode`` stats, ``decode_steps_ratio`` (SwiftKV / stock), ``adjusted_bound_x`` and
+    ``adjusted_efficiency`` (``prefill_bound`` with that ratio)."""
+    total, swift_total = stock["workloads"][workload]["wall_s"], swiftkv["workloads"][workload]["wall_s"]
+    prefill = stock["prefill_only"][workload]["wall_s"]
+    speedup, bound = total / swift_total, prefill_bound(total, prefill, flops_ratio)
+    row = {
+        "speedup_x": speedup,
+        "bound_x": bound,
+        "efficiency": speedup / bound,
+        "prefill_share": prefill / total,
+    }
+    stock_spec = stock["workloads"][workload].get("spec_decode")
+    swift_spec = swiftkv["workloads"][workload].get("spec_decode")
+    if stock_spec and swift_spec:
+        steps_ratio = swift_spec["decode_steps"] / stock_spec["decode_steps"]
+        adjusted = prefill_bound(total, prefill, flops_ratio, steps_ratio)
+        row |= {
+            "spec_decode": {"stock": stock_spec, "swiftkv": swift_spec},
+            "decode_steps_ratio": steps_ratio,
+            "adjusted_bound_x": adjusted,
+            "adjusted_efficiency": speedup / adjusted,
+        }
+    return row
+
+
+def _percent(value: float | None) -> str:
+    return "-" if value is None else f"{100 * value:.0f}%"
+
+
+SPEC_DECODE_NOTES = [
+    "- With n-gram speculation the speed depends on the text: a decode step emits one token plus the drafts "
+    "it accepts, and drafts are accepted when the model copies its prompt. From vLLM's counters over each "
+    "timed burst (`vllm:spec_decode_num_draft_tokens`, `vllm:spec_decode_num_accepted_tokens`): acceptance "
+    "= accepted / proposed draft tokens; decode steps = output tokens after each request's first - accepted "
+    "tokens (request-steps); tokens / decode step = those tokens / steps.",
+    "- adjusted bound = T / (T_prefill / R + (T - T_prefill) * s), s = SwiftKV's decode steps / stock's: the "
+    "stock decode time at the same cost per step, for the steps SwiftKV's own text needs (s = 1 gives the "
+    "bound). adjusted efficiency = speed-up / adjusted bound = that ideal SwiftKV time / the measured one: "
+    "it judges the serving, the plain efficiency also the model's text. Only the n-gram rows have it; it "
+    "differs from the plain one where the two engines' acceptance differs (s != 1). It keeps a step's cost "
+    "fixed, though a step's cost grows with the draft tokens it verifies (columns 'drafts / step').",
+]
+
+
 def write_features_report(results: dict, out: Path) -> None:
-    """``out``.json and .md from ``compare_features``'s results."""
+    """``out``.json, .png (``plot_features``) and .md from ``compare_features``'s results."""
     l, num_layers = results["num_key_value_layers"], results["num_hidden_layers"]
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".json").write_text(json.dumps(results, indent=2))
+    plot_features(results, out.with_suffix(".png"))
     lines = [
         f"# Serving with vLLM features: {results['model']} stock vs SwiftKV (l={l} of {num_layers})",
         "",
         f"vLLM {results['vllm_version']}, {results['device']}, eager={results['enforce_eager']}, bursts of "
-        f"{results['num_requests']} requests (max_num_seqs={results['max_num_seqs']}), greedy, ignore_eos.",
+        f"{results['num_requests']} requests (max_num_seqs={results['max_num_seqs']}), greedy, ignore_eos. "
+        + swiftkv_origin(results),
         "",
-        "| workload | features | stock s | SwiftKV s | speed-up | prefill share (stock) | bound | efficiency |",
-        "|---|---|---|---|---|---|---|---|",
+        "| workload | features | stock s | SwiftKV s | speed-up | prefill share (stock) | bound | efficiency | "
+        "adjusted bound | adjusted efficiency |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
+    spec_rows = []
     for name, by_feature in results["summary"].items():
         for feature, r in by_feature.items():
             walls = [run["workloads"][name]["wall_s"] for run in results["runs"][feature].values()]
+            adjusted = f"{r['adjusted_bound_x']:.2f}x" if "adjusted_bound_x" in r else "-"
             lines.append(
                 f"| {name} | {feature} | {walls[0]:.1f} | {walls[1]:.1f} | {r['speedup_x']:.2f}x | "
-                f"{100 * r['prefill_share']:.0f}% | {r['bound_x']:.2f}x | {100 * r['efficiency']:.0f}% |"
+                f"{100 * r['prefill_share']:.0f}% | {r['bound_x']:.2f}x | {_percent(r['efficiency'])} | "
+                f"{adjusted} | {_percent(r.get('adjusted_efficiency'))} |"
+            )
+            if "spec_decode" in r:
+                spec_rows.append((name, feature, r))
+    if spec_rows:
+        lines += [
+            "",
+            "Speculative decoding in the timed bursts (the engines' counters):",
+            "",
+            "| workload | features | acceptance (stock / SwiftKV) | drafts / step (stock / SwiftKV) | "
+            "tokens / step (stock / SwiftKV) | decode steps (stock / SwiftKV) | s = steps SwiftKV / stock |",
+            "|---|---|---|---|---|---|---|",
+        ]
+        for name, feature, r in spec_rows:
+            stock, swift = r["spec_decode"]["stock"], r["spec_decode"]["swiftkv"]
+            per_step = [run["draft_tokens"] / run["decode_steps"] for run in (stock, swift)]
+            lines.append(
+                f"| {name} | {feature} | {_percent(stock['acceptance_rate'])} / "
+                f"{_percent(swift['acceptance_rate'])} | {per_step[0]:.2f} / {per_step[1]:.2f} | "
+                f"{stock['tokens_per_step']:.2f} / {swift['tokens_per_step']:.2f} | "
+                f"{stock['decode_steps']} / {swift['decode_steps']} | {r['decode_steps_ratio']:.2f} |"
             )
     ratios = ", ".join(f"{name} {r:.2f}" for name, r in results["prefill_flops_ratio"].items())
     lines += [
@@ -353,6 +518,7 @@ def write_features_report(results: dict, out: Path) -> None:
         "- bound = T / (T - T_prefill * (1 - 1/R)): T the stock burst's wall time, T_prefill the same burst with "
         f"one output token, R the prefill FLOPs ratio at the workload's longest prompt ({ratios}); "
         "efficiency = speed-up / bound.",
+        *(SPEC_DECODE_NOTES if spec_rows else []),
         "",
         "Command:",
         "",
@@ -361,6 +527,69 @@ def write_features_report(results: dict, out: Path) -> None:
     ]
     out.with_suffix(".md").write_text("\n".join(lines))
     print("\n".join(lines))
+
+
+def plot_features(results: dict, path: Path) -> None:
+    """Per workload, the SwiftKV speed-up of each feature set (bars) against its bound (black marks) and, with
+    speculation, the acceptance-adjusted bound (red marks); efficiencies written on the bars. PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.lines import Line2D
+    from matplotlib.patches import Patch
+
+    summary = results["summary"]
+    marks = dict(marker="_", s=900, linewidths=2.5, zorder=3)  # a bound: a wide dash over its bar
+    fig, axes = plt.subplots(1, len(summary), figsize=(4.6 * len(summary), 4.4), sharey=True, squeeze=False)
+    top = max(
+        max(r["speedup_x"], r["bound_x"], r.get("adjusted_bound_x", 0))
+        for by_feature in summary.values()
+        for r in by_feature.values()
+    )
+    for ax, (name, by_feature) in zip(axes[0], summary.items(), strict=True):
+        features = list(by_feature)
+        x = range(len(features))
+        rows = [by_feature[feature] for feature in features]
+        ax.bar(x, [r["speedup_x"] for r in rows], 0.6, color="tab:blue")
+        ax.scatter(x, [r["bound_x"] for r in rows], color="black", **marks)
+        adjusted = [(i, r["adjusted_bound_x"]) for i, r in enumerate(rows) if "adjusted_bound_x" in r]
+        if adjusted:
+            ax.scatter(*zip(*adjusted, strict=True), color="tab:red", **marks)
+        for i, r in enumerate(rows):
+            text = f"{100 * r['efficiency']:.0f}%"
+            if "adjusted_efficiency" in r:
+                text += f"\nadj. {100 * r['adjusted_efficiency']:.0f}%"
+            ax.text(i, r["speedup_x"] / 2, text, ha="center", va="center", fontsize=8, color="white")
+        ax.axhline(1.0, color="gray", linewidth=0.8, linestyle="--")
+        ax.set_xticks(list(x), features, fontsize=9)
+        workload = results["workloads"][name]
+        ax.set_title(
+            f"{name} (prompt <= {workload['max_prompt_tokens']}, {workload['output_tokens']} out)",
+            fontsize=10,
+        )
+        ax.set_ylim(0, 1.15 * top)
+    axes[0][0].set_ylabel("SwiftKV speed-up over stock (x)")
+    # Proxy handles: the bound marks are scatter markers, too wide for legend entries.
+    legend = [
+        (Patch(color="tab:blue"), "measured speed-up"),
+        (Line2D([], [], color="black", linewidth=2.5), "bound (prefill R times cheaper)"),
+    ]
+    if any("adjusted_bound_x" in r for by_feature in summary.values() for r in by_feature.values()):
+        legend.append(
+            (Line2D([], [], color="tab:red", linewidth=2.5), "bound adjusted for n-gram acceptance")
+        )
+    fig.legend(*zip(*legend, strict=True), loc="lower center", ncol=len(legend), fontsize=8, frameon=False)
+    fig.suptitle(
+        f"vLLM {results['vllm_version']} on {results['device']}: {results['model']} stock vs SwiftKV "
+        f"(l={results['num_key_value_layers']}), {results['num_requests']} requests per burst; "
+        "efficiency = speed-up / bound",
+        fontsize=10,
+    )
+    fig.tight_layout(rect=(0, 0.06, 1, 1))
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 if __name__ == "__main__":
