@@ -2,7 +2,7 @@
 preemption: greedy outputs equal to plain SwiftKV decoding, and the engine's own counters show that each feature
 really did something (drafts accepted, prefix-cache hits mid-prompt, preemptions), or equality would prove nothing.
 
-The speculative engines run in one child process: vLLM 0.32's CPU kernel-override scan at every engine start
+The speculative engines run in child processes: vLLM 0.32's CPU kernel-override scan at every engine start
 (``triton_utils/dispatcher.py``, ``_rebind_kernels``) reads ``vars()`` of every module attribute and crashes on
 llvmlite's ``ffi.lib`` (its ``__getattr__`` answers ``__dict__`` too), which the n-gram proposer imports with numba.
 So no engine can start in a process after an n-gram engine; the child hides that module while its own engines
@@ -184,3 +184,53 @@ def test_preemption_under_kv_pressure_keeps_outputs_and_frees_blocks(pressure_ru
     assert pressured["vllm:num_preemptions"] > 0
     assert pressured["tokens"] == unpressured["tokens"]
     assert pressured["kv_cache_usage"] == unpressured["kv_cache_usage"] == 0
+
+
+# --- all at once: preemption under KV pressure with n-gram speculation and prefix caching (child process) ---
+def pressure_prompts(seed: int) -> list[list[int]]:
+    """8 prompts: one shared 128-token block (prefix-cache hits), then 100 tokens of a pattern of their own,
+    repeated (continuations the n-gram proposer finds in the prompt). In 8 KV blocks of 128 tokens, the shared
+    block and 7 second blocks fill the cache; each request needs a third block after 28 output tokens."""
+    rng = random.Random(seed)
+    shared = [rng.randrange(100, 49000) for _ in range(128)]
+    return [shared + [rng.randrange(100, 49000) for _ in range(10)] * 10 for _ in range(8)]
+
+
+def run_pressure_with_features(path: str, prompts: list[list[int]], max_tokens: int) -> dict[str, dict]:
+    """In the child process: plain SwiftKV decoding, then n-gram + prefix caching in 8 KV blocks, the latter
+    also read the serving benchmark's way (``swiftkv_serve.bench.engine_counters``, ``spec_decode_stats``)."""
+    from swiftkv_serve.bench import engine_counters, spec_decode_stats
+
+    results = {}
+    with engine(path) as llm:
+        results["plain"] = runs(llm, prompts, 1, max_tokens)[0]
+    options = {"enable_prefix_caching": True, "speculative_config": SPECULATION, "num_gpu_blocks_override": 8}
+    with engine(path, **options) as llm:
+        before = engine_counters()
+        results["pressured"] = run = runs(llm, prompts, 1, max_tokens)[0]
+        burst = {"num_requests": len(prompts), "output_tokens": sum(map(len, run["tokens"]))}
+        run["spec_decode"] = spec_decode_stats(before, engine_counters(), burst)
+    return results
+
+
+@pytest.fixture(scope="module")
+def pressure_feature_runs(tiny_swiftkv):
+    with ProcessPoolExecutor(max_workers=1, mp_context=get_context("spawn")) as pool:
+        return pool.submit(
+            run_pressure_with_features, str(tiny_swiftkv), pressure_prompts(seed=14), 60
+        ).result()
+
+
+def test_preemption_with_ngram_and_prefix_caching_keeps_outputs_and_frees_blocks(pressure_feature_runs):
+    plain, pressured = pressure_feature_runs["plain"], pressure_feature_runs["pressured"]
+    assert pressured["tokens"] == plain["tokens"]
+    assert plain["vllm:num_preemptions"] == 0 < pressured["vllm:num_preemptions"]
+    assert pressured["vllm:spec_decode_num_accepted_tokens"] > 0
+    assert pressured["vllm:prefix_cache_hits"] > 0
+    assert pressured["kv_cache_usage"] == plain["kv_cache_usage"] == 0
+    # The benchmark's reading of the same engine: the same counters, fewer decode steps than decode tokens.
+    spec = pressured["spec_decode"]
+    assert spec["draft_tokens"] == pressured["vllm:spec_decode_num_draft_tokens"]
+    assert spec["accepted_tokens"] == pressured["vllm:spec_decode_num_accepted_tokens"]
+    assert spec["engine_steps"] > 0
+    assert spec["tokens_per_step"] > 1
