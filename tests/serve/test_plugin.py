@@ -36,3 +36,23 @@ def test_entry_point_declared():
 
     targets = {ep.value for ep in entry_points(group="vllm.general_plugins")}
     assert "swiftkv_serve:register" in targets
+
+
+def test_swiftkv_serve_checks_the_checkpoint_from_its_config_alone(tiny_swiftkv, tiny_llama, tmp_path):
+    import subprocess
+    import sys
+
+    from swiftkv_serve.cli import describe
+
+    # tiny_swiftkv: 8 layers, l=4, g=2 -> 4 + 2 KV layers: 8 / 6 = 1.33x the tokens
+    assert describe(tiny_swiftkv).endswith(
+        "layers >= 4 of 8 skipped in prefill, AcrossKV group size 2, KV cache capacity x1.33"
+    )
+    with pytest.raises(ValueError, match=r"architectures=\['LlamaForCausalLM'\], not a SwiftKV checkpoint"):
+        describe(tiny_llama)
+    with pytest.raises(ValueError, match="no config.json"):
+        describe(tmp_path)
+    # the check runs before vLLM (or torch) is imported: a server start pays only for reading a JSON file
+    code = f"import sys; from swiftkv_serve.cli import describe; describe({str(tiny_swiftkv)!r}); print(sorted(m for m in ('torch', 'transformers', 'vllm') if m in sys.modules))"
+    out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True).stdout
+    assert out.strip() == "[]"

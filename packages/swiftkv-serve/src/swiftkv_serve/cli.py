@@ -8,6 +8,7 @@ that the folder is a SwiftKV checkpoint and says what serving it will save.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shutil
 import sys
@@ -15,23 +16,30 @@ from pathlib import Path
 
 
 def describe(checkpoint: str | os.PathLike) -> str:
-    """One line on the SwiftKV settings of ``checkpoint``; raises ``ValueError`` if it is not a SwiftKV one."""
-    from transformers import AutoConfig
+    """One line on the SwiftKV settings of ``checkpoint``; raises ``ValueError`` if it is not a SwiftKV one.
 
-    from swiftkv_core.convert import SWIFTKV_FAMILIES  # importing swiftkv_core registers the SwiftKV configs
+    It reads ``config.json`` as JSON: importing transformers (and torch) here would add seconds to every server
+    start, before vLLM imports them again in the process this one becomes. vLLM validates the config fully when
+    it loads it (``swiftkv_core.configuration``).
+    """
+    from . import ARCHITECTURES
 
-    if not (Path(checkpoint) / "config.json").is_file():
+    path = Path(checkpoint) / "config.json"
+    if not path.is_file():
         raise ValueError(f"{checkpoint} is not a HF checkpoint folder (no config.json).")
-    config = AutoConfig.from_pretrained(checkpoint)
-    if config.model_type not in SWIFTKV_FAMILIES:
+    config = json.loads(path.read_text())
+    architecture = (config.get("architectures") or ["?"])[0]
+    if architecture not in ARCHITECTURES:
         raise ValueError(
-            f"{checkpoint} has model_type={config.model_type!r}, not a SwiftKV checkpoint; serve it with "
-            "`vllm serve` directly, or convert it first (`swiftkv convert`)."
+            f"{checkpoint} has architectures={config.get('architectures')}, not a SwiftKV checkpoint "
+            f"({sorted(ARCHITECTURES)}); serve it with `vllm serve` directly, or convert it first (`swiftkv convert`)."
         )
-    L, l, g = config.num_hidden_layers, config.num_key_value_layers, config.key_value_group_size
+    L = config["num_hidden_layers"]
+    l, g = config.get("num_key_value_layers") or L, config.get("key_value_group_size") or 1
+    kv_layers = l + (L - l) // g  # as swiftkv_core.configuration.num_kv_cache_layers
     return (
-        f"SwiftKV {config.architectures[0]}: layers >= {l} of {L} skipped in prefill, AcrossKV group size {g}, "
-        f"KV cache capacity x{L / config.num_kv_cache_layers:.2f}"
+        f"SwiftKV {architecture}: layers >= {l} of {L} skipped in prefill, AcrossKV group size {g}, "
+        f"KV cache capacity x{L / kv_layers:.2f}"
     )
 
 
