@@ -163,7 +163,7 @@ def main(
         swiftkv = prepare_swiftkv(
             base, l, Path.home() / ".cache" / "swiftkv" / "bench" / f"{base.name}-swiftkv-l{l}"
         )
-    swiftkv_source = str(swiftkv) if swiftkv_model is not None else None
+    swiftkv_source = str(swiftkv_model) if swiftkv_model is not None else None  # as given (not resolved)
     if suite == "features":
         selected = {name: FEATURES[name] for name in features or FEATURES}
         try:

