@@ -18,8 +18,8 @@ fit (swiftkv_core.kv_init), a start that distillation improves on: the weights c
   of KV cache, per row and cache dtype (``auto`` = bf16, ``fp8``); a dtype the machine's vLLM refuses (fp8 on a
   CPU without AVX-512/AMX) is reported with vLLM's reason.
 
-    flock /tmp/swiftkv-heavy.lock .venv/bin/python benchmarks/kv_tradeoff.py --texts 6 \\
-        --checkpoints '{"l=15,g=1": "runs/qs2/distilled", "l=15,g=3": "runs/qs-g3/distilled", ...}'
+    flock /tmp/swiftkv-heavy.lock .venv/bin/python benchmarks/kv_tradeoff.py --texts 4 \\
+        --checkpoints '{"l=15,g=1": "runs/smollm2-135m-instruct-l15/distilled", "l=15,g=3": ...}'
     .venv/bin/python benchmarks/kv_tradeoff.py --texts 1 --text_tokens 24 --rows '["l=15,g=3"]' --vllm false --tag smoke
 
 Rows (``--rows``): by default g=1 at l = L/2 and AcrossKV g = 2, 3, 5, each at the smallest l >= L/2 where g divides

@@ -283,8 +283,13 @@ def report(results: dict) -> str:
         "- Each start launches the real OpenAI-compatible server on a free loopback port, polls `/health` every "
         "0.2 s and, once it answers 200, sends one completion (prompt `Hello`, 1 token); the time ends at its "
         "response. The time of `/health` alone is in the JSON (`health_s`).",
-        "- cold: empty vLLM / inductor / Triton caches of its own; warm: the same server restarted on the caches "
-        "its cold start left (page cache warm for both). Stock and SwiftKV alternate order between repeats.",
+        "- cold: empty vLLM / inductor / Triton caches of its own"
+        + (
+            "; warm: the same server restarted on the caches its cold start left (page cache warm for both)"
+            if any("warm" in by_start for by_start in results["summary"].values())
+            else ""
+        )
+        + ". Stock and SwiftKV alternate order between repeats.",
         "- Same engine settings for both (dtype, max_model_len, KV cache space, seed); the SwiftKV export is the "
         "base converted at l = L/2 and exported for serving (start-up does not depend on its weights). "
         "`swiftkv-serve` reads the checkpoint's config.json before it runs `vllm serve`: that is counted.",
