@@ -1,5 +1,7 @@
 """The chunked distillation loss against a hand computation over full logits."""
 
+import warnings
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -98,3 +100,60 @@ def test_hard_label_term_matches_hand_computation(temperature):
     (expected_grad,) = torch.autograd.grad(expected, student)
     torch.testing.assert_close(loss.double(), expected, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(grad, expected_grad, rtol=1e-4, atol=1e-6)
+
+
+def test_under_bf16_autocast_the_head_products_run_in_bf16_close_to_fp32():
+    """bf16-mixed training: the LM-head products run in bf16 (the softmaxes and the KL in fp32); the loss, its
+    gradient and the agreement stay within bf16 rounding of the fp32 computation."""
+    torch.manual_seed(3)
+    n, hidden, vocab = 40, 64, 300
+    teacher, weight = torch.randn(n, hidden), torch.randn(vocab, hidden) / 8
+    student = (teacher + 0.3 * torch.randn(n, hidden)).requires_grad_()
+    rows = torch.full((n,), 1.0 / n)
+    results = []
+    for bf16 in (False, True):
+        student.grad = None
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+            loss, kl_rows, agree = distillation_kl(student, teacher, weight, rows, 1.0, 16)
+        loss.backward()
+        assert loss.dtype == kl_rows.dtype == student.grad.dtype == torch.float32
+        results.append((loss.detach(), kl_rows, student.grad.clone(), agree))
+    (loss32, kl32, grad32, agree32), (loss16, kl16, grad16, agree16) = results
+    assert not torch.equal(kl16, kl32)  # bf16 products did run
+    torch.testing.assert_close(loss16, loss32, rtol=0.02, atol=1e-4)
+    torch.testing.assert_close(kl16, kl32, rtol=0.05, atol=2e-3)
+    torch.testing.assert_close(grad16, grad32, rtol=0.05, atol=2e-4)
+    assert (agree16 == agree32).float().mean() >= 0.9
+
+
+def test_compiled_kl_chunk_equals_the_eager_one():
+    from swiftkv_distill import loss
+
+    torch.manual_seed(4)
+    for dtype, temperature in ((torch.float32, 1.0), (torch.bfloat16, 2.0)):
+        t_logits, s_logits = (3 * torch.randn(7, 500)).to(dtype), (3 * torch.randn(7, 500)).to(dtype)
+        w = torch.rand(7)
+        compiled = loss._kl_chunk(t_logits, s_logits, w, temperature)
+        eager = loss._kl_chunk_eager(t_logits, s_logits, w, temperature)
+        assert compiled[1].dtype == dtype
+        torch.testing.assert_close(compiled[0], eager[0], rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(compiled[1].float(), eager[1].float(), rtol=1e-2, atol=1e-6)
+        assert torch.equal(compiled[2], eager[2])
+
+
+def test_a_failing_compiler_falls_back_to_the_eager_kl_with_one_warning(monkeypatch):
+    from swiftkv_distill import loss
+
+    def no_compiler(*args):
+        raise RuntimeError("InvalidCxxCompiler: No working C++ compiler found")
+
+    monkeypatch.setattr(loss, "_compiled_kl_chunk", no_compiler)
+    torch.manual_seed(5)
+    args = (torch.randn(4, 30), torch.randn(4, 30), torch.rand(4), 1.0)
+    with pytest.warns(UserWarning, match="uncompiled.*C\\+\\+ compiler"):
+        first = loss._kl_chunk(*args)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # once only
+        second = loss._kl_chunk(*args)
+    for a, b, c in zip(first, second, loss._kl_chunk_eager(*args), strict=True):
+        assert torch.equal(a, b) and torch.equal(a, c)

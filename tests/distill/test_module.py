@@ -143,7 +143,38 @@ def test_chunked_loss_memory_is_bounded():
     assert all(t.numel() <= 64 * 16 for t in saved)
 
 
-def test_bf16_mixed_trains(tiny_model, text_file, tmp_path):
+def test_validation_is_computed_in_the_weights_dtype_under_autocast(tiny_model):
+    """bf16-mixed trains in bf16 but validates in the weights' dtype: the held-out figures do not depend on it."""
+    module = SwiftKVDistillation(str(tiny_model), num_key_value_layers=2)
+    module.configure_model()
+    with torch.no_grad():
+        for name, p in module.swiftkv_model.named_parameters():
+            if is_swiftkv_parameter(name):
+                p.add_(0.05 * torch.randn_like(p))
+    batch = collate(pack([[5, 17, 300, 42, 9, 8], [77, 1000, 3, 4, 5]], max_length=8), 0, 8)
+    plain = module.step.evaluate(batch).stats
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        under_autocast = module.step.evaluate(batch).stats
+        trained = module.step(batch, 1.0 / batch["loss_mask"].sum())  # the training step does run in bf16
+    for name in ("kl", "agree", "student_nll", "teacher_nll"):
+        a, b = getattr(plain, name), getattr(under_autocast, name)
+        assert torch.equal(a, b) if name == "agree" else torch.allclose(a, b, rtol=0, atol=0, equal_nan=True), name
+    assert not torch.allclose(trained["kl"], plain.kl.mean(), rtol=1e-6, atol=0)
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_bf16_precision_only_where_the_cpu_has_bf16(monkeypatch, native):
+    from swiftkv_distill.build import cpu_precision
+
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: native)
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False)
+    assert cpu_precision("bf16-mixed") == ("bf16-mixed" if native else "32-true")
+    assert cpu_precision("32-true") == "32-true"
+
+
+def test_bf16_mixed_trains(tiny_model, text_file, tmp_path, monkeypatch):
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)  # says how to run faster there
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False)
     module = SwiftKVDistillation(
         str(tiny_model), num_key_value_layers=2, learning_rate=1e-2, evaluate_before_training=False
     )
@@ -155,7 +186,8 @@ def test_bf16_mixed_trains(tiny_model, text_file, tmp_path):
         limit_val_batches=1,
         num_sanity_val_steps=0,
     )
-    trainer.fit(module, dm)
+    with pytest.warns(UserWarning, match="bf16 is emulated here.*--trainer.precision 32-true"):
+        trainer.fit(module, dm)
     assert torch.isfinite(trainer.callback_metrics["train/loss"])
     assert all(p.dtype == torch.float32 for p in module.trainable_parameters())  # fp32 master weights
 

@@ -8,6 +8,7 @@ schedule in schedule.py and the HF export in export.py; this file wires them int
 from __future__ import annotations
 
 import time
+import warnings
 
 import lightning as L
 import torch
@@ -17,7 +18,7 @@ from swiftkv_core.convert import SWIFTKV_FAMILIES
 from swiftkv_core.early_exit import EarlyExitHead
 from swiftkv_core.kv_init import KVLeastSquares
 
-from .build import build_swiftkv_model, check_model_config
+from .build import build_swiftkv_model, check_model_config, cpu_precision
 from .schedule import FIRST_STEP_FLOOR, lr_factor, run_progress
 from .step import DistillationStep, LossSettings, ValidationMetrics, is_trained_name
 
@@ -286,6 +287,15 @@ class SwiftKVDistillation(L.LightningModule):
     def _val_loader(self):
         datamodule = getattr(self.trainer, "datamodule", None)
         return datamodule.val_dataloader() if datamodule is not None else self.trainer.val_dataloaders
+
+    def on_fit_start(self) -> None:
+        precision = str(self.trainer.precision)
+        if self.device.type == "cpu" and cpu_precision(precision) != precision:
+            warnings.warn(
+                f"trainer.precision={precision} on a CPU without native bf16 (AVX512-BF16 or AMX): bf16 is emulated "
+                "here and slower than fp32; set --trainer.precision 32-true.",
+                stacklevel=1,
+            )
 
     def on_train_start(self) -> None:
         """A fresh run: measure the converted model (``before/*``), fit the K/V init, measure again (``init/*``).

@@ -451,6 +451,7 @@ def step_distill(run: Run) -> dict:
     from lightning.pytorch.callbacks import ModelCheckpoint
     from lightning.pytorch.loggers import CSVLogger
 
+    from .build import cpu_precision
     from .callbacks import RunReport
     from .data import DistillDataModule
     from .export import export
@@ -487,8 +488,11 @@ def step_distill(run: Run) -> dict:
         "accelerator", "devices", "precision", "gradient_clip_val", "log_every_n_steps", "val_check_interval",
         "check_val_every_n_epoch",
     )  # fmt: skip
+    trainer_args = {k: v for k, v in recipe["trainer"].items() if k in trainer_keys}
+    if trainer_args.get("accelerator", "cpu") == "cpu" and "precision" in trainer_args:
+        trainer_args["precision"] = cpu_precision(trainer_args["precision"])  # bf16 only where the CPU has it
     trainer = L.Trainer(
-        **{k: v for k, v in recipe["trainer"].items() if k in trainer_keys},
+        **trainer_args,
         max_steps=1_000_000,  # a bound only: BudgetProgress stops the run when the budget is spent
         default_root_dir=folder,
         logger=CSVLogger(folder, name="logs", version=0),
@@ -519,6 +523,7 @@ def step_distill(run: Run) -> dict:
                   f"ppl {m['student_ppl']:.1f} (teacher {m['teacher_ppl']:.1f})", flush=True)  # fmt: skip
     return {
         "steps": trainer.global_step,
+        "precision": str(trainer.precision),
         "train_seconds": module.train_seconds,
         "train_tokens": module._tokens_seen,
         "resumed": resumed,

@@ -30,6 +30,7 @@ def headline(settings: dict, results: dict) -> dict:
         out["kv_capacity_x"] = serve["kv_capacity_x"]
     distill = results["distill"]
     out["distill"] = {k: distill[k] for k in ("steps", "train_seconds", "train_tokens")}
+    out["distill"]["precision"] = distill.get("precision", "32-true")
     return out
 
 
@@ -101,7 +102,7 @@ def _markdown(root: Path, settings: dict, results: dict, versions: dict, head: d
     d = head["distill"]
     lines += [
         f"- Distillation: {d['train_seconds'] / 60:.1f} min of training, {d['steps']} steps, "
-        f"{d['train_tokens']:,} tokens.",
+        f"{d['train_tokens']:,} tokens, precision {d['precision']}.",
         "",
         "## Quality against the teacher (the original model)",
         "",

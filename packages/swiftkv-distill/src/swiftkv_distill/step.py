@@ -160,7 +160,13 @@ class DistillationStep(nn.Module):
 
     @torch.no_grad()
     def evaluate(self, batch: dict) -> Evaluation:
-        """Validation statistics of ``batch`` at temperature 1 (every position, no gradient)."""
+        """Validation statistics of ``batch`` at temperature 1 (every position, no gradient), computed in the
+        weights' own dtype even when training runs under autocast (``bf16-mixed``): the held-out figures measure
+        the model that is exported, and compare across training precisions."""
+        with torch.autocast(device_type=batch["input_ids"].device.type, enabled=False):
+            return self._evaluate(batch)
+
+    def _evaluate(self, batch: dict) -> Evaluation:
         mask, chunk_size = batch["loss_mask"], self.settings.chunk_size
         head_weight = self.model.lm_head.weight
         hidden, context, teacher, _ = self._prefix_and_teacher(batch, None)
