@@ -21,8 +21,6 @@ import json
 import time
 from pathlib import Path
 
-import yaml
-
 RESULTS = Path(__file__).parent / "results"
 RECIPE = Path(__file__).parents[1] / "configs" / "distill" / "smollm2-135m-cpu.yaml"
 VAL_FILES = {
@@ -57,44 +55,34 @@ def main(
     import lightning as L
     from lightning.pytorch.loggers import CSVLogger
 
-    from swiftkv_distill.build import cpu_precision
     from swiftkv_distill.callbacks import RunReport
     from swiftkv_distill.corpora import resolve_files
     from swiftkv_distill.data import DistillDataModule
     from swiftkv_distill.module import SwiftKVDistillation
     from swiftkv_distill.progress import BudgetProgress
+    from swiftkv_distill.quickstart import _recipe, distill_arguments
 
     if not (Path(converted) / "config.json").is_file():
         raise SystemExit(
             f"--converted {converted}: no checkpoint there; run the quickstart first (its converted/)."
         )
     val_files = val_files or VAL_FILES
-    recipe = yaml.safe_load(RECIPE.read_text())
-    model_args = {k: v for k, v in recipe["model"].items() if k not in ("model", "schedule_seconds")}
     config = json.loads((Path(converted) / "config.json").read_text())  # its l and g, not the recipe's
-    model_args.update(
-        num_key_value_layers=config["num_key_value_layers"],
-        key_value_group_size=config["key_value_group_size"],
-        schedule_seconds=seconds,
-        kv_init="published",  # the checkpoint's K/V are already fitted: "published" keeps them as they are
-        evaluate_before_training=before,
-    )
-    data_args = {k: v for k, v in recipe["data"].items() if k not in ("model", "train_files", "val_files")}
+    l, g = config["num_key_value_layers"], config["key_value_group_size"]
+    model_args, data_args, trainer_args = distill_arguments(RECIPE, l, g, seconds)
+    # the checkpoint's K/V are already fitted: "published" keeps them as they are
+    model_args.update(kv_init="published", evaluate_before_training=before)
     # recipe:chat_answers* are the TEACHER's answers (the default model's), not the converted checkpoint's
     data_args.update(
         train_files=resolve_files(train_files, teacher),
         val_files={k: resolve_files(v, teacher) for k, v in val_files.items()},
     )
     folder = Path(out) / name
-    L.seed_everything(recipe.get("seed_everything", 0), verbose=False)
+    L.seed_everything(_recipe(RECIPE).get("seed_everything", 0), verbose=False)
     module = SwiftKVDistillation(str(converted), **model_args)
     data = DistillDataModule(str(converted), **data_args)
     trainer = L.Trainer(
-        accelerator="cpu",
-        devices=1,
-        precision=cpu_precision(recipe["trainer"]["precision"]),
-        gradient_clip_val=recipe["trainer"]["gradient_clip_val"],
-        log_every_n_steps=5,
+        **trainer_args,
         max_steps=1_000_000,  # BudgetProgress stops the run
         default_root_dir=folder,
         logger=CSVLogger(folder, name="logs", version=0),
@@ -111,14 +99,20 @@ def main(
     row = {
         "name": name,
         "train_files": train_files,
-        "l": config["num_key_value_layers"],
-        "g": config["key_value_group_size"],
+        "l": l,
+        "g": g,
         "seconds": seconds,
         "steps": trainer.global_step,
         "precision": str(trainer.precision),
         "wall_s": round(time.perf_counter() - started),
-        "before": summary.get("before", {}),
-        "after": summary["after"],
+        # every metric as "<set>/<name>" (the run's summary leaves the first set's unprefixed)
+        **{
+            when: {
+                (k if "/" in k else f"{next(iter(val_files))}/{k}"): v
+                for k, v in summary.get(when, {}).items()
+            }
+            for when in ("before", "after")
+        },
         "command": "flock /tmp/swiftkv-heavy.lock .venv/bin/python benchmarks/distill_probe.py "
         f"--name {name} --converted {converted} --seconds {seconds:g} --train_files '{json.dumps(train_files)}'"
         + (f" --val_files '{json.dumps(val_files)}'" if val_files != VAL_FILES else "")
@@ -136,8 +130,8 @@ def _record(row: dict) -> None:
     rows = [r for r in rows if r["name"] != row["name"]] + [row]
     with atomic_file(path) as f:
         f.write(json.dumps(rows, indent=2))
-    sets = sorted({k.split("/")[0] for r in rows for k in r["after"] if k.endswith("agreement")})
-    sets = sorted(sets, key=lambda s: s != "agreement")  # the text set ("agreement", unprefixed) first
+    found = {k.split("/")[0] for r in rows for k in r["after"] if k.endswith("/agreement")}
+    sets = sorted(found, key=lambda s: (s != "text", s))  # text first
 
     def cell(metrics: dict, key: str) -> str:
         return f"{metrics[key]:.1%}" if key in metrics else "-"
@@ -153,7 +147,7 @@ def _record(row: dict) -> None:
         "(`swiftkv quickstart --out DIR --num_key_value_layers L --serve false`, stopped once it starts to "
         "distil). Rows measured at different times on a shared CPU can differ in steps for the same seconds.",
         "",
-        "| probe | l | training mix | seconds | steps | " + " | ".join(_names(sets)) + " |",
+        "| probe | l | training mix | seconds | steps | " + " | ".join(sets) + " |",
         "|---|---:|---|---:|---:|" + "---|" * len(sets),
     ]
     for r in rows:
@@ -162,7 +156,7 @@ def _record(row: dict) -> None:
         )
         cells = []
         for s in sets:
-            key = "agreement" if s == "agreement" else f"{s}/agreement"
+            key = f"{s}/agreement"
             before = cell(r["before"], key)
             cells.append(f"{before} -> {cell(r['after'], key)}" if before != "-" else cell(r["after"], key))
         shape = f"{r['l']}" + (f"/g{r['g']}" if r["g"] > 1 else "")
@@ -172,10 +166,6 @@ def _record(row: dict) -> None:
     lines += ["", "Commands:", ""] + [f"- {r['name']}: `{r['command']}`" for r in rows]
     with atomic_file(RESULTS / "distill-probes.md") as f:
         f.write("\n".join(lines) + "\n")
-
-
-def _names(sets: list[str]) -> list[str]:
-    return ["text" if s == "agreement" else s for s in sets]
 
 
 if __name__ == "__main__":

@@ -235,6 +235,26 @@ def _recipe(path: Path) -> dict:
     return OmegaConf.to_container(OmegaConf.load(path), resolve=False)
 
 
+def distill_arguments(recipe: Path, l: int, g: int, seconds: float) -> tuple[dict, dict, dict]:
+    """The recipe's module, data-module and trainer arguments as the quickstart trains them: l and g given, the
+    schedule over ``seconds`` of training, the data files left to the caller, and of the trainer settings only the
+    numerics and validation cadence (budget, checkpoints, logs and progress are the caller's)."""
+    from .build import cpu_precision
+
+    config = _recipe(Path(recipe))
+    model_args = {k: v for k, v in config["model"].items() if k not in ("model", "schedule_seconds")}
+    model_args.update(num_key_value_layers=l, key_value_group_size=g, schedule_seconds=seconds)
+    data_args = {k: v for k, v in config["data"].items() if k not in ("model", "train_files", "val_files")}
+    trainer_keys = (
+        "accelerator", "devices", "precision", "gradient_clip_val", "log_every_n_steps", "val_check_interval",
+        "check_val_every_n_epoch",
+    )  # fmt: skip
+    trainer_args = {k: v for k, v in config["trainer"].items() if k in trainer_keys}
+    if trainer_args.get("accelerator", "cpu") == "cpu" and "precision" in trainer_args:
+        trainer_args["precision"] = cpu_precision(trainer_args["precision"])  # bf16 only where the CPU has it
+    return model_args, data_args, trainer_args
+
+
 def _estimated_step_seconds(config, recipe_config) -> float:
     """A distillation step's time, roughly: teacher suffix + student forward/backward ~ 6 x params x tokens, at a
     conservative 50 GFLOP/s (this 2-core CPU reaches about 145 in fp32)."""
@@ -451,7 +471,6 @@ def step_distill(run: Run) -> dict:
     from lightning.pytorch.callbacks import ModelCheckpoint
     from lightning.pytorch.loggers import CSVLogger
 
-    from .build import cpu_precision
     from .callbacks import RunReport
     from .data import DistillDataModule
     from .export import export
@@ -460,13 +479,9 @@ def step_distill(run: Run) -> dict:
 
     s, recipe = run.settings, _recipe(Path(run.settings.recipe))
     budget = s.budget_minutes * 60
-    model_args = {k: v for k, v in recipe["model"].items() if k not in ("model", "schedule_seconds")}
-    model_args.update(
-        num_key_value_layers=s.num_key_value_layers,
-        key_value_group_size=s.key_value_group_size,
-        schedule_seconds=budget,
+    model_args, data_args, trainer_args = distill_arguments(
+        s.recipe, s.num_key_value_layers, s.key_value_group_size, budget
     )
-    data_args = {k: v for k, v in recipe["data"].items() if k not in ("model", "train_files", "val_files")}
     val_files = {"text": s.heldout_text}
     if run.path("chat_heldout.jsonl").is_file():
         val_files["chat"] = [str(run.path("chat_heldout.jsonl"))]
@@ -483,14 +498,6 @@ def step_distill(run: Run) -> dict:
     checkpoints = ModelCheckpoint(
         folder / "checkpoints", save_last=True, save_top_k=0, every_n_train_steps=CHECKPOINT_EVERY_N_STEPS
     )
-    # the recipe's numerics and validation cadence; the budget, checkpoints, logs and progress are the quickstart's
-    trainer_keys = (
-        "accelerator", "devices", "precision", "gradient_clip_val", "log_every_n_steps", "val_check_interval",
-        "check_val_every_n_epoch",
-    )  # fmt: skip
-    trainer_args = {k: v for k, v in recipe["trainer"].items() if k in trainer_keys}
-    if trainer_args.get("accelerator", "cpu") == "cpu" and "precision" in trainer_args:
-        trainer_args["precision"] = cpu_precision(trainer_args["precision"])  # bf16 only where the CPU has it
     trainer = L.Trainer(
         **trainer_args,
         max_steps=1_000_000,  # a bound only: BudgetProgress stops the run when the budget is spent
