@@ -75,7 +75,7 @@ def test_one_output_folder_per_recipe(path):
 def test_cpu_recipe_instantiates():
     path = next(p for p in CONFIGS if p.stem == "smollm2-135m-cpu")
     cli = make_cli(["--config", str(path)], run=False)
-    assert cli.model.hparams.num_key_value_layers == 15 and cli.datamodule.model_path == "default"
+    assert cli.model.hparams.num_key_value_layers == 20 and cli.datamodule.model_path == "default"
     assert cli.trainer.max_steps > 0
 
 

@@ -158,7 +158,9 @@ def test_validation_is_computed_in_the_weights_dtype_under_autocast(tiny_model):
         trained = module.step(batch, 1.0 / batch["loss_mask"].sum())  # the training step does run in bf16
     for name in ("kl", "agree", "student_nll", "teacher_nll"):
         a, b = getattr(plain, name), getattr(under_autocast, name)
-        assert torch.equal(a, b) if name == "agree" else torch.allclose(a, b, rtol=0, atol=0, equal_nan=True), name
+        assert (
+            torch.equal(a, b) if name == "agree" else torch.allclose(a, b, rtol=0, atol=0, equal_nan=True)
+        ), name
     assert not torch.allclose(trained["kl"], plain.kl.mean(), rtol=1e-6, atol=0)
 
 

@@ -150,6 +150,18 @@ def test_an_interrupted_run_resumes_without_redoing_finished_steps(inputs, tmp_p
     assert results["distill"]["resumed"] and results["distill"]["steps"] > 3  # on from step 2's checkpoint
 
 
+def test_default_l_is_the_recipes_for_its_own_model_else_half_the_layers():
+    from swiftkv_distill.quickstart import DEFAULT_RECIPE, _recipe, default_num_key_value_layers
+
+    # SmolLM2's CPU recipe, measured at l=20 of 30 (benchmarks/results/recipe-notes.md)
+    recipe = _recipe(Path(__file__).parents[2] / DEFAULT_RECIPE)
+    assert recipe["model"]["model"] == "default" and recipe["model"]["num_key_value_layers"] == 20
+    assert default_num_key_value_layers("default", 30, recipe) == 20
+    assert default_num_key_value_layers("/models/qwen2-0.5b", 24, recipe) == 12  # another model: L/2
+    no_l = {"model": {"model": "default"}}
+    assert default_num_key_value_layers("default", 30, no_l) == 15  # a recipe without l: L/2
+
+
 def test_bad_input_fails_before_any_compute(inputs, tmp_path):
     from swiftkv_distill.quickstart import QuickstartError
 
@@ -157,6 +169,10 @@ def test_bad_input_fails_before_any_compute(inputs, tmp_path):
         (dict(model=str(tmp_path / "missing")), "does not exist"),
         (dict(num_key_value_layers=8), r"\[1, 7\]"),
         (dict(key_value_group_size=3), "must divide"),
+        (
+            dict(num_key_value_layers=None, key_value_group_size=3),
+            "l was not given: 4 is the default.*must divide",
+        ),
         (dict(budget_minutes=0.0), "too small to run one distillation step"),
         (dict(serve_workloads=["2000"]), "PROMPT/OUTPUT"),
     ]

@@ -4,7 +4,8 @@ From a Llama / Qwen2 / Mistral checkpoint (the embedded SmolLM2-135M-Instruct by
 
     1. teacher answers  the teacher's own answers to chat prompts (vLLM, cached): the recipe's chat training data
                         and the held-out chat evaluation set
-    2. analyze          per-layer input similarity (paper Eq. 1) on the training text; l defaults to L/2
+    2. analyze          per-layer input similarity (paper Eq. 1) on the training text; l defaults to the recipe's
+                        for its own model (20 of 30 for SmolLM2), else to L/2
     3. convert          SwiftKV at l (AcrossKV group size g), K/V projections fitted by least squares
     4. distill          Lightning distillation within --budget_minutes of training, with a live progress bar;
                         converted vs distilled against the teacher on held-out text and chat: KL, agreement, ppl
@@ -99,7 +100,8 @@ def main(
     Args:
         model: The base model: 'default' (SmolLM2-135M-Instruct), a Llama / Qwen2 / Mistral HF folder, or a .gguf.
         out: Output folder (default: runs/<model>-l<l>[-g<g>]). Re-running with the same folder continues.
-        num_key_value_layers: l: layers >= l take their K/V from layer l's input (default: half the layers).
+        num_key_value_layers: l: layers >= l take their K/V from layer l's input (default: the recipe's where
+            MODEL is the recipe's model, 20 of 30 for the default SmolLM2; else half the layers).
         key_value_group_size: AcrossKV group size g (1: off); must divide L - l.
         budget_minutes: Training time of the distillation (the evaluations and K/V fit come on top).
         recipe: The distillation recipe whose model and data settings are used (its trainer settings are the
@@ -167,12 +169,6 @@ def _check(
             f"{sorted(FAMILIES)} (LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM); give the base model, "
             "not a SwiftKV checkpoint."
         )
-    L = config.num_hidden_layers
-    l = L // 2 if l is None else l
-    try:
-        validate_layers(L, l, g, allow_no_skip=False)
-    except ValueError as error:
-        raise QuickstartError(f"--num_key_value_layers / --key_value_group_size: {error}") from None
     recipe = Path(recipe)
     if not recipe.is_file():
         raise QuickstartError(
@@ -180,6 +176,14 @@ def _check(
             "or pass --recipe PATH."
         )
     recipe_config = _recipe(recipe)
+    L = config.num_hidden_layers
+    defaulted = l is None
+    l = default_num_key_value_layers(str(model), L, recipe_config) if defaulted else l
+    try:
+        validate_layers(L, l, g, allow_no_skip=False)
+    except ValueError as error:
+        why = f" (l was not given: {l} is the default for this model)" if defaulted else ""
+        raise QuickstartError(f"--num_key_value_layers / --key_value_group_size{why}: {error}") from None
     train_files = list(train_files or recipe_config["data"]["train_files"])
     val_files = recipe_config["data"]["val_files"]
     heldout_text = list(
@@ -227,6 +231,15 @@ def _check(
     name = (path.name if model in ("default", None) else Path(model).name.removesuffix(".gguf")).lower()
     default_out = Path("runs") / (f"{name}-l{l}" + ("" if g == 1 else f"-g{g}"))
     return settings, Path(out) if out is not None else default_out
+
+
+def default_num_key_value_layers(model: str, num_layers: int, recipe_config: dict) -> int:
+    """l when none is given: the recipe's own where the recipe is for this model (its l was measured there), else
+    half the layers (the published choice: prefill compute halves)."""
+    recipe_model = recipe_config["model"]
+    if str(recipe_model.get("model")) == model and recipe_model.get("num_key_value_layers"):
+        return int(recipe_model["num_key_value_layers"])
+    return num_layers // 2
 
 
 def _recipe(path: Path) -> dict:
