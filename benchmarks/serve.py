@@ -20,8 +20,9 @@ the weights); ``--swiftkv_model`` serves a given SwiftKV serving export of the s
 
 ``--suite features`` runs workloads where vLLM's own features matter, each stock vs SwiftKV with none / prefix
 caching / n-gram speculative decoding / both: RAG (a few long documents shared by many questions), extraction
-(answers that copy lines of their own prompt: what n-gram speculation accepts) and a decode-heavy control
-(100 in / 500 out). SwiftKV only makes prefill cheaper, so per workload and feature set a stock run with one
+(answers that copy lines of their own prompt: what n-gram speculation accepts), a decode-heavy control
+(random ids, 100 in / 500 out) and long answers (chat requests for an article, ~65 in / 500 out: decode-heavy
+traffic in real text). SwiftKV only makes prefill cheaper, so per workload and feature set a stock run with one
 output token measures the prefill time ``T_prefill`` of the stock run's time ``T``, and the best SwiftKV can do is
 ``bound = T / (T - T_prefill * (1 - 1/R))``, with ``R`` the prefill FLOPs ratio (``swiftkv_core.flops``); the
 report gives the measured speed-up against it.
@@ -113,6 +114,7 @@ def main(
     suite: str = "lengths",
     swiftkv_model: Path | None = None,
     features: list[str] | None = None,
+    workloads: list[str] | None = None,
 ) -> None:
     """Stock vLLM vs SwiftKV (through the swiftkv_serve plugin) on the same bursts of requests.
 
@@ -129,6 +131,7 @@ def main(
         swiftkv_model: a SwiftKV serving export of ``model`` to serve (e.g. a distilled one), instead of the
             base converted at l (undistilled); its family and shape must match the base's.
         features: with ``--suite features``, only these feature sets (names of ``FEATURES``), in this order.
+        workloads: with ``--suite features``, only these workloads (names of ``FEATURE_WORKLOADS``).
     """
     if suite not in ("lengths", "features"):
         raise SystemExit(f"--suite {suite!r}: use 'lengths' or 'features'.")
@@ -136,6 +139,11 @@ def main(
     if unknown or (features is not None and (suite != "features" or not features)):
         raise SystemExit(
             f"--features {features}: with --suite features, a non-empty list of {list(FEATURES)}."
+        )
+    unknown = [name for name in workloads or [] if name not in FEATURE_WORKLOADS]
+    if unknown or (workloads is not None and (suite != "features" or not workloads)):
+        raise SystemExit(
+            f"--workloads {workloads}: with --suite features, a non-empty list of {list(FEATURE_WORKLOADS)}."
         )
     if out is None:
         out = RESULTS / ("serve-compile" if compile else "serve")
@@ -167,7 +175,9 @@ def main(
     if suite == "features":
         selected = {name: FEATURES[name] for name in features or FEATURES}
         try:
-            results = compare_features(base, swiftkv, num_requests, max_num_seqs, compile, selected)
+            results = compare_features(
+                base, swiftkv, num_requests, max_num_seqs, compile, selected, workloads
+            )
         except ChildProcessFailed as error:
             raise SystemExit(str(error)) from None
         results["swiftkv_export"] = swiftkv_source
@@ -283,11 +293,47 @@ def shipping_log(seed: int, num_records: int) -> str:
     )
 
 
+_TOPICS = (
+    "starting a vegetable garden on a small balcony",
+    "the history of the bicycle",
+    "how a refrigerator works",
+    "planning a week of cheap, healthy dinners",
+    "learning a second language as an adult",
+    "why the sky is blue and sunsets are red",
+    "training for a first 10 km run",
+    "how bread rises",
+)
+
+
+def long_answer_prompts(tokenizer, num_requests: int) -> list[list[int]]:
+    """Chat requests for a long answer, in the model's own chat template (~65 tokens for SmolLM2): the decode-heavy
+    traffic of a chat model, real text where random ids make both models fall into loops at once."""
+    return [
+        tokenizer.apply_chat_template(
+            [
+                {
+                    "role": "user",
+                    "content": f"Write a long, detailed article about {_TOPICS[i % len(_TOPICS)]} for a general "
+                    "audience: an introduction, five sections with a heading each, and a conclusion.",
+                }
+            ],
+            add_generation_prompt=True,
+            tokenize=True,
+            return_dict=False,
+        )
+        for i in range(num_requests)
+    ]
+
+
+FEATURE_WORKLOADS = ("RAG", "extraction", "decode-heavy", "long answers")
+
+
 def feature_workloads(
     tokenizer, num_requests: int, vocab_high: int
 ) -> dict[str, tuple[list[list[int]], int]]:
     """name -> (prompts, output tokens): RAG (4 documents of ~1500 tokens, one question each request),
-    extraction (a ~1000-token document per request, the answer copies its lines), decode-heavy (100 / 500)."""
+    extraction (a ~1000-token document per request, the answer copies its lines), decode-heavy (random ids,
+    100 / 500) and long answers (chat requests for an article, ~65 / 500)."""
     from swiftkv_serve.bench import make_prompts
 
     documents = [shipping_log(seed, 60) for seed in range(4)]
@@ -305,6 +351,7 @@ def feature_workloads(
         "RAG": ([tokenizer(text)["input_ids"] for text in rag], 100),
         "extraction": ([tokenizer(text)["input_ids"] for text in extraction], 200),
         "decode-heavy": (make_prompts(num_requests, 100, vocab_high=vocab_high), 500),
+        "long answers": (long_answer_prompts(tokenizer, num_requests), 500),
     }
 
 
@@ -335,10 +382,11 @@ def compare_features(
     max_num_seqs: int,
     compile: bool,
     features: dict[str, dict] | None = None,
+    workload_names: list[str] | None = None,
 ) -> dict:
-    """Every feature set of ``features`` (default ``FEATURES``) on every workload of ``feature_workloads``,
-    stock and SwiftKV, each (model, feature set) in its own child process; stock runs also time each burst
-    prefill-only. ``summary``: per workload and feature set the speed-up, the bound and the efficiency, and with
+    """Every feature set of ``features`` (default ``FEATURES``) on the workloads of ``feature_workloads`` (those
+    named in ``workload_names``, default all), stock and SwiftKV, each (model, feature set) in its own child
+    process; stock runs also time each burst prefill-only. ``summary``: per workload and feature set the speed-up, the bound and the efficiency, and with
     speculation each engine's acceptance and the acceptance-adjusted bound (``feature_summary``)."""
     import torch
     from transformers import AutoConfig, AutoTokenizer
@@ -351,6 +399,7 @@ def compare_features(
     l, g = config.num_key_value_layers, config.key_value_group_size
     tokenizer = AutoTokenizer.from_pretrained(base)
     workloads = feature_workloads(tokenizer, num_requests, min(49000, len(tokenizer)))
+    workloads = {name: workloads[name] for name in workload_names or workloads}
     shapes = {name: (max(map(len, prompts)), out) for name, (prompts, out) in workloads.items()}
     prompts = {name: prompts for name, (prompts, _) in workloads.items()}
     max_model_len = 256 * -(-max(p + o for p, o in shapes.values()) // 256)
@@ -513,7 +562,8 @@ def write_features_report(results: dict, out: Path) -> None:
         "- One burst per workload, submitted at once to vLLM's async engine, streamed; each (model, features) "
         "engine in its own process; with prefix caching the cache is emptied before each burst.",
         "- RAG: 4 shipping-log documents (~1500 tokens) shared by the questions; extraction: a document per "
-        "request, the answer copies its lines; decode-heavy: random ids, 100 in / 500 out.",
+        "request, the answer copies its lines; decode-heavy: random ids, 100 in / 500 out; long answers: chat "
+        "requests for a long article in the model's chat template, ~65 in / 500 out.",
         f"- n-gram: `{json.dumps(NGRAM)}`.",
         "- bound = T / (T - T_prefill * (1 - 1/R)): T the stock burst's wall time, T_prefill the same burst with "
         f"one output token, R the prefill FLOPs ratio at the workload's longest prompt ({ratios}); "
