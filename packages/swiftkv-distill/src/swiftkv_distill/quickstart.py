@@ -178,7 +178,7 @@ def _check(
     recipe_config = _recipe(recipe)
     L = config.num_hidden_layers
     defaulted = l is None
-    l = default_num_key_value_layers(str(model), L, recipe_config) if defaulted else l
+    l = default_num_key_value_layers(str(model or "default"), L, recipe_config) if defaulted else l
     try:
         validate_layers(L, l, g, allow_no_skip=False)
     except ValueError as error:
