@@ -347,12 +347,14 @@ def feature_workloads(
         "written, one per line:\n"
         for i in range(num_requests)
     ]
-    return {
+    workloads = {
         "RAG": ([tokenizer(text)["input_ids"] for text in rag], 100),
         "extraction": ([tokenizer(text)["input_ids"] for text in extraction], 200),
         "decode-heavy": (make_prompts(num_requests, 100, vocab_high=vocab_high), 500),
         "long answers": (long_answer_prompts(tokenizer, num_requests), 500),
     }
+    assert tuple(workloads) == FEATURE_WORKLOADS  # the names --workloads checks before any model loads
+    return workloads
 
 
 def prefill_bound(
@@ -386,8 +388,9 @@ def compare_features(
 ) -> dict:
     """Every feature set of ``features`` (default ``FEATURES``) on the workloads of ``feature_workloads`` (those
     named in ``workload_names``, default all), stock and SwiftKV, each (model, feature set) in its own child
-    process; stock runs also time each burst prefill-only. ``summary``: per workload and feature set the speed-up, the bound and the efficiency, and with
-    speculation each engine's acceptance and the acceptance-adjusted bound (``feature_summary``)."""
+    process; stock runs also time each burst prefill-only. ``summary``: per workload and feature set the speed-up,
+    the bound and the efficiency, and with speculation each engine's acceptance and the acceptance-adjusted bound
+    (``feature_summary``)."""
     import torch
     from transformers import AutoConfig, AutoTokenizer
 
