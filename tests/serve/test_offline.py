@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
+import torch
 
 from tests.serve.checkpoints import hf_greedy, swiftkv_checkpoint
 from tests.serve.conftest import PROMPT_LENGTHS, greedy, random_prompts, vllm_engine
@@ -62,6 +65,48 @@ def test_prompt_logprobs_rejected(tiny_engine):
         [prompt], SamplingParams(temperature=0.0, max_tokens=2, logprobs=2), use_tqdm=False
     )
     assert len(out[0].outputs[0].token_ids) == 2 and out[0].outputs[0].logprobs
+
+
+def test_fast_prefill_off_serves_prompt_logprobs_of_the_swiftkv_model(tiny_swiftkv):
+    """``swiftkv_fast_prefill: false``: every layer runs for every prompt token, the greedy outputs are the SwiftKV
+    model's (HF's, as with fast prefill), and prompt logprobs are served: its own, as its HF forward has them."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    from swiftkv_core.generation import load
+
+    prompts = random_prompts()
+    with vllm_engine(tiny_swiftkv, additional_config={"swiftkv_fast_prefill": False}) as llm:
+        assert not llm.llm_engine.vllm_config.cache_config.kv_sharing_fast_prefill
+        tokens = greedy(llm, prompts, MAX_TOKENS)
+        scored = llm.generate(
+            [TokensPrompt(prompt_token_ids=p) for p in prompts],
+            SamplingParams(max_tokens=1, prompt_logprobs=0),
+            use_tqdm=False,
+        )
+    assert tokens == hf_greedy(tiny_swiftkv, prompts, MAX_TOKENS)
+    model, _ = load(tiny_swiftkv, dtype=torch.float32)
+    for prompt, out in zip(prompts, scored, strict=True):
+        with torch.no_grad():
+            logits = model(torch.tensor([prompt])).logits[0, :-1]
+        expected = torch.log_softmax(logits, -1).gather(1, torch.tensor(prompt[1:])[:, None])[:, 0]
+        served = torch.tensor([out.prompt_logprobs[i][token].logprob for i, token in enumerate(prompt) if i])
+        torch.testing.assert_close(served, expected, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize(
+    ("additional_config", "message"),
+    [
+        ({"swiftkv_fast_prefill": "no"}, "swiftkv_fast_prefill='no': use true"),
+        ({"swiftkv_fastprefill": False}, "unknown SwiftKV option"),
+    ],
+)
+def test_bad_fast_prefill_option_is_refused_before_loading(tiny_swiftkv, additional_config, message):
+    with (
+        pytest.raises(ValueError, match=re.escape(message)),
+        vllm_engine(tiny_swiftkv, additional_config=additional_config),
+    ):
+        pass
 
 
 def test_serving_export_matches_hf(tiny_swiftkv_serving):

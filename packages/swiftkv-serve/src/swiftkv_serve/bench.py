@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import json
 import math
 import os
@@ -58,19 +59,21 @@ async def _burst(engine, prompts: list[list[int]], max_tokens: int) -> dict:
     async def one(i: int, prompt: list[int]) -> dict:
         start = time.perf_counter()
         first = None
-        n_out = 0
+        token_ids = []
         async for out in engine.generate(
             TokensPrompt(prompt_token_ids=prompt), params, request_id=f"r{i}-{start}"
         ):
-            n_out = len(out.outputs[0].token_ids)
-            if first is None and n_out:
+            token_ids = out.outputs[0].token_ids
+            if first is None and token_ids:
                 first = time.perf_counter()
         end = time.perf_counter()
+        n_out = len(token_ids)
         return {
             "ttft": first - start,
             "tpot": (end - first) / max(n_out - 1, 1),
             "n_in": len(prompt),
             "n_out": n_out,
+            "digest": hashlib.sha1(json.dumps(list(token_ids)).encode()).hexdigest()[:16],
         }
 
     start = time.perf_counter()
@@ -87,6 +90,8 @@ async def _burst(engine, prompts: list[list[int]], max_tokens: int) -> dict:
         "ttft_median_s": statistics.median(r["ttft"] for r in per_request),
         "tpot_mean_s": statistics.mean(r["tpot"] for r in per_request),
         "tpot_median_s": statistics.median(r["tpot"] for r in per_request),
+        # One per request: which runs of the burst wrote the same text.
+        "output_digests": [r["digest"] for r in per_request],
     }
 
 

@@ -12,7 +12,9 @@ message, offline and in the server: the prompt tokens' logits are never computed
 logits processor, so speculative decoding (which vLLM refuses to start alongside custom logits processors),
 prefix caching and vLLM's other features stay available.
 
-Without this hook (or with fast prefill switched off) the model is still exact, just without the prefill saving.
+Fast prefill can be switched off per engine: ``--additional-config '{"swiftkv_fast_prefill": false}'`` (or
+``LLM(..., additional_config={"swiftkv_fast_prefill": False})``). Layers ``>= l`` then run for every prompt token:
+the same outputs, no prefill saving, and prompt logprobs are served (scoring prompts with the SwiftKV model itself).
 """
 
 from __future__ import annotations
@@ -24,10 +26,12 @@ from swiftkv_core.configuration import SwiftKVConfigMixin
 
 logger = logging.getLogger(__name__)
 
+FAST_PREFILL_OPTION = "swiftkv_fast_prefill"
 PROMPT_LOGPROBS_MESSAGE = (
-    "prompt_logprobs are not supported by SwiftKV models: layers >= num_key_value_layers run only for the "
-    "tokens whose next-token logits are sampled, so the prompt tokens' logprobs are never computed. "
-    "Serve the base (non-SwiftKV) checkpoint to score prompts."
+    "prompt_logprobs are not supported by SwiftKV models with fast prefill: layers >= num_key_value_layers run "
+    "only for the tokens whose next-token logits are sampled, so the prompt tokens' logprobs are never computed. "
+    "To score prompts with this model, serve it with fast prefill off: --additional-config "
+    f"'{{\"{FAST_PREFILL_OPTION}\": false}}' (same outputs, no prefill saving)."
 )
 
 
@@ -65,9 +69,30 @@ def check_kv_cache_dtype(vllm_config) -> None:
         raise ValueError(problem)
 
 
+def fast_prefill_requested(additional_config) -> bool:
+    """``additional_config[FAST_PREFILL_OPTION]`` (default true); raises ``ValueError`` for a value that is not a
+    boolean or a ``swiftkv`` key this plugin does not know (a typo would otherwise be ignored silently)."""
+    options = additional_config if isinstance(additional_config, dict) else {}
+    unknown = sorted(
+        key for key in options if key.lower().startswith("swiftkv") and key != FAST_PREFILL_OPTION
+    )
+    if unknown:
+        raise ValueError(
+            f"--additional-config {unknown}: unknown SwiftKV option; the only one is {FAST_PREFILL_OPTION!r}."
+        )
+    value = options.get(FAST_PREFILL_OPTION, True)
+    if not isinstance(value, bool):
+        raise ValueError(
+            f"--additional-config {FAST_PREFILL_OPTION}={value!r}: use true (the default: layers >= l skip the "
+            "prompt tokens) or false (every layer runs for every prompt token; prompt logprobs are served)."
+        )
+    return value
+
+
 def update_engine_config(vllm_config) -> None:
-    """Fast prefill for a SwiftKV model that skips layers (``l < L``)."""
+    """Fast prefill for a SwiftKV model that skips layers (``l < L``), unless ``FAST_PREFILL_OPTION`` is false."""
     check_kv_cache_dtype(vllm_config)
+    fast_prefill = fast_prefill_requested(vllm_config.additional_config)
     hf_config = vllm_config.model_config.hf_config  # a swiftkv_core SwiftKV config
     if not hf_config.swiftkv:
         logger.warning(
@@ -77,6 +102,14 @@ def update_engine_config(vllm_config) -> None:
         )
     if not hf_config.num_kv_groups:
         return  # nothing skipped: the model is a plain Llama / Qwen2, prompt logprobs are right
+    if not fast_prefill:
+        logger.info(
+            "SwiftKV: fast prefill off (%s=false): layers >= %d run for every prompt token, so the outputs are the "
+            "same, prompt logprobs are served and the prefill saving is lost.",
+            FAST_PREFILL_OPTION,
+            hf_config.num_key_value_layers,
+        )
+        return
     vllm_config.cache_config.kv_sharing_fast_prefill = True
 
 

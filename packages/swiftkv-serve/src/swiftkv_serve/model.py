@@ -13,9 +13,9 @@ Forward over the tokens scheduled in one step (prefill chunks and decodes mixed)
 
 The subset comes from vLLM's fast-prefill machinery for KV-sharing models (``kv_sharing_fast_prefill``,
 switched on by ``swiftkv_serve.engine_config``): the attention layers ``>= l`` use vLLM's fast-prefill backend
-wrapper, so their metadata covers only those tokens. With the flag off the same code runs layers ``>= l`` for
-every token (exact, no saving). The vLLM internals this takes (the wrapper, the metadata, the separate cache-write
-and attention ops) are all in ``swiftkv_serve.vllm_internals``.
+wrapper, so their metadata covers only those tokens. With the flag off (``swiftkv_fast_prefill: false``) the same
+code runs layers ``>= l`` for every token (exact, no saving). The vLLM internals this takes (the wrapper, the
+metadata, the separate cache-write and attention ops) are all in ``swiftkv_serve.vllm_internals``.
 
 torch.compile (vLLM's default mode): two compile units, as in vLLM's Gemma3n. ``SwiftKVSelfDecoder`` covers
 everything up to the cache writes (all scheduled tokens), ``SwiftKVCrossDecoder`` layers ``>= l`` and the final
@@ -57,6 +57,7 @@ from vllm.transformers_utils.config import set_default_rope_theta
 
 from swiftkv_core.weights import is_teacher_projection, match_swiftkv_kv
 
+from .engine_config import fast_prefill_requested
 from .vllm_internals import (
     attend,
     compile_unit_tag,
@@ -438,10 +439,11 @@ class SwiftKVForCausalLM(nn.Module):
         if config.tie_word_embeddings:
             self.lm_head = self.lm_head.tie_weights(self.model.embed_tokens)
         self.logits_processor = LogitsProcessor(config.vocab_size, scale=getattr(config, "logit_scale", 1.0))
-        if config.num_kv_groups and not vllm_config.cache_config.kv_sharing_fast_prefill:
+        slow_prefill = config.num_kv_groups and not vllm_config.cache_config.kv_sharing_fast_prefill
+        if slow_prefill and fast_prefill_requested(vllm_config.additional_config):  # not the user's choice
             logger.warning(
                 "SwiftKV: kv_sharing_fast_prefill is off, so layers >= %d run for every prompt token (outputs are "
-                "exact, the prefill saving is lost). The swiftkv_serve plugin turns it on unless it was overridden.",
+                "exact, the prefill saving is lost): the swiftkv_serve plugin's engine hook did not run.",
                 config.num_key_value_layers,
             )
 
