@@ -28,11 +28,12 @@ output token measures the prefill time ``T_prefill`` of the stock run's time ``T
 report gives the measured speed-up against it.
 
 With n-gram speculation speed DOES depend on the weights: the drafts are accepted when the model's greedy text
-copies its prompt, so an engine whose model writes other text takes another number of decode steps. Each burst
-with speculation records the engine's counters (drafts, accepted tokens; ``swiftkv_serve.bench.spec_decode_stats``),
-and the acceptance-adjusted bound scales the stock run's decode time by the ratio of decode steps
-(``prefill_bound``'s ``decode_steps_ratio``). Use a distilled SwiftKV export (``--swiftkv_model``) for rows where
-the two models should write the same text.
+copies its prompt, so an engine whose model writes other text takes another number of decode steps, and the bound
+above (which assumes the same decode work) no longer bounds anything. So each feature set with speculation also
+runs the SwiftKV checkpoint with fast prefill off (``swiftkv_fast_prefill: false``): every layer for every prompt
+token, the stock prefill FLOPs, and the same text as SwiftKV (the report counts the requests whose output token
+ids are identical). Against that baseline (the "same text" rows) the bound holds again. Each burst with
+speculation also records the engine's counters (drafts, accepted tokens; ``swiftkv_serve.bench.spec_decode_stats``).
 """
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ from pathlib import Path
 
 from jsonargparse import auto_cli
 
-from swiftkv_serve.bench import ChildProcessFailed, compare_serving, plot_serving
+from swiftkv_serve.bench import STOCK_LABEL, ChildProcessFailed, compare_serving, plot_serving
 
 RESULTS = Path(__file__).parent / "results"
 WORKLOADS = {"2000/200": (2000, 200), "500/500": (500, 500)}
@@ -56,6 +57,8 @@ FEATURES = {
     "n-gram": {"speculative_config": NGRAM},
     "both": {"enable_prefix_caching": True, "speculative_config": NGRAM},
 }
+FAST_PREFILL_OFF = {"additional_config": {"swiftkv_fast_prefill": False}}  # the same-text baseline's engine
+SAME_TEXT_LABEL = "SwiftKV, fast prefill off"
 KV_CACHE_GIB = 4
 _DTYPES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
 
@@ -357,24 +360,11 @@ def feature_workloads(
     return workloads
 
 
-def prefill_bound(
-    total_s: float, prefill_s: float, flops_ratio: float, decode_steps_ratio: float = 1.0
-) -> float:
+def prefill_bound(total_s: float, prefill_s: float, flops_ratio: float) -> float:
     """The most a prefill ``flops_ratio`` times cheaper can speed up a run of ``total_s`` of which ``prefill_s``
-    is prefill (Amdahl): ``T / (T_prefill / R + (T - T_prefill) * s)``, i.e. ``T / (T - T_prefill * (1 - 1/R))``
-    for ``s = 1``.
-
-    ``decode_steps_ratio`` ``s``: the decode steps the faster engine needs per decode step of the measured one.
-    Without speculation both emit one token per request-step, so ``s = 1``. With n-gram speculation a step emits
-    one token plus the accepted drafts, and two models that write different text accept different numbers:
-    the decode part ``T - T_prefill``, at the same cost per step, then scales by ``s`` (the acceptance-adjusted
-    bound). Its efficiency (speed-up / bound) is the ideal time over the measured one: it charges SwiftKV's
-    serving for what it does with the steps its text needs, not for the text. It keeps the cost of a step fixed,
-    though a step's cost grows with the draft tokens it verifies (little on a GPU, more on a CPU): compare the
-    two engines' draft tokens per step (``spec_decode``) before reading much into a few percent.
-    """
+    is prefill, with the same decode work (Amdahl): ``T / (T - T_prefill * (1 - 1/R))``."""
     prefill_s = min(prefill_s, total_s)
-    return total_s / (prefill_s / flops_ratio + (total_s - prefill_s) * decode_steps_ratio)
+    return total_s / (total_s - prefill_s * (1 - 1 / flops_ratio))
 
 
 def compare_features(
@@ -387,16 +377,16 @@ def compare_features(
     workload_names: list[str] | None = None,
 ) -> dict:
     """Every feature set of ``features`` (default ``FEATURES``) on the workloads of ``feature_workloads`` (those
-    named in ``workload_names``, default all), stock and SwiftKV, each (model, feature set) in its own child
-    process; stock runs also time each burst prefill-only. ``summary``: per workload and feature set the speed-up,
-    the bound and the efficiency, and with speculation each engine's acceptance and the acceptance-adjusted bound
-    (``feature_summary``)."""
+    named in ``workload_names``, default all), stock and SwiftKV, and with speculation also the same-text
+    baseline (SwiftKV with fast prefill off), each (engine, feature set) in its own child process; the baselines
+    also time each burst prefill-only. ``summary``: per workload and feature set the speed-up, the bound and the
+    efficiency against each baseline, and with speculation each engine's acceptance (``feature_summary``)."""
     import torch
     from transformers import AutoConfig, AutoTokenizer
 
     import swiftkv_core  # noqa: F401  (registers the SwiftKV configs with AutoConfig)
     from swiftkv_core.flops import ModelShape, prefill_flops_total
-    from swiftkv_serve.bench import STOCK_LABEL, default_dtype, device_name, run_in_child
+    from swiftkv_serve.bench import default_dtype, device_name, run_in_child
 
     config = AutoConfig.from_pretrained(swiftkv)
     l, g = config.num_key_value_layers, config.key_value_group_size
@@ -408,14 +398,20 @@ def compare_features(
     max_model_len = 256 * -(-max(p + o for p, o in shapes.values()) // 256)
     dtype = default_dtype()
     shape = ModelShape.from_config(config)
-    flops_ratio = {
-        name: prefill_flops_total(shape, p) / prefill_flops_total(shape, p, l, g)
-        for name, (p, _) in shapes.items()
-    }
+    flops_ratio, same_text_ratio = {}, {}
+    for name, (p, _) in shapes.items():
+        stock, swift = prefill_flops_total(shape, p), prefill_flops_total(shape, p, l, g)
+        # Fast prefill off: every prompt token through every layer, AcrossKV's shared K/V still once per group.
+        same_text = stock - (prefill_flops_total(shape, p, l) - swift)
+        flops_ratio[name], same_text_ratio[name] = stock / swift, same_text / swift
+    swift_label = f"SwiftKV l={l}"
     features = FEATURES if features is None else features
     runs: dict[str, dict[str, dict]] = {}
     for feature, options in features.items():
-        for label, path in ((STOCK_LABEL, base), (f"SwiftKV l={l}", swiftkv)):
+        engines = [(STOCK_LABEL, base, options), (swift_label, swiftkv, options)]
+        if "speculative_config" in options:
+            engines.append((SAME_TEXT_LABEL, swiftkv, options | FAST_PREFILL_OFF))
+        for label, path, engine_options in engines:
             print(f"== {feature}: {label}", flush=True)
             runs.setdefault(feature, {})[label] = run_in_child(
                 path,
@@ -428,14 +424,19 @@ def compare_features(
                 max_model_len,
                 dtype,
                 lambda line: print(line, flush=True),
-                engine_options=options,
+                engine_options=engine_options,
                 prompts=prompts,
-                prefill_only=label == STOCK_LABEL,
+                prefill_only=label != swift_label,
             )
     summary = {
         name: {
             feature: feature_summary(
-                by_label[STOCK_LABEL], by_label[f"SwiftKV l={l}"], name, flops_ratio[name]
+                by_label[STOCK_LABEL],
+                by_label[swift_label],
+                name,
+                flops_ratio[name],
+                by_label.get(SAME_TEXT_LABEL),
+                same_text_ratio[name],
             )
             for feature, by_label in runs.items()
         }
@@ -458,36 +459,52 @@ def compare_features(
         "features": features,
         "workloads": {name: {"max_prompt_tokens": p, "output_tokens": o} for name, (p, o) in shapes.items()},
         "prefill_flops_ratio": flops_ratio,
+        "same_text_prefill_flops_ratio": same_text_ratio,
         "runs": runs,
         "summary": summary,
     }
 
 
-def feature_summary(stock: dict, swiftkv: dict, workload: str, flops_ratio: float) -> dict:
-    """One row of the features report from the two engines' runs: ``speedup_x`` (stock wall time / SwiftKV's),
-    ``bound_x``, ``efficiency`` (speed-up / bound), ``prefill_share``; with speculation also each engine's
-    ``spec_decode`` stats, ``decode_steps_ratio`` (SwiftKV / stock), ``adjusted_bound_x`` and
-    ``adjusted_efficiency`` (``prefill_bound`` with that ratio)."""
-    total, swift_total = stock["workloads"][workload]["wall_s"], swiftkv["workloads"][workload]["wall_s"]
-    prefill = stock["prefill_only"][workload]["wall_s"]
+def same_outputs(a: dict, b: dict) -> float:
+    """The share of requests of two runs of one burst whose output token ids are identical."""
+    pairs = list(zip(a["output_digests"], b["output_digests"], strict=True))
+    return sum(x == y for x, y in pairs) / len(pairs)
+
+
+def versus(baseline: dict, swiftkv: dict, workload: str, flops_ratio: float) -> dict:
+    """SwiftKV's run of ``workload`` against a baseline run that timed it prefill-only too: ``speedup_x``,
+    ``bound_x`` (``prefill_bound``), ``efficiency`` (speed-up / bound), ``prefill_share`` and
+    ``identical_outputs`` (``same_outputs``)."""
+    total, swift_total = baseline["workloads"][workload]["wall_s"], swiftkv["workloads"][workload]["wall_s"]
+    prefill = baseline["prefill_only"][workload]["wall_s"]
     speedup, bound = total / swift_total, prefill_bound(total, prefill, flops_ratio)
-    row = {
+    return {
         "speedup_x": speedup,
         "bound_x": bound,
         "efficiency": speedup / bound,
         "prefill_share": prefill / total,
+        "identical_outputs": same_outputs(baseline["workloads"][workload], swiftkv["workloads"][workload]),
     }
-    stock_spec = stock["workloads"][workload].get("spec_decode")
-    swift_spec = swiftkv["workloads"][workload].get("spec_decode")
-    if stock_spec and swift_spec:
-        steps_ratio = swift_spec["decode_steps"] / stock_spec["decode_steps"]
-        adjusted = prefill_bound(total, prefill, flops_ratio, steps_ratio)
-        row |= {
-            "spec_decode": {"stock": stock_spec, "swiftkv": swift_spec},
-            "decode_steps_ratio": steps_ratio,
-            "adjusted_bound_x": adjusted,
-            "adjusted_efficiency": speedup / adjusted,
-        }
+
+
+def feature_summary(
+    stock: dict,
+    swiftkv: dict,
+    workload: str,
+    flops_ratio: float,
+    same_text: dict | None = None,
+    same_text_ratio: float | None = None,
+) -> dict:
+    """One row of the features report: SwiftKV ``versus`` stock; with a same-text baseline run (SwiftKV with
+    fast prefill off) also ``same_text``, SwiftKV ``versus`` it; with speculation each engine's ``spec_decode``
+    stats."""
+    row = versus(stock, swiftkv, workload, flops_ratio)
+    if same_text is not None:
+        row["same_text"] = versus(same_text, swiftkv, workload, same_text_ratio)
+    runs = {"stock": stock, "swiftkv": swiftkv, "same_text": same_text}
+    spec = {key: run["workloads"][workload].get("spec_decode") for key, run in runs.items() if run}
+    if all(spec.values()):
+        row["spec_decode"] = spec
     return row
 
 
@@ -496,18 +513,24 @@ def _percent(value: float | None) -> str:
 
 
 SPEC_DECODE_NOTES = [
-    "- With n-gram speculation the speed depends on the text: a decode step emits one token plus the drafts "
-    "it accepts, and drafts are accepted when the model copies its prompt. From vLLM's counters over each "
-    "timed burst (`vllm:spec_decode_num_draft_tokens`, `vllm:spec_decode_num_accepted_tokens`): acceptance "
-    "= accepted / proposed draft tokens; decode steps = output tokens after each request's first - accepted "
-    "tokens (request-steps); tokens / decode step = those tokens / steps.",
-    "- adjusted bound = T / (T_prefill / R + (T - T_prefill) * s), s = SwiftKV's decode steps / stock's: the "
-    "stock decode time at the same cost per step, for the steps SwiftKV's own text needs (s = 1 gives the "
-    "bound). adjusted efficiency = speed-up / adjusted bound = that ideal SwiftKV time / the measured one: "
-    "it judges the serving, the plain efficiency also the model's text. Only the n-gram rows have it; it "
-    "differs from the plain one where the two engines' acceptance differs (s != 1). It keeps a step's cost "
-    "fixed, though a step's cost grows with the draft tokens it verifies (columns 'drafts / step').",
+    "- With n-gram speculation the decode work depends on the text: a decode step emits one token plus the drafts "
+    "it accepts, and drafts are accepted where the model copies its prompt. Stock and SwiftKV write different text "
+    "(column 'same text as stock': the requests whose output token ids are identical), so their decode work "
+    "differs and the stock row's bound, which assumes the same decode work, can be beaten or missed for reasons "
+    "that are not the serving's. The same-text baseline is the SwiftKV checkpoint served with "
+    f"`--additional-config '{json.dumps(FAST_PREFILL_OFF['additional_config'])}'`: every layer runs for every "
+    "prompt token (its R: the bound line above), and its outputs are SwiftKV's (column 'same text'), so "
+    "both decode the same tokens and its bound holds.",
+    "- Counters, from vLLM over each timed burst (`vllm:spec_decode_num_draft_tokens`, "
+    "`vllm:spec_decode_num_accepted_tokens`): acceptance = accepted / proposed draft tokens; decode steps = "
+    "output tokens after each request's first - accepted tokens (request-steps); tokens / step = those tokens / "
+    "steps.",
 ]
+ENGINES = {"stock": "stock", "swiftkv": "SwiftKV", "same_text": "fast prefill off"}
+
+
+def _row(cells: list) -> str:
+    return "| " + " | ".join(map(str, cells)) + " |"
 
 
 def write_features_report(results: dict, out: Path) -> None:
@@ -516,6 +539,7 @@ def write_features_report(results: dict, out: Path) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".json").write_text(json.dumps(results, indent=2))
     plot_features(results, out.with_suffix(".png"))
+    swift_label = f"SwiftKV l={l}"
     lines = [
         f"# Serving with vLLM features: {results['model']} stock vs SwiftKV (l={l} of {num_layers})",
         "",
@@ -524,54 +548,108 @@ def write_features_report(results: dict, out: Path) -> None:
         + swiftkv_origin(results),
         "",
         "| workload | features | stock s | SwiftKV s | speed-up | prefill share (stock) | bound | efficiency | "
-        "adjusted bound | adjusted efficiency |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "same text as stock |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
-    spec_rows = []
+    same_text_lines, spec_lines = [], []
     for name, by_feature in results["summary"].items():
         for feature, r in by_feature.items():
-            walls = [run["workloads"][name]["wall_s"] for run in results["runs"][feature].values()]
-            adjusted = f"{r['adjusted_bound_x']:.2f}x" if "adjusted_bound_x" in r else "-"
+            runs = results["runs"][feature]
+            wall = {label: run["workloads"][name]["wall_s"] for label, run in runs.items()}
             lines.append(
-                f"| {name} | {feature} | {walls[0]:.1f} | {walls[1]:.1f} | {r['speedup_x']:.2f}x | "
-                f"{100 * r['prefill_share']:.0f}% | {r['bound_x']:.2f}x | {_percent(r['efficiency'])} | "
-                f"{adjusted} | {_percent(r.get('adjusted_efficiency'))} |"
+                _row(
+                    [
+                        name,
+                        feature,
+                        f"{wall[STOCK_LABEL]:.1f}",
+                        f"{wall[swift_label]:.1f}",
+                        f"{r['speedup_x']:.2f}x",
+                        _percent(r["prefill_share"]),
+                        f"{r['bound_x']:.2f}x",
+                        _percent(r["efficiency"]),
+                        _percent(r.get("identical_outputs")),
+                    ]
+                )
             )
+            if "same_text" in r:
+                t = r["same_text"]
+                same_text_lines.append(
+                    _row(
+                        [
+                            name,
+                            feature,
+                            f"{wall[SAME_TEXT_LABEL]:.1f}",
+                            f"{wall[swift_label]:.1f}",
+                            f"{t['speedup_x']:.2f}x",
+                            _percent(t["prefill_share"]),
+                            f"{t['bound_x']:.2f}x",
+                            _percent(t["efficiency"]),
+                            _percent(t["identical_outputs"]),
+                        ]
+                    )
+                )
             if "spec_decode" in r:
-                spec_rows.append((name, feature, r))
-    if spec_rows:
+                spec = r["spec_decode"]
+                spec_lines.append(
+                    _row(
+                        [
+                            name,
+                            feature,
+                            " / ".join(_percent(spec[key]["acceptance_rate"]) for key in spec),
+                            " / ".join(f"{spec[key]['tokens_per_step']:.2f}" for key in spec),
+                            " / ".join(str(spec[key]["decode_steps"]) for key in spec),
+                        ]
+                    )
+                )
+    if same_text_lines:
         lines += [
             "",
-            "Speculative decoding in the timed bursts (the engines' counters):",
+            "With n-gram speculation, SwiftKV against the same checkpoint with fast prefill off (the same text, "
+            "the stock prefill FLOPs; see below):",
             "",
-            "| workload | features | acceptance (stock / SwiftKV) | drafts / step (stock / SwiftKV) | "
-            "tokens / step (stock / SwiftKV) | decode steps (stock / SwiftKV) | s = steps SwiftKV / stock |",
-            "|---|---|---|---|---|---|---|",
+            "| workload | features | fast prefill off s | SwiftKV s | speed-up | prefill share (off) | bound | "
+            "efficiency | same text |",
+            "|---|---|---|---|---|---|---|---|---|",
+            *same_text_lines,
         ]
-        for name, feature, r in spec_rows:
-            stock, swift = r["spec_decode"]["stock"], r["spec_decode"]["swiftkv"]
-            per_step = [run["draft_tokens"] / run["decode_steps"] for run in (stock, swift)]
-            lines.append(
-                f"| {name} | {feature} | {_percent(stock['acceptance_rate'])} / "
-                f"{_percent(swift['acceptance_rate'])} | {per_step[0]:.2f} / {per_step[1]:.2f} | "
-                f"{stock['tokens_per_step']:.2f} / {swift['tokens_per_step']:.2f} | "
-                f"{stock['decode_steps']} / {swift['decode_steps']} | {r['decode_steps_ratio']:.2f} |"
+    if spec_lines:
+        engines = " / ".join(
+            ENGINES[key]
+            for key in next(
+                iter(
+                    r["spec_decode"]
+                    for by_feature in results["summary"].values()
+                    for r in by_feature.values()
+                    if "spec_decode" in r
+                )
             )
+        )
+        lines += [
+            "",
+            f"Speculative decoding in the timed bursts (the engines' counters; {engines}):",
+            "",
+            "| workload | features | acceptance | tokens / decode step | decode steps |",
+            "|---|---|---|---|---|",
+            *spec_lines,
+        ]
     ratios = ", ".join(f"{name} {r:.2f}" for name, r in results["prefill_flops_ratio"].items())
+    same_ratios = ", ".join(
+        f"{name} {r:.2f}" for name, r in results.get("same_text_prefill_flops_ratio", {}).items()
+    )
     lines += [
         "",
         "How it was measured:",
         "",
-        "- One burst per workload, submitted at once to vLLM's async engine, streamed; each (model, features) "
-        "engine in its own process; with prefix caching the cache is emptied before each burst.",
+        "- One burst per workload, submitted at once to vLLM's async engine, streamed; each (engine, features) "
+        "in its own process; with prefix caching the cache is emptied before each burst.",
         "- RAG: 4 shipping-log documents (~1500 tokens) shared by the questions; extraction: a document per "
         "request, the answer copies its lines; decode-heavy: random ids, 100 in / 500 out; long answers: chat "
         "requests for a long article in the model's chat template, ~65 in / 500 out.",
         f"- n-gram: `{json.dumps(NGRAM)}`.",
-        "- bound = T / (T - T_prefill * (1 - 1/R)): T the stock burst's wall time, T_prefill the same burst with "
-        f"one output token, R the prefill FLOPs ratio at the workload's longest prompt ({ratios}); "
-        "efficiency = speed-up / bound.",
-        *(SPEC_DECODE_NOTES if spec_rows else []),
+        "- bound = T / (T - T_prefill * (1 - 1/R)): T the baseline burst's wall time, T_prefill the same burst "
+        f"with one output token, R the prefill FLOPs ratio at the workload's longest prompt ({ratios}; same-text "
+        f"baseline: {same_ratios or '-'}); efficiency = speed-up / bound.",
+        *(SPEC_DECODE_NOTES if spec_lines else []),
         "",
         "Command:",
         "",
@@ -583,8 +661,9 @@ def write_features_report(results: dict, out: Path) -> None:
 
 
 def plot_features(results: dict, path: Path) -> None:
-    """Per workload, the SwiftKV speed-up of each feature set (bars) against its bound (black marks) and, with
-    speculation, the acceptance-adjusted bound (red marks); efficiencies written on the bars. PNG."""
+    """Per workload, the SwiftKV speed-up of each feature set over stock (blue bars) and, with speculation, over
+    the same-text baseline (orange bars), each against its bound (black marks); efficiencies written on the
+    bars. PNG."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -593,45 +672,50 @@ def plot_features(results: dict, path: Path) -> None:
     from matplotlib.patches import Patch
 
     summary = results["summary"]
-    marks = dict(marker="_", s=900, linewidths=2.5, zorder=3)  # a bound: a wide dash over its bar
-    fig, axes = plt.subplots(1, len(summary), figsize=(4.6 * len(summary), 4.4), sharey=True, squeeze=False)
-    top = max(
-        max(r["speedup_x"], r["bound_x"], r.get("adjusted_bound_x", 0))
+    width = max(4.6 * len(summary), 10)  # room for the legend with one workload
+    fig, axes = plt.subplots(1, len(summary), figsize=(width, 4.4), sharey=True, squeeze=False)
+    bars = [
+        (r, colour)
         for by_feature in summary.values()
-        for r in by_feature.values()
-    )
+        for row in by_feature.values()
+        for r, colour in ((row, "tab:blue"), (row.get("same_text"), "tab:orange"))
+        if r
+    ]
+    top = max(max(r["speedup_x"], r["bound_x"]) for r, _ in bars)
     for ax, (name, by_feature) in zip(axes[0], summary.items(), strict=True):
         features = list(by_feature)
-        x = range(len(features))
-        rows = [by_feature[feature] for feature in features]
-        ax.bar(x, [r["speedup_x"] for r in rows], 0.6, color="tab:blue")
-        ax.scatter(x, [r["bound_x"] for r in rows], color="black", **marks)
-        adjusted = [(i, r["adjusted_bound_x"]) for i, r in enumerate(rows) if "adjusted_bound_x" in r]
-        if adjusted:
-            ax.scatter(*zip(*adjusted, strict=True), color="tab:red", **marks)
-        for i, r in enumerate(rows):
-            text = f"{100 * r['efficiency']:.0f}%"
-            if "adjusted_efficiency" in r:
-                text += f"\nadj. {100 * r['adjusted_efficiency']:.0f}%"
-            ax.text(i, r["speedup_x"] / 2, text, ha="center", va="center", fontsize=8, color="white")
+        for i, feature in enumerate(features):
+            row = by_feature[feature]
+            pair = [(row, "tab:blue")] + ([(row["same_text"], "tab:orange")] if "same_text" in row else [])
+            width = 0.7 / len(pair)
+            for j, (r, colour) in enumerate(pair):
+                x = i + (j - (len(pair) - 1) / 2) * width
+                ax.bar(x, r["speedup_x"], 0.9 * width, color=colour)
+                ax.plot([x - width / 2, x + width / 2], [r["bound_x"]] * 2, color="black", linewidth=2.5)
+                ax.text(
+                    x,
+                    r["speedup_x"] / 2,
+                    f"{100 * r['efficiency']:.0f}%",
+                    ha="center",
+                    va="center",
+                    fontsize=8,
+                    color="white",
+                    rotation=90 if len(pair) > 1 else 0,
+                )
         ax.axhline(1.0, color="gray", linewidth=0.8, linestyle="--")
-        ax.set_xticks(list(x), features, fontsize=9)
+        ax.set_xticks(range(len(features)), features, fontsize=9)
         workload = results["workloads"][name]
         ax.set_title(
             f"{name} (prompt <= {workload['max_prompt_tokens']}, {workload['output_tokens']} out)",
             fontsize=10,
         )
         ax.set_ylim(0, 1.15 * top)
-    axes[0][0].set_ylabel("SwiftKV speed-up over stock (x)")
-    # Proxy handles: the bound marks are scatter markers, too wide for legend entries.
+    axes[0][0].set_ylabel("SwiftKV speed-up (x)")
     legend = [
-        (Patch(color="tab:blue"), "measured speed-up"),
-        (Line2D([], [], color="black", linewidth=2.5), "bound (prefill R times cheaper)"),
+        (Patch(color="tab:blue"), "over stock"),
+        (Patch(color="tab:orange"), "over itself with fast prefill off (same text; n-gram rows)"),
+        (Line2D([], [], color="black", linewidth=2.5), "bound (prefill R times cheaper, same decode work)"),
     ]
-    if any("adjusted_bound_x" in r for by_feature in summary.values() for r in by_feature.values()):
-        legend.append(
-            (Line2D([], [], color="tab:red", linewidth=2.5), "bound adjusted for n-gram acceptance")
-        )
     fig.legend(*zip(*legend, strict=True), loc="lower center", ncol=len(legend), fontsize=8, frameon=False)
     fig.suptitle(
         f"vLLM {results['vllm_version']} on {results['device']}: {results['model']} stock vs SwiftKV "
