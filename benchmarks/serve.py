@@ -551,7 +551,7 @@ def write_features_report(results: dict, out: Path) -> None:
         "same text as stock |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
-    same_text_lines, spec_lines = [], []
+    same_text_lines, spec_lines, engines = [], [], ""
     for name, by_feature in results["summary"].items():
         for feature, r in by_feature.items():
             runs = results["runs"][feature]
@@ -590,6 +590,7 @@ def write_features_report(results: dict, out: Path) -> None:
                 )
             if "spec_decode" in r:
                 spec = r["spec_decode"]
+                engines = " / ".join(ENGINES[key] for key in spec)
                 spec_lines.append(
                     _row(
                         [
@@ -613,17 +614,6 @@ def write_features_report(results: dict, out: Path) -> None:
             *same_text_lines,
         ]
     if spec_lines:
-        engines = " / ".join(
-            ENGINES[key]
-            for key in next(
-                iter(
-                    r["spec_decode"]
-                    for by_feature in results["summary"].values()
-                    for r in by_feature.values()
-                    if "spec_decode" in r
-                )
-            )
-        )
         lines += [
             "",
             f"Speculative decoding in the timed bursts (the engines' counters; {engines}):",
