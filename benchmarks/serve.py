@@ -138,16 +138,9 @@ def main(
     """
     if suite not in ("lengths", "features"):
         raise SystemExit(f"--suite {suite!r}: use 'lengths' or 'features'.")
-    unknown = [name for name in features or [] if name not in FEATURES]
-    if unknown or (features is not None and (suite != "features" or not features)):
-        raise SystemExit(
-            f"--features {features}: with --suite features, a non-empty list of {list(FEATURES)}."
-        )
-    unknown = [name for name in workloads or [] if name not in FEATURE_WORKLOADS]
-    if unknown or (workloads is not None and (suite != "features" or not workloads)):
-        raise SystemExit(
-            f"--workloads {workloads}: with --suite features, a non-empty list of {list(FEATURE_WORKLOADS)}."
-        )
+    for flag, names, known in (("features", features, FEATURES), ("workloads", workloads, FEATURE_WORKLOADS)):
+        if names is not None and (suite != "features" or not names or not set(names) <= set(known)):
+            raise SystemExit(f"--{flag} {names}: with --suite features, a non-empty list of {list(known)}.")
     if out is None:
         out = RESULTS / ("serve-compile" if compile else "serve")
         if suite == "features":
@@ -533,6 +526,23 @@ def _row(cells: list) -> str:
     return "| " + " | ".join(map(str, cells)) + " |"
 
 
+def _versus_row(name: str, feature: str, baseline_s: float, swiftkv_s: float, v: dict) -> str:
+    """A table row of ``versus``'s result: wall times, speed-up, prefill share, bound, efficiency, same text."""
+    return _row(
+        [
+            name,
+            feature,
+            f"{baseline_s:.1f}",
+            f"{swiftkv_s:.1f}",
+            f"{v['speedup_x']:.2f}x",
+            _percent(v["prefill_share"]),
+            f"{v['bound_x']:.2f}x",
+            _percent(v["efficiency"]),
+            _percent(v.get("identical_outputs")),
+        ]
+    )
+
+
 def write_features_report(results: dict, out: Path) -> None:
     """``out``.json, .png (``plot_features``) and .md from ``compare_features``'s results."""
     l, num_layers = results["num_key_value_layers"], results["num_hidden_layers"]
@@ -556,37 +566,10 @@ def write_features_report(results: dict, out: Path) -> None:
         for feature, r in by_feature.items():
             runs = results["runs"][feature]
             wall = {label: run["workloads"][name]["wall_s"] for label, run in runs.items()}
-            lines.append(
-                _row(
-                    [
-                        name,
-                        feature,
-                        f"{wall[STOCK_LABEL]:.1f}",
-                        f"{wall[swift_label]:.1f}",
-                        f"{r['speedup_x']:.2f}x",
-                        _percent(r["prefill_share"]),
-                        f"{r['bound_x']:.2f}x",
-                        _percent(r["efficiency"]),
-                        _percent(r.get("identical_outputs")),
-                    ]
-                )
-            )
+            lines.append(_versus_row(name, feature, wall[STOCK_LABEL], wall[swift_label], r))
             if "same_text" in r:
-                t = r["same_text"]
                 same_text_lines.append(
-                    _row(
-                        [
-                            name,
-                            feature,
-                            f"{wall[SAME_TEXT_LABEL]:.1f}",
-                            f"{wall[swift_label]:.1f}",
-                            f"{t['speedup_x']:.2f}x",
-                            _percent(t["prefill_share"]),
-                            f"{t['bound_x']:.2f}x",
-                            _percent(t["efficiency"]),
-                            _percent(t["identical_outputs"]),
-                        ]
-                    )
+                    _versus_row(name, feature, wall[SAME_TEXT_LABEL], wall[swift_label], r["same_text"])
                 )
             if "spec_decode" in r:
                 spec = r["spec_decode"]
