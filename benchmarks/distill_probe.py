@@ -1,15 +1,15 @@
 """One short distillation probe: the quickstart's distill step from a converted checkpoint, with other data.
 
-What limits the chat agreement of the CPU recipe (issue 12)? Each probe trains, exactly as the quickstart's distill
+What limits the chat agreement of the CPU recipe? Each probe trains, exactly as the quickstart's distill
 step does (the recipe's model and data settings, its precision, warm-up + cosine over ``--seconds`` of training,
 the real Lightning trainer), from the SAME converted checkpoint (the quickstart's ``converted/``: least-squares K/V
 already fitted, so every probe starts from the same weights), on ``--train_files``, and measures the named held-out
 sets after training (and before, with ``--before true``). Naming the training chat answers as a validation set
 (``chattrain``) tells over-fitting (train >> held-out) from a ceiling (train ~ held-out).
 
-    flock /tmp/swiftkv-heavy.lock .venv/bin/python benchmarks/distill_probe.py --name chat-x3 \\
+    .venv/bin/python benchmarks/distill_probe.py --name chat-x3 \\
         --converted runs/SmolLM2-135M-Instruct-l15/converted --seconds 300 \\
-        --train_files '[recipe:brown_train, recipe:chat_answers, recipe:chat_answers, recipe:chat_answers]'
+        --train_files '[dataset:brown_train, dataset:chat_answers, dataset:chat_answers, dataset:chat_answers]'
 
 Each run adds (or replaces) its row, by ``--name``, in ``benchmarks/results/distill-probes.{json,md}``; the
 training logs go to ``--out``. Short runs on a shared CPU: differences under about half a point are noise.
@@ -18,15 +18,16 @@ training logs go to ``--out``. Short runs on a shared CPU: differences under abo
 from __future__ import annotations
 
 import json
+import shlex
+import sys
 import time
 from pathlib import Path
 
 RESULTS = Path(__file__).parent / "results"
-RECIPE = Path(__file__).parents[1] / "configs" / "distill" / "smollm2-135m-cpu.yaml"
 VAL_FILES = {
-    "text": ["recipe:brown_heldout"],
-    "chat": ["recipe:chat_answers_heldout"],
-    "chattrain": ["recipe:chat_answers"],
+    "text": ["dataset:brown_heldout"],
+    "chat": ["dataset:chat_answers_heldout"],
+    "chattrain": ["dataset:chat_answers"],
 }
 
 
@@ -38,6 +39,7 @@ def main(
     val_files: dict[str, list[str]] | None = None,
     before: bool = False,
     teacher: str = "default",
+    recipe: str = "smollm2-135m-cpu",
     out: Path = Path("outputs/distill-probes"),
 ) -> None:
     """Train the recipe's distillation from ``converted`` on ``train_files`` for ``seconds`` and record the result.
@@ -45,65 +47,44 @@ def main(
     Args:
         name: the probe's row in the results table (a later run of the same name replaces it).
         converted: a SwiftKV checkpoint to start from (the quickstart's ``converted/`` folder).
-        train_files: the training mix (files or recipe:NAME; a file listed k times is sampled k times as often).
+        train_files: the training mix (files or dataset:NAME; a file listed k times is sampled k times as often).
         seconds: training wall time (warm-up and cosine span it, as in the quickstart).
         val_files: held-out sets by name (default: text, chat and the training chat answers, ``chattrain``).
         before: also measure ``converted`` itself before the first step.
-        teacher: the model that answers recipe:chat_answers* (the base model ``converted`` came from).
+        teacher: the model that answers dataset:chat_answers* (the base model ``converted`` came from).
+        recipe: the distillation recipe (a shipped recipe's name or a YAML path).
         out: folder of the probes' Lightning logs (one sub-folder per name).
     """
-    import lightning as L
-    from lightning.pytorch.loggers import CSVLogger
-
-    from swiftkv_distill.callbacks import RunReport
+    from swiftkv_core.checkpoints import CheckpointError, check_checkpoint
     from swiftkv_distill.corpora import resolve_files
-    from swiftkv_distill.data import DistillDataModule
-    from swiftkv_distill.module import SwiftKVDistillation
-    from swiftkv_distill.progress import BudgetProgress
-    from swiftkv_distill.quickstart import _recipe, distill_arguments
+    from swiftkv_distill.recipe import budgeted_fit
 
-    if not (Path(converted) / "config.json").is_file():
-        raise SystemExit(
-            f"--converted {converted}: no checkpoint there; run the quickstart first (its converted/)."
-        )
+    try:
+        _, config = check_checkpoint(converted, kind="swiftkv")
+    except CheckpointError as error:
+        raise SystemExit(f"--converted: {error} (run the quickstart first: its converted/ folder).") from None
     val_files = val_files or VAL_FILES
-    config = json.loads((Path(converted) / "config.json").read_text())  # its l and g, not the recipe's
-    l, g = config["num_key_value_layers"], config["key_value_group_size"]
-    model_args, data_args, trainer_args = distill_arguments(RECIPE, l, g, seconds)
-    # the checkpoint's K/V are already fitted: "published" keeps them as they are
-    model_args.update(kv_init="published", evaluate_before_training=before)
-    # recipe:chat_answers* are the TEACHER's answers (the default model's), not the converted checkpoint's
-    data_args.update(
-        train_files=resolve_files(train_files, teacher),
-        val_files={k: resolve_files(v, teacher) for k, v in val_files.items()},
-    )
-    folder = Path(out) / name
-    L.seed_everything(_recipe(RECIPE).get("seed_everything", 0), verbose=False)
-    module = SwiftKVDistillation(str(converted), **model_args)
-    data = DistillDataModule(str(converted), **data_args)
-    trainer = L.Trainer(
-        **trainer_args,
-        max_steps=1_000_000,  # BudgetProgress stops the run
-        default_root_dir=folder,
-        logger=CSVLogger(folder, name="logs", version=0),
-        callbacks=[BudgetProgress(seconds), RunReport()],
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        num_sanity_val_steps=0,
-        use_distributed_sampler=False,
-        enable_checkpointing=False,
-    )
+    l, g = config.num_key_value_layers, config.key_value_group_size  # the checkpoint's, not the recipe's
+    overrides = {
+        "model.model": str(converted),
+        "model.num_key_value_layers": l,
+        "model.key_value_group_size": g,
+        "model.kv_init": "published",  # the checkpoint's K/V are already fitted: keep them as they are
+        "model.evaluate_before_training": before,
+        # dataset:chat_answers* are the TEACHER's answers (the base model's), not the converted checkpoint's
+        "data.train_files": resolve_files(train_files, teacher),
+        "data.val_files": {k: resolve_files(v, teacher) for k, v in val_files.items()},
+    }
     started = time.perf_counter()
-    trainer.fit(module, data)
-    summary = json.loads((folder / "logs" / "version_0" / "summary.json").read_text())
+    built, summary = budgeted_fit(recipe, Path(out) / name, seconds, overrides)
     row = {
         "name": name,
         "train_files": train_files,
         "l": l,
         "g": g,
         "seconds": seconds,
-        "steps": trainer.global_step,
-        "precision": str(trainer.precision),
+        "steps": summary["global_step"],
+        "precision": str(built.trainer.precision),
         "wall_s": round(time.perf_counter() - started),
         # every metric as "<set>/<name>" (the run's summary leaves the first set's unprefixed)
         **{
@@ -113,23 +94,19 @@ def main(
             }
             for when in ("before", "after")
         },
-        "command": "flock /tmp/swiftkv-heavy.lock .venv/bin/python benchmarks/distill_probe.py "
-        f"--name {name} --converted {converted} --seconds {seconds:g} --train_files '{json.dumps(train_files)}'"
-        + (f" --val_files '{json.dumps(val_files)}'" if val_files != VAL_FILES else "")
-        + (" --before true" if before else ""),
+        "command": shlex.join([".venv/bin/python", "benchmarks/distill_probe.py", *sys.argv[1:]]),
     }
     _record(row)
 
 
 def _record(row: dict) -> None:
     """Add ``row`` to distill-probes.json (replacing one of the same name) and rewrite distill-probes.md."""
-    from swiftkv_core.atomic import atomic_file
+    from swiftkv_core.atomic import atomic_write_text
 
     path = RESULTS / "distill-probes.json"
     rows = json.loads(path.read_text()) if path.is_file() else []
     rows = [r for r in rows if r["name"] != row["name"]] + [row]
-    with atomic_file(path) as f:
-        f.write(json.dumps(rows, indent=2))
+    atomic_write_text(path, json.dumps(rows, indent=2))
     found = {k.split("/")[0] for r in rows for k in r["after"] if k.endswith("/agreement")}
     sets = sorted(found, key=lambda s: (s != "text", s))  # text first
 
@@ -164,8 +141,7 @@ def _record(row: dict) -> None:
             f"| {r['name']} | {shape} | {mix} | {r['seconds']:g} | {r['steps']} | " + " | ".join(cells) + " |"
         )
     lines += ["", "Commands:", ""] + [f"- {r['name']}: `{r['command']}`" for r in rows]
-    with atomic_file(RESULTS / "distill-probes.md") as f:
-        f.write("\n".join(lines) + "\n")
+    atomic_write_text(RESULTS / "distill-probes.md", "\n".join(lines) + "\n")
 
 
 if __name__ == "__main__":

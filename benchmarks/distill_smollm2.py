@@ -1,10 +1,10 @@
-"""The real distillation: SmolLM2-135M-Instruct at the recipe's l (20 of 30; 15 until issue 12) on this CPU, ~20 min.
+"""The real distillation: SmolLM2-135M-Instruct at the recipe's l (20 of 30), ~20 min on a 2-core CPU.
 
 Runs ``swiftkv-distill fit --config configs/distill/smollm2-135m-cpu.yaml`` (in process, timed end to end:
 model load, data preparation, the evaluation before distillation, training, the final evaluation, the exports),
 then copies the run's summary and plot to ``benchmarks/results/distill-smollm2.{json,png,md}``.
 
-    flock /tmp/swiftkv-heavy.lock .venv/bin/python benchmarks/distill_smollm2.py [--overrides '[--trainer.max_time, ...]']
+    .venv/bin/python benchmarks/distill_smollm2.py [--overrides '[--trainer.max_time, ...]']
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).parents[1]
-CONFIG = "configs/distill/smollm2-135m-cpu.yaml"
+CONFIG = "smollm2-135m-cpu"  # a shipped recipe (swiftkv_distill/recipes/)
 RESULTS = ROOT / "benchmarks" / "results"
 
 
@@ -25,7 +25,7 @@ def main(overrides: list[str] | None = None) -> None:
     Args:
         overrides: extra ``swiftkv-distill fit`` arguments, e.g. ``["--trainer.max_time", "00:00:05:00"]``.
     """
-    from swiftkv_distill.cli import make_cli
+    from swiftkv_distill.recipe import make_cli
 
     overrides = list(overrides or [])
     start = time.perf_counter()
@@ -35,7 +35,7 @@ def main(overrides: list[str] | None = None) -> None:
     summary = json.loads((log_dir / "summary.json").read_text())
     before, init, after = summary["before"], summary.get("init", {}), summary["after"]
     kv_init = summary.get("kv_init", {})
-    command = "flock /tmp/swiftkv-heavy.lock .venv/bin/python benchmarks/distill_smollm2.py" + (
+    command = ".venv/bin/python benchmarks/distill_smollm2.py" + (
         f" --overrides '{json.dumps(overrides)}'" if overrides else ""
     )
     result = {

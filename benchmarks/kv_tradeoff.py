@@ -18,7 +18,7 @@ fit (swiftkv_core.kv_init), a start that distillation improves on: the weights c
   of KV cache, per row and cache dtype (``auto`` = bf16, ``fp8``); a dtype the machine's vLLM refuses (fp8 on a
   CPU without AVX-512/AMX) is reported with vLLM's reason.
 
-    flock /tmp/swiftkv-heavy.lock .venv/bin/python benchmarks/kv_tradeoff.py --texts 4 \\
+    .venv/bin/python benchmarks/kv_tradeoff.py --texts 4 \\
         --checkpoints '{"l=15,g=1": "runs/smollm2-135m-instruct-l15/distilled", "l=15,g=3": ...}'
     .venv/bin/python benchmarks/kv_tradeoff.py --texts 1 --text_tokens 24 --rows '["l=15,g=3"]' --vllm false --tag smoke
 
@@ -239,7 +239,8 @@ def main(
 def vllm_capacity(path: str, kv_cache_dtype: str, kv_gib: float) -> dict:
     """Tokens vLLM's KV cache holds in ``kv_gib`` for the checkpoint at ``path`` (its own engine, in a child
     process), or the reason it refused the cache dtype."""
-    from swiftkv_serve.bench import ChildProcessFailed, run_in_child
+    from swiftkv_serve.bench import run_in_child
+    from swiftkv_serve.child import ChildProcessFailed
 
     try:
         run = run_in_child(
@@ -300,7 +301,7 @@ def write(result: dict, tag: str) -> None:
         "",
         f"![agreement and KL vs KV bytes per token]({name}.png)",
         "",
-        f"Command: `flock /tmp/swiftkv-heavy.lock {result.get('command', '.venv/bin/python benchmarks/kv_tradeoff.py')}`",
+        f"Command: `{result.get('command', '.venv/bin/python benchmarks/kv_tradeoff.py')}`",
         "",
         "Distilled rows (weights `runs/<model>-l<l>[-g<g>]/distilled`): the output of `swiftkv quickstart "
         "--num_key_value_layers l --key_value_group_size g --serve false` (the CPU recipe: least-squares K/V init "

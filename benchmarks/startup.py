@@ -1,4 +1,4 @@
-"""Engine start (issue 14): time to the first request of ``swiftkv-serve`` on a SwiftKV export vs ``vllm serve``.
+"""Engine start: time to the first request of ``swiftkv-serve`` on a SwiftKV export vs ``vllm serve``.
 
 The base model and its SwiftKV serving export (l = L/2, as ``benchmarks/serve.py`` prepares it) are each served
 as a user would: stock with ``vllm serve BASE`` (through ``swiftkv_serve.cli.serve_command``: the module form of
@@ -9,8 +9,8 @@ of one tiny ``/v1/completions`` request, sent as soon as ``/health`` answers 200
 compile caches of its own (``VLLM_CACHE_ROOT``, ``TORCHINDUCTOR_CACHE_DIR``, ``TRITON_CACHE_DIR`` in a fresh
 folder); with ``--warm`` (the default) the server is then restarted on the caches its cold start left.
 
-    flock /tmp/swiftkv-heavy.lock .venv/bin/python benchmarks/startup.py       # compiled and eager, 2 repeats
-    flock /tmp/swiftkv-heavy.lock .venv/bin/python benchmarks/startup.py --modes '[eager]' --repeats 1 \
+    .venv/bin/python benchmarks/startup.py       # compiled and eager, 2 repeats
+    .venv/bin/python benchmarks/startup.py --modes '[eager]' --repeats 1 \
         --warm false --out /tmp/startup                                          # a quick check of the script
 
 Writes ``benchmarks/results/startup.{json,md}``; the servers' logs stay in a temporary folder (printed).
@@ -36,15 +36,17 @@ from pathlib import Path
 from typing import Literal
 
 from jsonargparse import auto_cli
-from serve import prepare_swiftkv  # benchmarks/serve.py: the SwiftKV serving export, made once and cached
 
-from swiftkv_serve.bench import _terminate_group, default_dtype, device_name
+from swiftkv_serve import installed_vllm
+from swiftkv_serve.bench import default_dtype, device_name
+from swiftkv_serve.child import terminate_group
+from swiftkv_serve.comparison import converted_export
 
 RESULTS = Path(__file__).parent / "results"
 MODE_OPTIONS = {"compiled": [], "eager": ["--enforce-eager"]}  # compiled: vLLM's default
 MAX_MODEL_LEN = 512
 KV_CACHE_GIB = 1  # VLLM_CPU_KVCACHE_SPACE, the same for both (ignored on GPUs)
-TARGET_RATIO = 1.10  # issue 14: SwiftKV no more than 10% slower to start than stock
+TARGET_RATIO = 1.10  # the target: SwiftKV no more than 10% slower to start than stock
 
 
 def free_port() -> int:
@@ -133,7 +135,7 @@ def time_first_completion(
             raise fail(f"the first completion has no choices: {answer}")
         return {"health_s": health_s, "first_completion_s": time.perf_counter() - start}
     finally:
-        _terminate_group(proc)
+        terminate_group(proc)
 
 
 def measure(
@@ -197,8 +199,6 @@ def main(
         timeout_s: the most one start may take.
         out: output prefix (.json and .md).
     """
-    from importlib.metadata import PackageNotFoundError, version
-
     from transformers import AutoConfig
 
     from swiftkv_core.atomic import atomic_file
@@ -209,9 +209,7 @@ def main(
     base = resolve_model_path(model)
     num_layers = AutoConfig.from_pretrained(base).num_hidden_layers
     l = num_key_value_layers or num_layers // 2
-    swiftkv = prepare_swiftkv(
-        base, l, Path.home() / ".cache" / "swiftkv" / "bench" / f"{base.name}-swiftkv-l{l}"
-    )
+    swiftkv = converted_export(base, l)
     checkpoints, dtype = {"stock": base, "swiftkv": swiftkv}, default_dtype()
     run_dir = Path(tempfile.mkdtemp(prefix="swiftkv-startup-"))
     print(f"server logs: {run_dir}", flush=True)
@@ -221,10 +219,7 @@ def main(
     summary = {
         mode: {start: summarize(by_model, start) for start in starts} for mode, by_model in samples.items()
     }
-    try:
-        vllm_version = version("vllm")
-    except PackageNotFoundError:
-        vllm_version = version("vllm-cpu")
+    vllm_version = installed_vllm()[1]
     results = {
         "model": base.name,
         "swiftkv_model": swiftkv.name,
@@ -242,8 +237,7 @@ def main(
         "samples": samples,
         "summary": summary,
         "umbrella_overhead": overhead,
-        "command": "flock /tmp/swiftkv-heavy.lock .venv/bin/python benchmarks/startup.py "
-        + shlex.join(sys.argv[1:]),
+        "command": ".venv/bin/python benchmarks/startup.py " + shlex.join(sys.argv[1:]),
     }
     with atomic_file(out.with_suffix(".json")) as f:
         f.write(json.dumps(results, indent=2))
@@ -260,7 +254,7 @@ def report(results: dict) -> str:
         "",
         f"vLLM {results['vllm_version']}, {results['device']}, max_model_len {results['max_model_len']}, KV cache "
         f"{results['kv_cache_gib']} GiB. Seconds from process start to the first completion response: median "
-        f"of {n} starts (each start in brackets). Target (issue 14): SwiftKV / stock <= {results['target_ratio']:.2f}.",
+        f"of {n} starts (each start in brackets). Target: SwiftKV / stock <= {results['target_ratio']:.2f}.",
         "",
         "| mode | start | stock `vllm serve` (s) | `swiftkv-serve` (s) | SwiftKV / stock | target met |",
         "|---|---|---|---|---|---|",

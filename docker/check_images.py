@@ -6,7 +6,8 @@ serve: the serving image on a SwiftKV serving export of the default model (SmolL
     the answers token for token with swiftkv_core's HF greedy output of the same checkpoint, checks that malformed
     requests get a 4xx while the server keeps serving, and that `docker stop` ends it cleanly.
 train: a few-step `swiftkv-distill fit` of the default model inside the training image, then the same through
-    `fabric run` with 2 processes (FSDP2), and loads each export outside the container.
+    `fabric run` with 2 processes (FSDP2), and loads each export outside the container; then the main job
+    (`swiftkv quickstart`, short settings) with no network at all: the image holds the model and the data.
 
 Containers use --network host (our machines have no bridge); users publish the port with -p 8000:8000.
 """
@@ -97,6 +98,7 @@ def hf_greedy(checkpoint: Path) -> tuple[list[list[int]], list[list[int]], objec
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     import swiftkv_core  # noqa: F401  (registers llama_swiftkv)
+    from swiftkv_core.chat import chat_ids
 
     tokenizer = AutoTokenizer.from_pretrained(checkpoint)
     model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
@@ -113,16 +115,7 @@ def hf_greedy(checkpoint: Path) -> tuple[list[list[int]], list[list[int]], objec
         return out[0, len(ids) :].tolist()
 
     completions = [greedy(tokenizer(p)["input_ids"]) for p in COMPLETION_PROMPTS]
-    chats = [
-        greedy(
-            list(
-                tokenizer.apply_chat_template(c, add_generation_prompt=True, tokenize=True, return_dict=True)[
-                    "input_ids"
-                ]
-            )
-        )
-        for c in CHATS
-    ]
+    chats = [greedy(chat_ids(tokenizer, c, generation_prompt=True)) for c in CHATS]
     return completions, chats, tokenizer
 
 
@@ -236,7 +229,7 @@ def check_serve(work: Path) -> None:
 QUICK_FIT = [
     "--trainer.max_steps", "3", "--trainer.max_time", "null", "--trainer.log_every_n_steps", "1",
     "--model.evaluate_before_training", "false", "--model.kv_init_tokens", "1024", "--model.schedule_seconds", "null",
-    "--data.train_files", "[recipe:chat_prompts]", "--data.val_files", "[recipe:chat_prompts]",
+    "--data.train_files", "[dataset:chat_prompts]", "--data.val_files", "[dataset:chat_prompts]",
     "--data.max_length", "64", "--data.batch_size", "2", "--data.max_train_rows", "32", "--data.max_val_rows", "4",
 ]  # fmt: skip
 
@@ -298,8 +291,37 @@ def check_train(work: Path) -> None:
          "--trainer.strategy.data_parallel_size", "2", "--trainer.strategy.tensor_parallel_size", "1"],
         env=["-e", "OMP_NUM_THREADS=1"],  # 2 processes on 2 cores
     )  # fmt: skip
+    check_quickstart_offline(work)
     docker("volume", "rm", "-f", "swiftkv-docker-test-cache", check=False)
     log("train: all checks passed")
+
+
+def check_quickstart_offline(work: Path) -> None:
+    """The main job inside the training image with no network at all (`--network none`): the default model and the
+    offline data sets are in the image. Short settings; the chat answers (a teacher's generation) are left out."""
+    outputs = work / "train-quickstart"
+    subprocess.run(["rm", "-rf", str(outputs)], check=True)
+    outputs.mkdir(parents=True)
+    outputs.chmod(0o777)
+    command = [
+        "run", "--rm", "--network", "none", "-v", f"{outputs}:/workspace/outputs",
+        "-v", "swiftkv-docker-test-cache:/cache", TRAIN_IMAGE,
+        "swiftkv", "quickstart", "--out", "outputs/run", "--budget_minutes", "0.3", "--serve", "false",
+        "--train_files", "[dataset:brown_train]", "--heldout_chat_prompts", "", "--max_eval_rows", "4",
+        "--prompt_lengths", "[64, 128]",
+    ]  # fmt: skip
+    log("docker " + " ".join(command))
+    t0 = time.monotonic()
+    with open(work / "train-quickstart.log", "w") as f:
+        result = subprocess.run(["docker", *command], stdout=f, stderr=subprocess.STDOUT, check=False)
+    log_text = (work / "train-quickstart.log").read_text()
+    if result.returncode != 0 or not (outputs / "run" / "report.md").is_file():
+        raise SystemExit(f"quickstart offline: exit {result.returncode}:\n{log_text[-4000:]}")
+    headline = [line for line in log_text.splitlines() if "on held-out text" in line or "tokens:" in line]
+    log(
+        f"quickstart offline: report written in {time.monotonic() - t0:.0f} s; "
+        + " | ".join(h.strip() for h in headline)
+    )
 
 
 if __name__ == "__main__":

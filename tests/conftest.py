@@ -79,3 +79,14 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+def use_data_cache(monkeypatch, folder):
+    """The offline data sets and the teacher answers go to ``folder`` (``teacher_answers/`` inside), not the
+    user's cache."""
+    from pathlib import Path
+
+    from swiftkv_distill import answers, corpora
+
+    monkeypatch.setattr(corpora, "data_dir", lambda: Path(folder))
+    monkeypatch.setattr(answers, "answers_dir", lambda: Path(folder) / "teacher_answers")

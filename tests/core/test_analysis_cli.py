@@ -6,8 +6,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from swiftkv_core.analysis import layer_input_similarity, recommend_num_key_value_layers, write_report
-from swiftkv_core.cli import main
+from swiftkv.cli import main
+from swiftkv_core.analysis import (
+    layer_input_similarity,
+    recommend_num_key_value_layers,
+    write_similarity_report,
+)
 from tests.conftest import tiny_base
 
 
@@ -39,7 +43,7 @@ def test_recommendation_and_report(tmp_path):
     similarity = [0.1, 0.5, 0.8, 0.92, 0.95]
     assert recommend_num_key_value_layers(similarity, 0.9) == 3
     assert recommend_num_key_value_layers(similarity, 0.99) == 6
-    result = write_report(similarity, 0.9, tmp_path)
+    result = write_similarity_report(similarity, 0.9, tmp_path)
     assert result["recommended_num_key_value_layers"] == 3
     assert json.loads((tmp_path / "similarity.json").read_text())["skipped_fraction"] == pytest.approx(0.5)
     assert (tmp_path / "similarity.png").read_bytes()[:4] == b"\x89PNG"
@@ -102,35 +106,3 @@ def test_cli_convert_with_least_squares_kv_init(tmp_path, capsys):
     torch.testing.assert_close(attn.k_proj_swiftkv.weight, attn.k_proj.weight, atol=2e-3, rtol=0)
     layer3 = layers[3].self_attn
     assert not torch.allclose(layer3.k_proj_swiftkv.weight, layer3.k_proj.weight, atol=1e-2)
-
-
-def test_one_command_table_reaches_every_entry_point(capsys):
-    import importlib
-
-    from swiftkv_core.cli import COMMANDS, main
-
-    assert set(COMMANDS) == {
-        "convert", "analyze", "generate", "flops", "distill", "serve", "quickstart", "prepare-data"
-    }  # fmt: skip
-    for name, command in COMMANDS.items():
-        module, function = command.target.split(":")
-        assert callable(getattr(importlib.import_module(module), function)), name
-    with pytest.raises(SystemExit) as exit_info:
-        main(["--help"])
-    out = capsys.readouterr().out
-    assert exit_info.value.code == 0 and all(name in out for name in COMMANDS), out
-    with pytest.raises(SystemExit, match="unknown command 'fit'"):
-        main(["fit"])
-
-
-def test_table_commands_run_through_their_own_parsers(capsys):
-    from swiftkv_core.cli import main
-
-    with pytest.raises(SystemExit) as exit_info:
-        main(["distill", "fit", "--help"])  # LightningCLI: the recipe's trainer and model options
-    assert exit_info.value.code == 0
-    out = capsys.readouterr().out
-    assert "--trainer.max_steps" in out and "--model.num_key_value_layers" in out
-    with pytest.raises(SystemExit):
-        main(["convert", "--help"])  # jsonargparse, from the typed signature
-    assert "--num_key_value_layers" in capsys.readouterr().out

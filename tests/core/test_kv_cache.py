@@ -6,8 +6,8 @@ import torch
 from torch.testing import assert_close
 from transformers import DynamicCache
 
-from swiftkv_core.cli import generate as cli_generate
-from swiftkv_core.cli import main
+from swiftkv.cli import main
+from swiftkv_core.commands import generate as cli_generate
 from swiftkv_core.convert import convert
 from swiftkv_core.flops import LLAMA_3_1_70B, ModelShape, kv_cache_bytes_per_token
 from swiftkv_core.kv_cache import (

@@ -1,4 +1,5 @@
-"""Every recipe under configs/distill/ parses against the CLI's signatures; the CPU recipe builds its objects."""
+"""Every shipped recipe (swiftkv_distill/recipes/, linked from configs/distill/) parses against the CLI's signatures;
+the CPU recipe builds its objects; a recipe is found by name from any folder."""
 
 import json
 import re
@@ -8,9 +9,9 @@ import pytest
 import yaml
 from lightning.pytorch.strategies import ModelParallelStrategy
 
-from swiftkv_distill.cli import DistillCLI, make_cli
+from swiftkv_distill.recipe import RECIPES_DIR, DistillCLI, make_cli
 
-CONFIGS = sorted((Path(__file__).parents[2] / "configs" / "distill").glob("*.yaml"))
+CONFIGS = sorted(RECIPES_DIR.glob("*.yaml"))
 
 
 class ParseOnly(DistillCLI):
@@ -18,6 +19,22 @@ class ParseOnly(DistillCLI):
 
     def instantiate_classes(self) -> None:
         pass
+
+
+def test_configs_distill_is_the_shipped_recipes(tmp_path, monkeypatch):
+    """``configs/distill/NAME.yaml`` (the paths the docs use) are the package's files, and ``--config NAME`` or that
+    path resolves to them from a folder that has no configs/."""
+    from swiftkv_distill.recipe import recipe_path
+
+    linked = Path(__file__).parents[2] / "configs" / "distill"
+    assert linked.resolve() == RECIPES_DIR.resolve()
+    monkeypatch.chdir(tmp_path)
+    for name in ("smollm2-135m-cpu", "smollm2-135m-cpu.yaml", "configs/distill/smollm2-135m-cpu.yaml"):
+        assert recipe_path(name) == RECIPES_DIR / "smollm2-135m-cpu.yaml"
+    cli = make_cli(["--config", "smollm2-135m-cpu"], run=False, cli_class=ParseOnly)
+    assert cli.config.model.num_key_value_layers == 20
+    with pytest.raises(ValueError, match="not a shipped recipe"):
+        recipe_path("smollm3")
 
 
 def test_the_four_recipes_exist():

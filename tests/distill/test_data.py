@@ -9,7 +9,6 @@ from transformers import AutoTokenizer
 from swiftkv_distill.build import build_swiftkv_model
 from swiftkv_distill.data import (
     DataError,
-    DistillDataModule,
     collate,
     encode_record,
     evenly_spaced,
@@ -18,6 +17,8 @@ from swiftkv_distill.data import (
     record_kind,
     split_indices,
 )
+from swiftkv_distill.datamodule import DistillDataModule
+from tests.conftest import use_data_cache
 from tests.distill.conftest import write_jsonl
 
 
@@ -170,11 +171,10 @@ def test_teacher_answers_are_reproducible_chat_data(tiny_model, tmp_path, monkey
     """The teacher answers prompt records (seeded sampling: the same answers twice), the answers are bounded by
     max_new_tokens, and the file written by the `answer` command trains as chat-template data. The HF backend
     (the fallback where vLLM is not installed; vLLM's is tested in tests/serve/test_bench_answers.py)."""
-    from swiftkv_distill import corpora
+    from swiftkv_distill.answers import teacher_answers
     from swiftkv_distill.corpora import main as corpora_main
-    from swiftkv_distill.corpora import teacher_answers
 
-    monkeypatch.setattr(corpora, "data_dir", lambda: tmp_path / "data")
+    use_data_cache(monkeypatch, tmp_path / "data")
 
     prompts = [
         {"prompt": "What is rain?", "source": "t"},
@@ -201,26 +201,26 @@ def test_teacher_answers_are_reproducible_chat_data(tiny_model, tmp_path, monkey
     assert "What is rain?" in text and written[0]["response"] in text and "assistant" in text
 
 
-def test_answer_recipes_are_answered_by_the_data_modules_teacher(tiny_model, tmp_path, monkeypatch):
-    """recipe:chat_answers is answered by the model the data module names (one generation for both splits, the
+def test_answer_datasets_are_answered_by_the_data_modules_teacher(tiny_model, tmp_path, monkeypatch):
+    """dataset:chat_answers is answered by the model the data module names (one generation for both splits, the
     held-out prompts never in the training split), and a SwiftKV checkpoint is refused with the way out."""
     from swiftkv_core.convert import convert, save_checkpoint
-    from swiftkv_distill import corpora
+    from swiftkv_distill import answers, corpora
 
-    monkeypatch.setattr(corpora, "data_dir", lambda: tmp_path / "data")
+    use_data_cache(monkeypatch, tmp_path / "data")
     prompts = [{"prompt": f"Name {n} colours.", "source": "t"} for n in range(10)]
     monkeypatch.setattr(corpora, "chat_prompts", lambda: prompts)
     monkeypatch.setattr(
-        corpora, "answer_backend", lambda backend="auto": "hf"
+        answers, "answer_backend", lambda backend="auto": "hf"
     )  # the fast path for a tiny model
     dm = DistillDataModule(
         str(tiny_model),
-        ["recipe:chat_answers"],
-        val_files={"chat": ["recipe:chat_answers_heldout"]},
+        ["dataset:chat_answers"],
+        val_files={"chat": ["dataset:chat_answers_heldout"]},
         max_length=64,
     )
     dm.setup()
-    train, heldout = (load_records(corpora.resolve_files([f"recipe:{n}"], str(tiny_model)))
+    train, heldout = (load_records(corpora.resolve_files([f"dataset:{n}"], str(tiny_model)))
                       for n in ("chat_answers", "chat_answers_heldout"))  # fmt: skip
     assert (
         len(train) + len(heldout) <= 10
@@ -228,10 +228,10 @@ def test_answer_recipes_are_answered_by_the_data_modules_teacher(tiny_model, tmp
         and not {r["prompt"] for r in train} & {r["prompt"] for r in heldout}
     )
     assert len(list((tmp_path / "data" / "teacher_answers").glob("*.jsonl"))) == 1  # one generation
-    entry = {m: corpora.teacher_answers_cache_file(prompts, m)[0] for m in (str(tiny_model), "default")}
+    entry = {m: answers.teacher_answers_cache_file(prompts, m)[0] for m in (str(tiny_model), "default")}
     assert (
         entry[str(tiny_model)].is_file() and entry[str(tiny_model)] != entry["default"]
     )  # keyed by the teacher
     swiftkv = save_checkpoint(convert(str(tiny_model), 2), tmp_path / "swiftkv")
     with pytest.raises(ValueError, match="SwiftKV checkpoint.*prepare-data answer"):
-        corpora.resolve_files(["recipe:chat_answers"], str(swiftkv))
+        corpora.resolve_files(["dataset:chat_answers"], str(swiftkv))

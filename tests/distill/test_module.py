@@ -124,14 +124,14 @@ def test_unknown_family_and_bad_l_fail_before_loading(tmp_path, tiny_model):
     (gpt2 / "config.json").write_text(
         json.dumps({"model_type": "gpt2", "n_layer": 2, "n_embd": 32, "n_head": 2})
     )
-    with pytest.raises(ValueError, match="Unknown model family model_type='gpt2'"):
+    with pytest.raises(ValueError, match="model_type='gpt2' is not supported.*llama"):
         SwiftKVDistillation(str(gpt2), num_key_value_layers=1)
     for l in (0, config["num_hidden_layers"], 99):
         with pytest.raises(ValueError, match="out of range"):
             SwiftKVDistillation(str(tiny_model), num_key_value_layers=l)
     with pytest.raises(ValueError, match="key_value_group_size=3"):
         SwiftKVDistillation(str(tiny_model), num_key_value_layers=2, key_value_group_size=3)
-    with pytest.raises(FileNotFoundError):
+    with pytest.raises(ValueError, match="nowhere does not exist"):
         SwiftKVDistillation(str(tmp_path / "nowhere"), num_key_value_layers=2)
 
 
@@ -219,3 +219,21 @@ def test_bad_kv_init_and_position_fraction_are_refused(tiny_model):
         SwiftKVDistillation(str(tiny_model), num_key_value_layers=2, kv_init="random")
     with pytest.raises(ValueError, match="position_fraction must be in"):
         SwiftKVDistillation(str(tiny_model), num_key_value_layers=2, position_fraction=0.0)
+
+
+def test_distillation_step_timer_waits_for_the_device(monkeypatch, tiny_model, text_file, tmp_path):
+    """tokens/s of a training step is read after the device finished the step (module._now)."""
+    from swiftkv_core import runtime
+
+    events = []
+    real = runtime.synchronize
+    monkeypatch.setattr(
+        runtime, "synchronize", lambda device: (events.append(torch.device(device).type), real(device))
+    )
+
+    module = SwiftKVDistillation(
+        str(tiny_model), num_key_value_layers=2, kv_init="published", evaluate_before_training=False
+    )
+    data = DistillDataModule(str(tiny_model), [str(text_file)], max_length=32, batch_size=2, max_train_rows=4)
+    quiet_trainer(tmp_path, max_steps=2, limit_val_batches=0).fit(module, data)
+    assert events.count("cpu") >= 4  # the start and the end of each step

@@ -158,11 +158,13 @@ def test_resume_continues_the_wall_time_schedule(tiny_model, text_file, tmp_path
     tokens_seen across the resume. 10 simulated seconds per step against an 80-second schedule, and max_steps 50
     (the runs stop at step 9): the time-based progress (step / 8) runs far ahead of the step-based one (step / 50),
     so it alone sets the learning rate."""
-    import swiftkv_distill.module as module_code
+    from swiftkv_core import runtime
 
     def run(root, base, **kwargs):
         clock = SteppedClock(base)
-        monkeypatch.setattr(module_code, "time", clock)  # the module reads time.perf_counter()
+        monkeypatch.setattr(
+            runtime, "time", clock
+        )  # the module's clock is runtime.Stopwatch's time.perf_counter()
         module, trainer = _run(
             tiny_model,
             text_file,

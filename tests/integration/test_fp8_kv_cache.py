@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from swiftkv_core.cli import main
+from swiftkv.cli import main
 from swiftkv_core.convert import convert
 from swiftkv_core.flops import ModelShape, kv_cache_bytes_per_token
 from swiftkv_core.generation import sample_prompt_ids

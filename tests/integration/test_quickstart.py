@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.conftest import use_data_cache
 from tests.distill.conftest import write_jsonl
 from tests.serve.checkpoints import tiny_base
 
@@ -37,13 +38,11 @@ def inputs(tmp_path_factory):
 @pytest.fixture(autouse=True)
 def own_data_cache(tmp_path, monkeypatch):
     """The tiny teacher's answers go to a temporary data cache, not the user's."""
-    from swiftkv_distill import corpora
-
-    monkeypatch.setattr(corpora, "data_dir", lambda: tmp_path / "data-cache")
+    use_data_cache(monkeypatch, tmp_path / "data-cache")
 
 
 def run_quickstart(inputs, out: Path, **overrides):
-    from swiftkv_distill.quickstart import main
+    from swiftkv.quickstart import main
 
     kwargs = dict(
         model=inputs["model"],
@@ -120,19 +119,21 @@ def test_quickstart_report_is_complete_and_consistent(inputs, tmp_path):
 
 @pytest.mark.slow
 def test_an_interrupted_run_resumes_without_redoing_finished_steps(inputs, tmp_path, monkeypatch):
-    from swiftkv_distill import progress, quickstart
+    from swiftkv.quickstart import stages
+    from swiftkv.quickstart.run import Stage
+    from swiftkv_distill.callbacks import BudgetProgress
 
     out = tmp_path / "run"
-    real = progress.BudgetProgress.on_train_batch_end
+    real = BudgetProgress.on_train_batch_end
 
     def crash_at_step_3(self, trainer, *args):
         real(self, trainer, *args)
         if trainer.global_step == 3:
             raise RuntimeError("power cut")
 
-    monkeypatch.setattr(quickstart, "CHECKPOINT_EVERY_N_STEPS", 2)
+    monkeypatch.setattr(stages, "CHECKPOINT_EVERY_N_STEPS", 2)
     with pytest.MonkeyPatch.context() as patch, pytest.raises(RuntimeError, match="power cut"):
-        patch.setattr(progress.BudgetProgress, "on_train_batch_end", crash_at_step_3)
+        patch.setattr(BudgetProgress, "on_train_batch_end", crash_at_step_3)
         run_quickstart(inputs, out, serve=False, budget_minutes=0.5)
     state = json.loads((out / "state.json").read_text())["results"]
     assert list(state) == ["teacher_answers", "analyze", "convert"]
@@ -140,8 +141,10 @@ def test_an_interrupted_run_resumes_without_redoing_finished_steps(inputs, tmp_p
     mtimes = {p: p.stat().st_mtime_ns for p in (out / "converted").iterdir()}
 
     calls = []
-    for name in ("teacher_answers", "analyze", "convert"):
-        monkeypatch.setattr(quickstart, f"step_{name}", lambda run, name=name: calls.append(name))
+    finished = ("teacher_answers", "analyze", "convert")
+    monkeypatch.setattr(stages, "STAGES", [
+        Stage(s.name, lambda run, name=s.name: calls.append(name)) if s.name in finished else s for s in stages.STAGES
+    ])  # fmt: skip
     run_quickstart(inputs, out, serve=False, budget_minutes=0.5)
     assert calls == []  # finished steps are reused, not run again
     results = json.loads((out / "report.json").read_text())["results"]
@@ -151,19 +154,53 @@ def test_an_interrupted_run_resumes_without_redoing_finished_steps(inputs, tmp_p
 
 
 def test_default_l_is_the_recipes_for_its_own_model_else_half_the_layers():
-    from swiftkv_distill.quickstart import DEFAULT_RECIPE, _recipe, default_num_key_value_layers
+    from swiftkv.quickstart.settings import DEVICE_DEFAULTS, default_num_key_value_layers
+    from swiftkv_distill.recipe import parse
 
     # SmolLM2's CPU recipe, measured at l=20 of 30 (benchmarks/results/recipe-notes.md)
-    recipe = _recipe(Path(__file__).parents[2] / DEFAULT_RECIPE)
-    assert recipe["model"]["model"] == "default" and recipe["model"]["num_key_value_layers"] == 20
+    recipe = parse(DEVICE_DEFAULTS["cpu"]["recipe"])
+    assert recipe.model.model == "default" and recipe.model.num_key_value_layers == 20
     assert default_num_key_value_layers("default", 30, recipe) == 20
     assert default_num_key_value_layers("/models/qwen2-0.5b", 24, recipe) == 12  # another model: L/2
-    no_l = {"model": {"model": "default"}}
-    assert default_num_key_value_layers("default", 30, no_l) == 15  # a recipe without l: L/2
 
 
-def test_bad_input_fails_before_any_compute(inputs, tmp_path):
-    from swiftkv_distill.quickstart import QuickstartError
+def test_the_main_job_takes_the_gpu_when_there_is_one():
+    import torch
+
+    from swiftkv.quickstart.settings import DEVICE_DEFAULTS, QuickstartError, choose_accelerator
+    from swiftkv_distill.recipe import parse
+
+    assert choose_accelerator("auto", cuda_available=False) == "cpu"
+    assert choose_accelerator("auto", cuda_available=True) == "gpu"
+    assert choose_accelerator("cpu", cuda_available=True) == "cpu"
+    with pytest.raises(QuickstartError, match="no CUDA GPU is visible.*--accelerator cpu"):
+        choose_accelerator("gpu", cuda_available=False)
+    with pytest.raises(QuickstartError, match="choose one of"):
+        choose_accelerator("tpu", cuda_available=True)
+    gpu, cpu = (parse(DEVICE_DEFAULTS[device]["recipe"]) for device in ("gpu", "cpu"))
+    assert (gpu.trainer.accelerator, gpu.trainer.precision, gpu.model.attn_implementation) == (
+        "gpu",
+        "bf16-mixed",
+        "auto",
+    )
+    assert cpu.trainer.accelerator == "cpu"
+    # on the GPU: longer packed rows and bigger batches, the same model, l and data
+    assert gpu.data.max_length * gpu.data.batch_size > cpu.data.max_length * cpu.data.batch_size
+    assert (gpu.model.model, gpu.model.num_key_value_layers, gpu.data.train_files) == (
+        cpu.model.model, cpu.model.num_key_value_layers, cpu.data.train_files,
+    )  # fmt: skip
+    assert DEVICE_DEFAULTS["gpu"]["budget_minutes"] < DEVICE_DEFAULTS["cpu"]["budget_minutes"]
+    if not torch.cuda.is_available():
+        from swiftkv.quickstart import main
+
+        with pytest.raises(QuickstartError, match="no CUDA GPU"):
+            main(accelerator="gpu", serve=False)
+
+
+def test_bad_input_fails_before_any_compute(inputs, tmp_path, monkeypatch):
+    from swiftkv.quickstart import QuickstartError
+
+    monkeypatch.chdir(tmp_path)  # the main job needs nothing of the repository's folder
 
     cases = [
         (dict(model=str(tmp_path / "missing")), "does not exist"),

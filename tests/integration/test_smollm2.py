@@ -4,7 +4,7 @@ import pytest
 import torch
 from torch.testing import assert_close
 
-from swiftkv_core.cli import main
+from swiftkv.cli import main
 from swiftkv_core.convert import convert, export_for_serving
 from swiftkv_core.flops import ModelShape, count_flops, prefill_flops_total
 

@@ -1,5 +1,6 @@
-"""swiftkv_serve.bench (the serving comparison as a library) and swiftkv_serve.answers (a teacher's answers with
-vLLM), with the teacher-answers cache of swiftkv_distill.corpora. Correctness only, never timings."""
+"""swiftkv_serve.comparison (the serving comparison as a library) and swiftkv_serve.answers (a teacher's answers
+with vLLM, the distillation's "vllm" answer backend), with the teacher-answers cache of swiftkv_distill.answers.
+Correctness only, never timings."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import shutil
 
 import pytest
 
+from tests.conftest import use_data_cache
 from tests.serve.checkpoints import tiny_base
 
 PROMPTS = ["What is rain?", "Name a colour.", "Say hello to the world."]
@@ -29,9 +31,9 @@ def test_teacher_answers_cache_is_reused_and_keyed_by_model(tmp_path, monkeypatc
     """A second call reads the cache (no generation); another model, backend or setting gets its own file, and the
     metadata beside each file says what it holds."""
     import swiftkv_serve.answers
-    from swiftkv_distill import corpora
+    from swiftkv_distill import answers
 
-    monkeypatch.setattr(corpora, "data_dir", lambda: tmp_path / "data")
+    use_data_cache(monkeypatch, tmp_path / "data")
     calls = []
 
     def fake_generate(model, prompts, max_new_tokens, temperature, top_p, seed):
@@ -42,16 +44,16 @@ def test_teacher_answers_cache_is_reused_and_keyed_by_model(tmp_path, monkeypatc
     other = tiny_base(tmp_path / "other-llama", seed=3)
     records = [{"prompt": p, "source": "t"} for p in PROMPTS] + [{"x": 1}, {"prompt": " "}]
 
-    first = corpora.teacher_answers(records, str(tiny_llama), max_new_tokens=8, backend="vllm")
+    first = answers.teacher_answers(records, str(tiny_llama), max_new_tokens=8, backend="vllm")
     assert [r["prompt"] for r in first] == PROMPTS and first[0]["source"] == "t"
-    assert corpora.teacher_answers(records, str(tiny_llama), max_new_tokens=8, backend="vllm") == first
+    assert answers.teacher_answers(records, str(tiny_llama), max_new_tokens=8, backend="vllm") == first
     assert len(calls) == 1  # the second call read the cache
 
-    theirs = corpora.teacher_answers(records, str(other), max_new_tokens=8, backend="vllm")
+    theirs = answers.teacher_answers(records, str(other), max_new_tokens=8, backend="vllm")
     assert len(calls) == 2 and theirs != first and theirs[0]["response"].startswith("other-llama")
-    corpora.teacher_answers(records, str(tiny_llama), max_new_tokens=9, backend="vllm")
+    answers.teacher_answers(records, str(tiny_llama), max_new_tokens=9, backend="vllm")
     assert len(calls) == 3
-    corpora.teacher_answers(records, str(tiny_llama), max_new_tokens=8, backend="vllm", cache=False)
+    answers.teacher_answers(records, str(tiny_llama), max_new_tokens=8, backend="vllm", cache=False)
     assert len(calls) == 4
 
     files = sorted((tmp_path / "data" / "teacher_answers").glob("*.jsonl"))
@@ -61,15 +63,15 @@ def test_teacher_answers_cache_is_reused_and_keyed_by_model(tmp_path, monkeypatc
     assert all(m["backend"] == "vllm" and m["num_prompts"] == 3 and m["model"]["weight_sizes"] for m in metas)
 
     # The same folder with other weights (a changed config) is another teacher.
-    entry, _ = corpora.teacher_answers_cache_file(records, str(tiny_llama), 8, backend="vllm")
+    entry, _ = answers.teacher_answers_cache_file(records, str(tiny_llama), 8, backend="vllm")
     changed = tmp_path / "changed"
     shutil.copytree(tiny_llama, changed)
-    entry_copy, _ = corpora.teacher_answers_cache_file(records, str(changed), 8, backend="vllm")
+    entry_copy, _ = answers.teacher_answers_cache_file(records, str(changed), 8, backend="vllm")
     config = json.loads((changed / "config.json").read_text())
     (changed / "config.json").write_text(json.dumps({**config, "rms_norm_eps": 1e-5}))
-    entry_changed, _ = corpora.teacher_answers_cache_file(records, str(changed), 8, backend="vllm")
+    entry_changed, _ = answers.teacher_answers_cache_file(records, str(changed), 8, backend="vllm")
     assert len({entry, entry_copy, entry_changed}) == 3
-    hf_entry, _ = corpora.teacher_answers_cache_file(records, str(tiny_llama), 8, backend="hf")
+    hf_entry, _ = answers.teacher_answers_cache_file(records, str(tiny_llama), 8, backend="hf")
     assert hf_entry != entry and "-hf-" in hf_entry.name
 
 
@@ -77,7 +79,7 @@ def test_teacher_answers_cache_is_reused_and_keyed_by_model(tmp_path, monkeypatc
 def test_compare_serving_tiny(tmp_path, tiny_llama, tiny_swiftkv):
     """Two short bursts per model, each model in a child process: the ratios are the per-model numbers' ratios,
     KV capacity grows by L / (l + (L - l) / g), every request produced its tokens, and the plot is written."""
-    from swiftkv_serve.bench import compare_serving, plot_serving
+    from swiftkv_serve.comparison import compare_serving, plot_serving
 
     workloads = {"24/4": (24, 4), "40/2": (40, 2)}
     lines = []
@@ -118,7 +120,8 @@ def test_compare_serving_tiny(tmp_path, tiny_llama, tiny_swiftkv):
 @pytest.mark.vllm
 def test_failing_child_raises_with_its_errors(tmp_path, tiny_llama):
     """A model the engine cannot load: the child's error lines are raised, nothing hangs."""
-    from swiftkv_serve.bench import ChildProcessFailed, run_in_child
+    from swiftkv_serve.bench import run_in_child
+    from swiftkv_serve.child import ChildProcessFailed
 
     broken = tmp_path / "no-weights"
     broken.mkdir()

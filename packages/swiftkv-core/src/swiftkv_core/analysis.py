@@ -32,9 +32,10 @@ def _similarity(model, tokenizer, texts, max_length):
     tokens = 0
     for text in texts:
         ids = tokenizer(text, return_tensors="pt", truncation=True, max_length=max_length).input_ids
+        ids = ids.to(model.device)
         # hidden_states[i] is the input of layer i (hidden_states[0] the embeddings); the last is after the norm.
         states = model(ids, output_hidden_states=True, use_cache=False).hidden_states[:num_layers]
-        inputs = torch.stack([s[0].double() for s in states])  # [L, T, H]
+        inputs = torch.stack([s[0].double() for s in states]).cpu()  # [L, T, H]
         unit = F.normalize(inputs, dim=-1)
         for i in range(num_layers - 1):
             cos = (unit[i][None] * unit[i + 1 :]).sum(-1)  # [L - i - 1, T]
@@ -51,7 +52,7 @@ def recommend_num_key_value_layers(similarity: Sequence[float], threshold: float
     return len(similarity) + 1
 
 
-def write_report(
+def write_similarity_report(
     similarity: Sequence[float],
     threshold: float,
     out_dir: str | Path,

@@ -61,3 +61,10 @@ def atomic_file(path: str | os.PathLike, mode: str = "w", encoding: str | None =
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def atomic_write_text(path: str | os.PathLike, text: str) -> Path:
+    """``text`` into ``path``, atomically (``atomic_file``); returns the path."""
+    with atomic_file(path) as f:
+        f.write(text)
+    return Path(path)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 import torch
@@ -10,12 +9,17 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from .default_model import resolve_model_path
 from .kv_cache import check_kv_cache_dtype, make_kv_cache
+from .runtime import timed
 
 
-def load(model: str | Path | None = None, dtype: torch.dtype = torch.float32, need_tokenizer: bool = True):
-    """``(model, tokenizer)`` for a checkpoint path (any HF causal LM, SwiftKV or not) or ``'default'``.
-
-    The tokenizer is ``None`` when the folder has none and ``need_tokenizer`` is off.
+def load(
+    model: str | Path | None = None,
+    dtype: torch.dtype = torch.float32,
+    need_tokenizer: bool = True,
+    device: torch.device | str = "cpu",
+):
+    """``(model, tokenizer)`` for a checkpoint path (any HF causal LM, SwiftKV or not) or ``'default'``, the model
+    in eval mode on ``device``. The tokenizer is ``None`` when the folder has none and ``need_tokenizer`` is off.
     """
     path = resolve_model_path(model)
     has_tokenizer = any(
@@ -26,7 +30,7 @@ def load(model: str | Path | None = None, dtype: torch.dtype = torch.float32, ne
             f"{path} has no tokenizer files; save the tokenizer into the checkpoint folder."
         )
     tokenizer = AutoTokenizer.from_pretrained(path) if has_tokenizer else None
-    return AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval(), tokenizer
+    return AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval(), tokenizer
 
 
 def sample_prompt_ids(tokenizer, num_tokens: int) -> torch.Tensor:
@@ -52,7 +56,8 @@ def sample_prompt_ids(tokenizer, num_tokens: int) -> torch.Tensor:
 def time_prefill(
     model, input_ids: torch.Tensor, repeats: int = 3, warmup: int = 1, kv_cache_dtype: str = "auto"
 ) -> float:
-    """Median seconds of a prefill (with KV cache, last-position logits only, as ``generate`` runs it).
+    """Median seconds of a prefill (with KV cache, last-position logits only, as ``generate`` runs it), the device's
+    queued work included (``runtime.timed``).
 
     ``kv_cache_dtype``: ``"auto"`` (the model's dtype) or ``"fp8"`` (``kv_cache.FP8KVCache``).
     """
@@ -60,10 +65,12 @@ def time_prefill(
     times = []
     for i in range(warmup + repeats):
         cache = make_kv_cache(model.config, kv_cache_dtype)
-        start = time.perf_counter()
-        model(input_ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
+        seconds = timed(
+            lambda cache=cache: model(input_ids, past_key_values=cache, use_cache=True, logits_to_keep=1),
+            input_ids.device,
+        )
         if i >= warmup:
-            times.append(time.perf_counter() - start)
+            times.append(seconds)
     return sorted(times)[len(times) // 2]
 
 

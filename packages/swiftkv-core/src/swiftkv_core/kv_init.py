@@ -14,9 +14,8 @@ With ``weighting="attention"`` each token's error is weighted, per layer and KV 
 teacher's queries pay that token (``KVLeastSquares``). Only the normal equations ``x^T x`` and ``x^T Y`` are kept (in
 float64), so any number of tokens fits in memory and data-parallel ranks just sum them before solving.
 
-On SmolLM2-135M-Instruct at l=15 (32k Brown tokens, about a minute on 2 CPU cores) held-out top-1 agreement with
-the teacher goes from 57% (published init) to 75% (uniform) or 76% (attention-weighted) before any gradient step
-(benchmarks/results/distill-smollm2.md). Distillation then starts from there.
+A far better start than the published init before any gradient step; distillation then starts from there (the
+measurements: ``benchmarks/results/distill-smollm2.md``).
 """
 
 from __future__ import annotations
@@ -258,15 +257,21 @@ def fit_kv_projections(
         model.train(was_training)
 
 
-def text_batches(tokenizer, texts: Iterable[str], length: int = 256, batch_size: int = 4) -> Iterable[dict]:
+def text_batches(
+    tokenizer,
+    texts: Iterable[str],
+    length: int = 256,
+    batch_size: int = 4,
+    device: torch.device | str = "cpu",
+) -> Iterable[dict]:
     """Batches of ``batch_size`` x ``length`` token rows cut from ``texts`` (each text tokenised on its own, its
-    rows never mixing texts; a text's last partial row is dropped), for ``fit_kv_projections``."""
+    rows never mixing texts; a text's last partial row is dropped), on ``device``, for ``fit_kv_projections``."""
     rows = []
     for text in texts:
         ids = tokenizer(text, add_special_tokens=False)["input_ids"]
         rows.extend(ids[i : i + length] for i in range(0, len(ids) - length + 1, length))
         while len(rows) >= batch_size:
-            yield {"input_ids": torch.tensor(rows[:batch_size])}
+            yield {"input_ids": torch.tensor(rows[:batch_size], device=device)}
             rows = rows[batch_size:]
     if rows:
-        yield {"input_ids": torch.tensor(rows)}
+        yield {"input_ids": torch.tensor(rows, device=device)}

@@ -1,6 +1,6 @@
 """What a SwiftKV weight is, by name: the one definition convert, kv_init, distill and serve all use.
 
-Names are those of the HF state dict (``checkpoint-format`` in the README): ``model.norm_swiftkv.weight`` and, on a
+Names are those of the HF state dict (the published SwiftKV checkpoint format): ``model.norm_swiftkv.weight`` and, on a
 layer ``j >= l``, ``model.layers.{j}.self_attn.{q,k,v}_proj_swiftkv.{weight,bias}`` (k/v on AcrossKV group leaders
 only). The teacher's own ``q/k/v_proj`` of layers ``>= l`` are kept in full checkpoints and never needed to serve.
 Names may carry a prefix (``step.model.``, FSDP wrappers): the patterns match the end of the name.

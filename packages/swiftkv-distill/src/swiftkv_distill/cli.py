@@ -1,41 +1,12 @@
-"""``swiftkv-distill fit --config configs/distill/<recipe>.yaml``: the LightningCLI of SwiftKV distillation."""
+"""``swiftkv distill fit --config RECIPE``: the LightningCLI of SwiftKV distillation.
+
+``RECIPE`` is a YAML path or the name of a shipped recipe (``smollm2-135m-cpu``; ``recipe.py``), so the command
+works from any folder. ``swiftkv-distill`` is the same command.
+"""
 
 from __future__ import annotations
 
-from jsonargparse import set_parsing_settings
-from lightning.pytorch.cli import LightningCLI
-
-from .data import DistillDataModule
-from .module import SwiftKVDistillation
-
-TRAINER_DEFAULTS = {
-    # The data module builds its own DistributedSampler (a seeded permutation per epoch, also for one process).
-    # Loggers (CSV + TensorBoard) and callbacks (RunReport, ExportHF, ModelCheckpoint) are set by each recipe.
-    "use_distributed_sampler": False,
-}
-
-
-class DistillCLI(LightningCLI):
-    def add_arguments_to_parser(self, parser) -> None:
-        # One model path for the module (weights) and the data (tokenizer, context length).
-        parser.link_arguments("model.model", "data.model")
-
-
-def make_cli(args=None, run: bool = True, cli_class: type[LightningCLI] = DistillCLI) -> LightningCLI:
-    # the recipes' interpolations name keys from the config's own root (``trainer.``), also under a subcommand
-    set_parsing_settings(omegaconf_absolute_to_relative_paths=True)
-    return cli_class(
-        SwiftKVDistillation,
-        DistillDataModule,
-        trainer_defaults=TRAINER_DEFAULTS,
-        args=args,
-        run=run,
-        save_config_kwargs={"overwrite": True},
-        # ``${trainer.default_root_dir}/...`` in the recipes: one output folder per file, resolved after the
-        # command line (an overridden default_root_dir moves everything under it)
-        parser_kwargs={"parser_mode": "omegaconf+"},
-        seed_everything_default=0,
-    )
+from .recipe import make_cli
 
 
 def main(args=None) -> None:

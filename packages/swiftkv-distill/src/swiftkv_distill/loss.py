@@ -15,8 +15,8 @@ to the student logits is T * (p_s - p_t) * weight.
 
 Under autocast (``trainer.precision: bf16-mixed``) the three LM-head products (teacher logits, student logits,
 the gradient back to the hidden states) run in the autocast dtype, the softmaxes and the KL in fp32: on a CPU
-with bf16 instructions those products are about 4x faster than in fp32, and they are most of a small model's
-step. The bf16 rounding of a logit (0.4% at most) changes the KL by far less than the distillation's own error.
+with bf16 instructions those products run several times faster than in fp32, and they are most of a small
+model's step. The bf16 rounding of a logit (0.4% at most) changes the KL by far less than the distillation's own error.
 """
 
 from __future__ import annotations
@@ -117,7 +117,7 @@ _compiled_kl_chunk = None  # built at the first call (importing the compiler cos
 
 def _kl_chunk(t_logits: Tensor, s_logits: Tensor, row_weight: Tensor, temperature: float):
     """``_kl_chunk_eager`` through torch.compile, which fuses its dozen passes over positions x vocabulary into a
-    few (3.5x faster on a CPU chunk of 512 x 49k); the eager function where compiling fails (no C++ compiler, an
+    few; the eager function where compiling fails (no C++ compiler, an
     unsupported platform), with one warning: the same numbers either way."""
     global _compiled_kl_chunk
     if _compiled_kl_chunk is None:

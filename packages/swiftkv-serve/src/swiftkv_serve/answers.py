@@ -1,4 +1,5 @@
-"""A teacher's answers to chat prompts, generated with vLLM in batches (distillation data).
+"""A teacher's answers to chat prompts, generated with vLLM in batches (distillation data): the distillation's
+``vllm`` answer backend (an entry point in this package's pyproject.toml).
 
 ``generate_answers(model, prompts)`` poses each prompt to ``model`` as one user turn (the tokenizer's chat
 template, with the generation prompt, exactly as ``transformers`` would) and samples an answer. Every request
@@ -33,22 +34,6 @@ def _sampling_params(count: int, max_new_tokens: int, temperature: float, top_p:
             skip_special_tokens=True,
         )
         for i in range(count)
-    ]
-
-
-def chat_prompt_ids(tokenizer, prompts: list[str]) -> list[list[int]]:
-    """Token ids of each prompt as one user turn, followed by the assistant's generation prompt."""
-    if not getattr(tokenizer, "chat_template", None):
-        raise ValueError(
-            f"{tokenizer.name_or_path}: the tokenizer has no chat template, so prompts cannot be posed to the model."
-        )
-    return [
-        list(
-            tokenizer.apply_chat_template(
-                [{"role": "user", "content": p}], add_generation_prompt=True, tokenize=True, return_dict=False
-            )
-        )
-        for p in prompts
     ]
 
 
@@ -93,6 +78,8 @@ def generate_in_process(
     from transformers import AutoTokenizer
     from vllm import LLM
     from vllm.inputs import TokensPrompt
+
+    from swiftkv_core.chat import chat_prompt_ids
 
     tokenizer = AutoTokenizer.from_pretrained(model)
     prompt_ids = chat_prompt_ids(tokenizer, prompts)
@@ -150,7 +137,7 @@ def generate_answers(
     """
     from tqdm.auto import tqdm
 
-    from .bench import run_module_in_child
+    from .child import run_module_in_child
 
     prompts = list(prompts)
     if not prompts:
@@ -184,6 +171,6 @@ def generate_answers(
 
 
 if __name__ == "__main__":
-    from .bench import child_main
+    from .child import child_main
 
     child_main(generate_in_process, *sys.argv[1:])

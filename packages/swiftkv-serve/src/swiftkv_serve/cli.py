@@ -77,11 +77,10 @@ def serve_command(checkpoint: Path, options: list[str]) -> list[str]:
     command fails at start-up looking up the version of a distribution named ``vllm``; the OpenAI server
     module it would run is the same.
     """
-    from importlib.metadata import PackageNotFoundError, version
+    from . import installed_vllm
 
-    try:
-        version("vllm")
-    except PackageNotFoundError:
+    found = installed_vllm()
+    if found is None or found[0] != "vllm":
         return [
             sys.executable,
             "-m",

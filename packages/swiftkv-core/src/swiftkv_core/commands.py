@@ -1,26 +1,12 @@
-"""The ``swiftkv`` command: one table of every entry point of the three packages (litgpt's ``__main__.py``).
-
-    swiftkv convert | analyze | generate | flops    swiftkv_core (below: typed functions, jsonargparse)
-    swiftkv distill fit --config RECIPE.yaml        swiftkv_distill's LightningCLI (--trainer.* overrides)
-    swiftkv prepare-data [answer --prompts ...]     swiftkv_distill's offline data recipes
-    swiftkv quickstart                              the main job
-    swiftkv serve CHECKPOINT [vllm serve options]   swiftkv_serve: `vllm serve` after a check
-
-A target is named as ``"module:function"`` and imported only when its command runs, so swiftkv_core never imports
-lightning or vllm, and a command whose package is not installed says which one to install.
-"""
+"""The library's own commands as typed functions: ``swiftkv convert | analyze | generate | flops`` run these (their
+signatures and docstrings are the options and their help)."""
 
 from __future__ import annotations
 
-import importlib
 import json
-import sys
-import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from jsonargparse import auto_cli
 
 
 def convert(
@@ -85,7 +71,7 @@ def analyze(
         threshold: Recommend the smallest l whose similarity reaches this.
         max_length: Tokens per text at most.
     """
-    from .analysis import layer_input_similarity, write_report
+    from .analysis import layer_input_similarity, write_similarity_report
     from .default_model import resolve_model_path
     from .generation import load
 
@@ -94,7 +80,7 @@ def analyze(
         texts = _sample_texts()
     base, tokenizer = load(model)
     similarity = layer_input_similarity(base, tokenizer, texts, max_length=max_length)
-    result = write_report(
+    result = write_similarity_report(
         similarity, threshold, out_dir, title=f"{resolve_model_path(model).name}: layer input similarity"
     )
     print(json.dumps({k: v for k, v in result.items() if k != "similarity"}, indent=2))
@@ -121,29 +107,26 @@ def generate(
         chat: Apply the tokenizer's chat template.
         kv_cache_dtype: 'auto' (the model's dtype) or 'fp8' (e4m3 with a float32 scale per token and KV head).
     """
+    from .chat import chat_prompt_batch
     from .convert import convert as convert_model
     from .generation import load, time_prefill
     from .kv_cache import check_kv_cache_dtype, kv_cache_nbytes, make_kv_cache
+    from .runtime import Stopwatch
 
     check_kv_cache_dtype(kv_cache_dtype)
     lm, tokenizer = load(model)
     if num_key_value_layers is not None and not hasattr(lm, "swiftkv"):
         lm = convert_model(lm, num_key_value_layers, key_value_group_size)
     if chat and tokenizer.chat_template:
-        inputs = tokenizer.apply_chat_template(
-            [{"role": "user", "content": prompt}],
-            add_generation_prompt=True,
-            return_tensors="pt",
-            return_dict=True,
-        )
+        inputs = chat_prompt_batch(tokenizer, [prompt])
     else:
         inputs = tokenizer(prompt, return_tensors="pt")
     prefill_s = time_prefill(lm, inputs["input_ids"], repeats=1, kv_cache_dtype=kv_cache_dtype)
     cache = make_kv_cache(lm.config, kv_cache_dtype)
-    start = time.perf_counter()
+    watch = Stopwatch(lm.device).start()
     with torch.inference_mode():
         out = lm.generate(**inputs, past_key_values=cache, max_new_tokens=max_new_tokens, do_sample=False)
-    total_s = time.perf_counter() - start
+    total_s = watch.stop()
     new = out[0, inputs["input_ids"].shape[1] :]
     mode = (
         (
@@ -218,69 +201,3 @@ def _sample_texts() -> list[str]:
     import json as json_module
 
     return [inspect.getdoc(json_module), inspect.getdoc(inspect), inspect.getdoc(Path)]
-
-
-@dataclass(frozen=True)
-class Command:
-    """One ``swiftkv`` subcommand."""
-
-    target: str  # "module:function"
-    package: str  # the distribution that provides it
-    help: str  # one line for ``swiftkv --help``
-    typed: bool = True  # True: jsonargparse builds the options from the function's signature and docstring;
-    # False: the function parses its own arguments (LightningCLI, or a pass-through to vLLM)
-
-
-COMMANDS: dict[str, Command] = {
-    "convert": Command(f"{__name__}:convert", "swiftkv-core", "convert a Llama / Mistral / Qwen2 checkpoint"),
-    "analyze": Command(f"{__name__}:analyze", "swiftkv-core", "layer input similarity (Eq. 1), recommends l"),
-    "generate": Command(f"{__name__}:generate", "swiftkv-core", "greedy generation and prefill time"),
-    "flops": Command(f"{__name__}:flops", "swiftkv-core", "analytic prefill FLOPs and KV-cache bytes"),
-    "distill": Command(
-        "swiftkv_distill.cli:main",
-        "swiftkv-distill",
-        "distillation: `swiftkv distill fit --config R.yaml`",
-        False,
-    ),
-    "prepare-data": Command(
-        "swiftkv_distill.corpora:main", "swiftkv-distill", "prepare the offline data recipes; `answer`", False
-    ),
-    "quickstart": Command("swiftkv_distill.quickstart:main", "swiftkv-distill", "the main job, end to end"),
-    "serve": Command(
-        "swiftkv_serve.cli:main", "swiftkv-serve", "OpenAI-compatible vLLM server for a checkpoint", False
-    ),
-}
-
-
-def _usage() -> str:
-    rows = "\n".join(f"  {name:<14}{command.help}" for name, command in COMMANDS.items())
-    return f"usage: swiftkv COMMAND [options]   (swiftkv COMMAND --help for its options)\n\ncommands:\n{rows}"
-
-
-def main(args: list[str] | None = None) -> None:
-    args = sys.argv[1:] if args is None else list(args)
-    if not args or args[0] in ("-h", "--help"):
-        print(_usage())
-        raise SystemExit(0 if args else 2)
-    name, rest = args[0], args[1:]
-    if name not in COMMANDS:
-        raise SystemExit(f"swiftkv: unknown command {name!r}.\n{_usage()}")
-    command = COMMANDS[name]
-    module_name, function_name = command.target.split(":")
-    try:
-        module = importlib.import_module(module_name)
-    except ModuleNotFoundError as error:
-        if error.name and module_name.startswith(error.name):
-            raise SystemExit(
-                f"swiftkv {name}: needs the {command.package} package (pip install {command.package})."
-            ) from None
-        raise
-    function = getattr(module, function_name)
-    if command.typed:
-        auto_cli(function, args=rest, as_positional=False, prog=f"swiftkv {name}")
-    else:
-        function(rest)
-
-
-if __name__ == "__main__":
-    main()

@@ -1,4 +1,4 @@
-"""The quickstart's report: ``report.md`` (headline first, tables, plots inline), ``report.json`` (every number, the
+"""The main job's report: ``report.md`` (headline first, tables, plots inline), ``report.json`` (every number, the
 settings and versions) and the PNG plots, all written from the run's recorded step results."""
 
 from __future__ import annotations
@@ -34,13 +34,13 @@ def headline(settings: dict, results: dict) -> dict:
     return out
 
 
-def write_report(root: Path, settings: dict, results: dict, versions: dict) -> list[Path]:
+def write_run_report(root: Path, settings: dict, results: dict, versions: dict) -> list[Path]:
     """Write the plots, ``report.json`` and ``report.md`` into ``root``; returns their paths."""
     from swiftkv_core.atomic import atomic_file
 
     plots = [_plot_prefill(results["prefill"]["rows"], root / "prefill.png")]
     if "ratios_swiftkv_over_stock" in results.get("serve", {}):
-        from swiftkv_serve.bench import plot_serving
+        from swiftkv_serve.comparison import plot_serving
 
         plot_serving(results["serve"], root / "serving.png")
         plots.append(root / "serving.png")
@@ -66,7 +66,7 @@ def _markdown(root: Path, settings: dict, results: dict, versions: dict, head: d
         f"# SwiftKV on {Path(s['model_identity']['path']).name}: l = {l} of {L} layers ({_pct(head['skipped_fraction'])} of the layers skipped "
         f"in prefill), AcrossKV g = {g}",
         "",
-        "## Headline (measured in this run, on this machine)",
+        f"## Headline (measured in this run, on {results['prefill'].get('device', 'this machine')})",
         "",
     ]
     if "prefill" in head:
@@ -132,7 +132,7 @@ def _markdown(root: Path, settings: dict, results: dict, versions: dict, head: d
         "",
         f"![loss and held-out agreement]({results['distill']['plot']})",
         "",
-        "## Prefill latency (HF transformers, SwiftKV off vs on, median of 3)",
+        f"## Prefill latency (HF transformers, SwiftKV off vs on, median of 3; {results['prefill'].get('device', '')})",
         "",
         "| prompt tokens | SwiftKV off (ms) | SwiftKV on (ms) | speed-up | FLOPs bound |",
         "|---|---|---|---|---|",

@@ -1,0 +1,112 @@
+"""What a checkpoint folder is, read from its ``config.json`` before any weight loads: the one place that checks a
+model's family and its ``(l, g)``, and says what makes a folder this model (for caches and resumed runs)."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from dataclasses import asdict
+from pathlib import Path
+
+from .configuration import validate_layers
+from .convert import FAMILIES, SWIFTKV_FAMILIES
+from .default_model import resolve_model_path
+
+KINDS = ("base", "swiftkv", "any")
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be used as asked; the message names the folder and the fix."""
+
+
+def read_config(model: str | os.PathLike):
+    """``(path, config)`` of ``model`` (``"default"``, a ``.gguf`` file or a HF folder), SwiftKV configs known."""
+    from transformers import AutoConfig
+
+    try:
+        path = resolve_model_path(model)
+        return path, AutoConfig.from_pretrained(path)
+    except (OSError, ValueError) as error:
+        raise CheckpointError(f"{model}: {error}") from None
+
+
+def check_checkpoint(
+    model: str | os.PathLike,
+    num_key_value_layers: int | None = None,
+    key_value_group_size: int = 1,
+    kind: str = "any",
+):
+    """``(path, config)`` of ``model`` after checking that it is of a supported family and ``kind`` (``"base"``:
+    a Llama / Mistral / Qwen2 checkpoint to convert; ``"swiftkv"``: a SwiftKV one; ``"any"``: either), and, given
+    ``num_key_value_layers``, that ``(l, g)`` fit it (``validate_layers``; ``l == L`` refused: nothing would be
+    skipped) and equal a SwiftKV checkpoint's own. Raises ``CheckpointError`` saying what to do instead."""
+    if kind not in KINDS:
+        raise ValueError(f"kind must be one of {KINDS}, got {kind!r}.")
+    path, config = read_config(model)
+    family = config.model_type
+    allowed = {"base": set(FAMILIES), "swiftkv": SWIFTKV_FAMILIES, "any": set(FAMILIES) | SWIFTKV_FAMILIES}[
+        kind
+    ]
+    if family not in allowed:
+        if kind == "base" and family in SWIFTKV_FAMILIES:
+            fix = "give its base model (the original checkpoint), not a SwiftKV one"
+        elif kind == "swiftkv" and family in FAMILIES:
+            fix = "convert it first (`swiftkv convert`)"
+        else:
+            fix = (
+                f"SwiftKV supports the families {sorted(FAMILIES)} (LlamaForCausalLM, MistralForCausalLM, "
+                "Qwen2ForCausalLM) and their SwiftKV checkpoints"
+            )
+        raise CheckpointError(f"{model}: model_type={family!r} is not supported here: {fix}.")
+    if num_key_value_layers is None:
+        return path, config
+    try:
+        validate_layers(
+            config.num_hidden_layers, num_key_value_layers, key_value_group_size, allow_no_skip=False
+        )
+    except ValueError as error:
+        raise CheckpointError(f"{model}: {error}") from None
+    if family in SWIFTKV_FAMILIES and (config.num_key_value_layers, config.key_value_group_size) != (
+        num_key_value_layers,
+        key_value_group_size,
+    ):
+        raise CheckpointError(
+            f"{path} is a SwiftKV checkpoint with num_key_value_layers={config.num_key_value_layers}, "
+            f"key_value_group_size={config.key_value_group_size}; asked for {num_key_value_layers}, "
+            f"{key_value_group_size}. Give those values, or its base model to convert anew."
+        )
+    return path, config
+
+
+def check_swiftkv_version_of(swiftkv: str | os.PathLike, base: str | os.PathLike):
+    """The config of ``swiftkv`` after checking that it is a SwiftKV checkpoint of ``base``'s family and shape."""
+    from .flops import ModelShape
+
+    _, config = check_checkpoint(swiftkv, kind="swiftkv")
+    _, base_config = check_checkpoint(base, kind="base")
+    if config.model_type != f"{base_config.model_type.replace('mistral', 'llama')}_swiftkv":
+        raise CheckpointError(
+            f"{swiftkv} is a {config.model_type} checkpoint; the base {base} is {base_config.model_type}."
+        )
+    shape, base_shape = asdict(ModelShape.from_config(config)), asdict(ModelShape.from_config(base_config))
+    differ = [
+        f"{key} {shape[key]} (base {base_shape[key]})" for key in shape if shape[key] != base_shape[key]
+    ]
+    if differ:
+        raise CheckpointError(f"{swiftkv} is not a SwiftKV version of {base}: {', '.join(differ)}.")
+    return config
+
+
+def model_identity(path: str | os.PathLike) -> dict:
+    """What makes a checkpoint folder this model: its resolved path, its config and its weight files' sizes."""
+    path = Path(path).resolve()
+    weights = sorted(
+        f
+        for f in path.iterdir()
+        if f.suffix in (".safetensors", ".bin", ".pt") or f.name.endswith(".index.json")
+    )
+    return {
+        "path": str(path),
+        "config_sha256": hashlib.sha256((path / "config.json").read_bytes()).hexdigest(),
+        "weight_sizes": {f.name: f.stat().st_size for f in weights},
+    }

@@ -1,0 +1,186 @@
+"""A teacher's own answers to chat prompts: chat-shaped distillation data that follows the teacher's distribution.
+
+``teacher_answers(prompts, model)`` poses each prompt as one user turn (``swiftkv_core.chat``) to the ORIGINAL
+model and samples an answer (seeded: the same answers on every run). The generation is a backend: ``"hf"``
+(transformers ``generate`` in batches, built in) or one that another package provides through the entry-point
+group ``swiftkv_distill.answer_backends`` (swiftkv-serve provides ``"vllm"``: batched, several times faster);
+``"auto"`` takes vLLM where its backend and vLLM are installed. Answers are cached under a key of the teacher's
+identity, the backend and the settings (another teacher or setting gets a file of its own).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import time
+from collections.abc import Callable, Iterable
+from importlib.metadata import entry_points
+from pathlib import Path
+
+from swiftkv_core.atomic import atomic_file
+from swiftkv_core.checkpoints import model_identity
+
+BACKEND_GROUP = "swiftkv_distill.answer_backends"
+# A backend: (checkpoint folder, prompts, max_new_tokens, temperature, top_p, seed) -> one answer per prompt.
+Backend = Callable[[Path, list[str], int, float, float, int], list[str]]
+
+
+def answers_dir() -> Path:
+    from swiftkv_core.default_model import cache_dir
+
+    return cache_dir() / "data" / "distill" / "teacher_answers"
+
+
+def hf_answers(path: Path, prompts: list[str], max_new_tokens: int, temperature: float, top_p: float, seed: int,
+               batch_size: int = 16) -> list[str]:  # fmt: skip
+    """Answers with HF ``generate`` in batches of ``batch_size`` (seeded per batch): works wherever torch does."""
+    import torch
+    from tqdm.auto import tqdm
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from swiftkv_core.chat import chat_prompt_batch
+
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    lm = AutoModelForCausalLM.from_pretrained(path).to(hf_device()).eval()
+    answers = []
+    batches = range(0, len(prompts), batch_size)
+    for index, start in enumerate(tqdm(batches, desc="teacher answers (HF)", unit="batch")):
+        inputs = chat_prompt_batch(tokenizer, prompts[start : start + batch_size]).to(lm.device)
+        torch.manual_seed(seed + index)
+        with torch.no_grad():
+            generated = lm.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=True, temperature=temperature,
+                                    top_p=top_p, pad_token_id=tokenizer.pad_token_id)  # fmt: skip
+        answers += tokenizer.batch_decode(
+            generated[:, inputs["input_ids"].shape[1] :], skip_special_tokens=True
+        )
+    return answers
+
+
+def hf_device() -> str:
+    """Where the HF backend generates: the GPU where one is visible (its samples differ from the CPU's)."""
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def backends() -> dict[str, object]:
+    """Every answer backend by name: ``"hf"`` and those of installed packages (entry points, loaded on use)."""
+    return {"hf": hf_answers, **{entry.name: entry for entry in entry_points(group=BACKEND_GROUP)}}
+
+
+def answer_backend(backend: str = "auto") -> str:
+    """The backend's name: ``"auto"`` is ``"vllm"`` where that backend and vLLM are installed, else ``"hf"``."""
+    available = backends()
+    if backend == "auto":
+        return "vllm" if "vllm" in available and importlib.util.find_spec("vllm") is not None else "hf"
+    if backend not in available:
+        raise ValueError(
+            f"Unknown answer backend {backend!r}: installed are {sorted(available)} (or 'auto')."
+        )
+    return backend
+
+
+def _generate(backend: str) -> Backend:
+    found = backends()[backend]
+    return found if callable(found) else found.load()
+
+
+def _answerable(prompts: Iterable[dict]) -> list[dict]:
+    return [r for r in prompts if isinstance(r.get("prompt"), str) and r["prompt"].strip()]
+
+
+def teacher_answers_cache_file(
+    prompts: Iterable[dict],
+    model: str = "default",
+    max_new_tokens: int = 160,
+    batch_size: int = 16,
+    temperature: float = 0.7,
+    top_p: float = 0.9,
+    seed: int = 0,
+    backend: str = "auto",
+) -> tuple[Path, dict]:
+    """Where ``teacher_answers`` with these arguments keeps its answers, and the record of what they are (the
+    model's identity, the backend, the settings, the prompts).
+
+    The file name is keyed by a hash of that record: another model, backend (vLLM and HF sample differently)
+    or setting gets a file of its own. The HF backend seeds per batch, so its batch size is part of the key.
+    """
+    from swiftkv_core.default_model import resolve_model_path
+
+    path = resolve_model_path(model)
+    backend = answer_backend(backend)
+    texts = [r["prompt"] for r in _answerable(prompts)]
+    metadata = {
+        "model": model_identity(path),
+        "backend": backend,
+        "max_new_tokens": max_new_tokens,
+        "temperature": temperature,
+        "top_p": top_p,
+        "seed": seed,
+        "batch_size": batch_size if backend == "hf" else None,
+        **({"device": hf_device()} if backend == "hf" and hf_device() != "cpu" else {}),
+        "num_prompts": len(texts),
+        "prompts_sha256": hashlib.sha256(json.dumps(texts, ensure_ascii=False).encode()).hexdigest(),
+    }
+    key = hashlib.sha256(json.dumps(metadata, sort_keys=True).encode()).hexdigest()[:16]
+    return answers_dir() / f"{path.name}-{backend}-{key}.jsonl", metadata
+
+
+def write_jsonl(path: Path, records: Iterable[dict]) -> Path:
+    """``records`` as JSON lines at ``path``, written atomically."""
+    with atomic_file(path) as f:
+        for record in records:
+            f.write(json.dumps(record, ensure_ascii=False) + "\n")
+    return path
+
+
+def teacher_answers(
+    prompts: Iterable[dict],
+    model: str = "default",
+    max_new_tokens: int = 160,
+    batch_size: int = 16,
+    temperature: float = 0.7,
+    top_p: float = 0.9,
+    seed: int = 0,
+    backend: str = "auto",
+    cache: bool = True,
+) -> list[dict]:
+    """The teacher's own answers to prompt records (``{"prompt": ...}``), as ``{"prompt", "response", "source"}``.
+
+    ``model``: ``"default"``, a ``.gguf`` file or a local HF folder (the ORIGINAL model: the distillation
+    teacher). Sampled and seeded; prompts with an empty answer are dropped. ``backend``: a name of ``backends()``
+    or ``"auto"``; ``batch_size`` applies to ``"hf"``. With ``cache``, the answers are kept under
+    ``answers_dir()`` (``teacher_answers_cache_file``; a ``.meta.json`` beside each file says what it holds), and
+    later calls with the same key read them instead of generating.
+    """
+    records = _answerable(prompts)
+    texts = [r["prompt"] for r in records]
+    entry, metadata = teacher_answers_cache_file(
+        records, model, max_new_tokens, batch_size, temperature, top_p, seed, backend
+    )
+    path, backend = Path(metadata["model"]["path"]), metadata["backend"]
+    if cache and entry.is_file():
+        with entry.open(encoding="utf-8") as f:
+            answers = [json.loads(line)["response"] for line in f]
+    else:
+        from transformers import AutoTokenizer
+
+        from swiftkv_core.chat import require_chat_template
+
+        require_chat_template(AutoTokenizer.from_pretrained(path))
+        start = time.perf_counter()
+        if backend == "hf":
+            answers = hf_answers(path, texts, max_new_tokens, temperature, top_p, seed, batch_size)
+        else:
+            answers = _generate(backend)(path, texts, max_new_tokens, temperature, top_p, seed)
+        if cache:
+            metadata["generation_s"] = round(time.perf_counter() - start, 1)
+            with atomic_file(entry.with_suffix(".meta.json")) as f:
+                f.write(json.dumps(metadata, indent=2))
+            write_jsonl(entry, ({"prompt": p, "response": a} for p, a in zip(texts, answers, strict=True)))
+    return [
+        {"prompt": record["prompt"], "response": answer.strip(), "source": record.get("source")}
+        for record, answer in zip(records, answers, strict=True)
+        if answer.strip()
+    ]

@@ -1,0 +1,206 @@
+"""Recipes: the distillation YAMLs (``recipes/*.yaml``, shipped with the package) and the one way a recipe becomes a
+module, a data module and a Trainer. ``swiftkv distill fit``, the main job and every benchmark go through ``build``
+(LightningCLI's own parser: one schema, the same defaults, interpolations and checks everywhere).
+
+A recipe is named by a path, or by its name (``smollm2-135m-cpu``) from any folder. Overrides are dotted keys,
+``{"model.num_key_value_layers": 15, "trainer.max_steps": 20}``, as on the command line.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+
+from jsonargparse import set_parsing_settings
+from lightning.pytorch.cli import LightningCLI
+
+from .datamodule import DistillDataModule
+from .module import SwiftKVDistillation
+
+RECIPES_DIR = Path(__file__).parent / "recipes"
+
+
+class RecipeError(ValueError):
+    """A recipe that cannot be found or parsed; the message says which and how to fix it."""
+
+
+TRAINER_DEFAULTS = {
+    # The data module builds its own DistributedSampler (a seeded permutation per epoch, also for one process).
+    # Loggers (CSV + TensorBoard) and callbacks (RunReport, ExportHF, ModelCheckpoint) are set by each recipe.
+    "use_distributed_sampler": False,
+}
+
+
+class DistillCLI(LightningCLI):
+    def add_arguments_to_parser(self, parser) -> None:
+        # One model path for the module (weights) and the data (tokenizer, context length).
+        parser.link_arguments("model.model", "data.model")
+
+
+def with_recipe_paths(args: list[str]) -> list[str]:
+    """``args`` with each ``--config NAME`` of a shipped recipe replaced by its file (paths that exist stay)."""
+    out = list(args)
+    for i, arg in enumerate(out):
+        name, value = (
+            (arg, out[i + 1] if i + 1 < len(out) else None) if arg == "--config" else arg.partition("=")[::2]
+        )
+        if name != "--config" or not value:
+            continue
+        try:
+            resolved = str(recipe_path(value))
+        except RecipeError:
+            continue  # LightningCLI says that the file does not exist
+        if arg == "--config":
+            out[i + 1] = resolved
+        else:
+            out[i] = f"--config={resolved}"
+    return out
+
+
+def make_cli(args=None, run: bool = True, cli_class: type[LightningCLI] = DistillCLI) -> LightningCLI:
+    """The distillation's LightningCLI over ``args`` (default: the command line), shipped recipes found by name."""
+    # the recipes' interpolations name keys from the config's own root (``trainer.``), also under a subcommand
+    set_parsing_settings(omegaconf_absolute_to_relative_paths=True)
+    args = with_recipe_paths(sys.argv[1:] if args is None else list(args))
+    with warnings.catch_warnings():
+        # Lightning warns when ``args`` are given while the process has command-line arguments of its own: here
+        # they are given on purpose (a recipe name resolved, or a caller such as the main job building a run).
+        warnings.filterwarnings("ignore", message=".*args parameter is intended to run from within Python.*")
+        return cli_class(
+            SwiftKVDistillation,
+            DistillDataModule,
+            trainer_defaults=TRAINER_DEFAULTS,
+            args=args,
+            run=run,
+            save_config_kwargs={"overwrite": True},
+            # ``${trainer.default_root_dir}/...`` in the recipes: one output folder per file, resolved after the
+            # command line (an overridden default_root_dir moves everything under it)
+            parser_kwargs={"parser_mode": "omegaconf+"},
+            seed_everything_default=0,
+        )
+
+
+def recipe_names() -> list[str]:
+    return sorted(p.stem for p in RECIPES_DIR.glob("*.yaml"))
+
+
+def recipe_path(recipe: str | os.PathLike) -> Path:
+    """The YAML of ``recipe``: an existing file, else a shipped recipe by name (``smollm2-135m-cpu``, with or
+    without ``.yaml``; a path like ``configs/distill/NAME.yaml`` resolves the same from any folder)."""
+    path = Path(recipe).expanduser()
+    if path.is_file():
+        return path.resolve()
+    shipped = RECIPES_DIR / (path.name if path.suffix == ".yaml" else f"{path.name}.yaml")
+    if shipped.is_file():
+        return shipped
+    raise RecipeError(
+        f"recipe {recipe}: no such file, and not a shipped recipe ({', '.join(recipe_names())}). Give a recipe's "
+        "name or the path of a YAML."
+    )
+
+
+def arguments(overrides: dict | None) -> list[str]:
+    """``{"model.l": 15, "trainer.callbacks": [...]}`` -> ``["--model.l=15", '--trainer.callbacks=[...]']``."""
+    out = []
+    for key, value in (overrides or {}).items():
+        text = value if isinstance(value, str) else json.dumps(value)
+        out.append(f"--{key}={text}")
+    return out
+
+
+def _cli(recipe, overrides: dict | None, instantiate: bool):
+    class ParseOnly(DistillCLI):
+        def instantiate_classes(self) -> None:
+            pass
+
+    args = ["--config", str(recipe_path(recipe)), *arguments(overrides)]
+    try:
+        return make_cli(args, run=False, cli_class=DistillCLI if instantiate else ParseOnly)
+    except SystemExit as error:  # jsonargparse exits on a bad value, after printing why
+        raise RecipeError(
+            f"recipe {recipe} with {overrides or {}}: not valid (see the message above)."
+        ) from error
+
+
+def parse(recipe: str | os.PathLike, overrides: dict | None = None):
+    """The recipe with ``overrides``, parsed and type-checked (a jsonargparse Namespace); nothing is built."""
+    return _cli(recipe, overrides, instantiate=False).config
+
+
+@dataclass
+class Built:
+    module: object  # SwiftKVDistillation
+    datamodule: object  # DistillDataModule
+    trainer: object  # lightning.Trainer
+
+
+def build(recipe: str | os.PathLike, overrides: dict | None = None) -> Built:
+    """The recipe's LightningModule, data module and Trainer, with ``overrides`` applied."""
+    cli = _cli(recipe, overrides, instantiate=True)
+    return Built(cli.model, cli.datamodule, cli.trainer)
+
+
+def budgeted_fit(
+    recipe: str | os.PathLike,
+    folder: Path,
+    seconds: float | None = None,
+    overrides: dict | None = None,
+    checkpoint_every: int | None = None,
+    steps: int | None = None,
+) -> tuple[Built, dict]:
+    """Distil with ``recipe`` for ``seconds`` of training (warm-up + cosine over that time; a live bar that stops
+    the run when the time is spent), or for ``steps`` optimizer steps (the schedule over the steps), with logs in
+    ``folder/logs/version_0`` and no export. With ``checkpoint_every``, the trainable weights are checkpointed every
+    that many steps in ``folder/checkpoints`` and a run that finds ``last.ckpt`` there resumes from it. Returns what
+    was built and the run's summary (``RunReport``).
+
+    The recipe's numerics (accelerator, precision, clipping, validation cadence) stay; its length, loggers,
+    callbacks and output folder are replaced by these. A bf16 precision on a CPU without native bf16 trains in
+    ``32-true`` (``cpu_precision``)."""
+    from .build import cpu_precision
+
+    if (seconds is None) == (steps is None):
+        raise ValueError("budgeted_fit: give either seconds or steps.")
+    folder = Path(folder)
+    given = dict(overrides or {})
+    settings = parse(recipe, given)
+    precision = settings.trainer.precision
+    if settings.trainer.accelerator in ("cpu", None) and precision is not None:
+        precision = cpu_precision(precision)
+    callbacks = [{"class_path": "swiftkv_distill.callbacks.RunReport"}]
+    if seconds is not None:
+        callbacks.insert(0, {"class_path": "swiftkv_distill.callbacks.BudgetProgress",
+                             "init_args": {"budget_seconds": seconds}})  # fmt: skip
+    if checkpoint_every:
+        callbacks.insert(0, {
+            "class_path": "lightning.pytorch.callbacks.ModelCheckpoint",
+            "init_args": {"dirpath": str(folder / "checkpoints"), "save_last": True, "save_top_k": 0,
+                          "every_n_train_steps": checkpoint_every},
+        })  # fmt: skip
+    run = {
+        "model.schedule_seconds": seconds,
+        "trainer.precision": precision,
+        "trainer.max_steps": steps or 1_000_000,  # with seconds, a bound only: BudgetProgress stops the run
+        "trainer.max_time": None,
+        "trainer.max_epochs": None,
+        "trainer.default_root_dir": str(folder),
+        "trainer.logger": {"class_path": "lightning.pytorch.loggers.CSVLogger",
+                           "init_args": {"save_dir": str(folder), "name": "logs", "version": 0}},
+        "trainer.callbacks": callbacks,
+        "trainer.enable_checkpointing": bool(checkpoint_every),
+        "trainer.enable_progress_bar": steps is not None,  # BudgetProgress is the bar of a run in seconds
+        "trainer.enable_model_summary": False,
+        "trainer.num_sanity_val_steps": 0,
+    }  # fmt: skip
+    built = build(recipe, {**run, **given, "trainer.precision": precision})
+    last = folder / "checkpoints" / "last.ckpt"
+    resume = checkpoint_every and last.is_file()
+    if resume:
+        print(f"   resuming from {last}", flush=True)
+    built.trainer.fit(built.module, built.datamodule, ckpt_path=str(last) if resume else None)
+    summary = json.loads((folder / "logs" / "version_0" / "summary.json").read_text())
+    return built, {**summary, "resumed": bool(resume)}

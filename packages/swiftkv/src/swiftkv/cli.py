@@ -1,0 +1,93 @@
+"""The ``swiftkv`` command: one table of every entry point of the project (litgpt's ``__main__.py``).
+
+    swiftkv convert | analyze | generate | flops    swiftkv_core.commands (typed functions)
+    swiftkv distill fit --config RECIPE             swiftkv_distill's LightningCLI (--trainer.* overrides)
+    swiftkv prepare-data [answer --prompts ...]     swiftkv_distill's offline data sets
+    swiftkv quickstart                              the main job (swiftkv.quickstart)
+    swiftkv serve CHECKPOINT [vllm serve options]   swiftkv_serve: `vllm serve` after a check
+
+A target is named as ``"module:function"`` and imported only when its command runs, so ``swiftkv --help`` is
+instant, and a command whose package is not installed says which one to install.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Command:
+    """One ``swiftkv`` subcommand."""
+
+    target: str  # "module:function"
+    package: str  # the distribution that provides it
+    help: str  # one line for ``swiftkv --help``
+    typed: bool = True  # True: jsonargparse builds the options from the function's signature and docstring;
+    # False: the function parses its own arguments (LightningCLI, or a pass-through to vLLM)
+
+
+COMMANDS: dict[str, Command] = {
+    "convert": Command(
+        "swiftkv_core.commands:convert", "swiftkv-core", "convert a Llama / Mistral / Qwen2 checkpoint"
+    ),
+    "analyze": Command(
+        "swiftkv_core.commands:analyze", "swiftkv-core", "layer input similarity (Eq. 1), recommends l"
+    ),
+    "generate": Command(
+        "swiftkv_core.commands:generate", "swiftkv-core", "greedy generation and prefill time"
+    ),
+    "flops": Command(
+        "swiftkv_core.commands:flops", "swiftkv-core", "analytic prefill FLOPs and KV-cache bytes"
+    ),
+    "distill": Command(
+        "swiftkv_distill.cli:main",
+        "swiftkv-distill",
+        "distillation: `swiftkv distill fit --config RECIPE`",
+        False,
+    ),
+    "prepare-data": Command(
+        "swiftkv_distill.corpora:main", "swiftkv-distill", "prepare the offline data sets; `answer`", False
+    ),
+    "quickstart": Command("swiftkv.quickstart:main", "swiftkv", "the main job, end to end"),
+    "serve": Command(
+        "swiftkv_serve.cli:main", "swiftkv-serve", "OpenAI-compatible vLLM server for a checkpoint", False
+    ),
+}
+
+
+def _usage() -> str:
+    rows = "\n".join(f"  {name:<14}{command.help}" for name, command in COMMANDS.items())
+    return f"usage: swiftkv COMMAND [options]   (swiftkv COMMAND --help for its options)\n\ncommands:\n{rows}"
+
+
+def main(args: list[str] | None = None) -> None:
+    args = sys.argv[1:] if args is None else list(args)
+    if not args or args[0] in ("-h", "--help"):
+        print(_usage())
+        raise SystemExit(0 if args else 2)
+    name, rest = args[0], args[1:]
+    if name not in COMMANDS:
+        raise SystemExit(f"swiftkv: unknown command {name!r}.\n{_usage()}")
+    command = COMMANDS[name]
+    module_name, function_name = command.target.split(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as error:
+        if error.name and module_name.startswith(error.name):
+            raise SystemExit(
+                f"swiftkv {name}: needs the {command.package} package (pip install {command.package})."
+            ) from None
+        raise
+    function = getattr(module, function_name)
+    if command.typed:
+        from jsonargparse import auto_cli
+
+        auto_cli(function, args=rest, as_positional=False, prog=f"swiftkv {name}")
+    else:
+        function(rest)
+
+
+if __name__ == "__main__":
+    main()

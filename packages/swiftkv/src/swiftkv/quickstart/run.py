@@ -1,0 +1,133 @@
+"""A main-job run: its output folder, its settings and each finished stage's results in ``state.json`` (written
+atomically after every stage), and the runner that skips the stages an earlier, interrupted run finished."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import time
+import warnings
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from .settings import QuickstartError, Settings
+
+
+@dataclass(frozen=True)
+class Stage:
+    """One stage of the main job: its name (the key of its results) and the function that runs it."""
+
+    name: str
+    run: Callable[[Run], dict]
+
+
+class Run:
+    """The output folder: settings, each finished stage's results (state.json, atomic), the artefacts."""
+
+    def __init__(self, root: Path, settings: Settings, force: bool):
+        self.root, self.settings = root, settings
+        state_file = root / "state.json"
+        if force and root.exists():
+            if not state_file.is_file() and any(root.iterdir()):  # never delete what is not a quickstart run
+                raise QuickstartError(
+                    f"--out {root} is not a quickstart run (no state.json): --force deletes only those. Choose "
+                    "another --out."
+                )
+            shutil.rmtree(root)
+        if state_file.is_file():
+            earlier = json.loads(state_file.read_text())
+            self._check_same_run(earlier)
+            self.results = earlier["results"]
+        elif root.exists() and any(root.iterdir()):
+            raise QuickstartError(
+                f"--out {root} exists and is not a quickstart run (no state.json): choose another --out, or --force "
+                "to delete it."
+            )
+        else:
+            self.results = {}
+        root.mkdir(parents=True, exist_ok=True)
+        self._save()
+
+    def _check_same_run(self, earlier: dict) -> None:
+        before, now = earlier["settings"], asdict(self.settings)
+        if before.get("model_identity") != now["model_identity"]:
+            raise QuickstartError(
+                f"--out {self.root} holds the run of another model ({before.get('model_identity', {}).get('path')}): "
+                "choose another --out, or --force to replace it."
+            )
+        changed = sorted(k for k in now if before.get(k) != now[k])
+        if changed:
+            changes = ", ".join(f"{k}: {before.get(k)!r} -> {now[k]!r}" for k in changed)
+            raise QuickstartError(
+                f"--out {self.root} holds a run with other settings ({changes}): run with the same settings to "
+                "continue it, choose another --out, or --force to start over."
+            )
+
+    def path(self, name: str) -> Path:
+        return self.root / name
+
+    @property
+    def device(self):
+        """Where the stages run: the GPU (``cuda``) or the CPU."""
+        import torch
+
+        return torch.device("cuda" if self.settings.accelerator == "gpu" else "cpu")
+
+    @property
+    def dtype(self):
+        """The weights' dtype of the HF stages (analysis, evaluation, prefill): bf16 on a GPU, fp32 on a CPU."""
+        import torch
+
+        return torch.bfloat16 if self.settings.accelerator == "gpu" else torch.float32
+
+    def device_description(self) -> str:
+        from swiftkv_core.runtime import device_description
+
+        return f"{device_description(self.device)}, {str(self.dtype).removeprefix('torch.')}"
+
+    def _save(self) -> None:
+        from swiftkv_core.atomic import atomic_file
+
+        with atomic_file(self.root / "state.json") as f:
+            json.dump({"settings": asdict(self.settings), "results": self.results}, f, indent=2)
+
+    def run_stages(self, stages: list[Stage]) -> None:
+        """Each stage in order, announced; one finished earlier (its results in state.json) is reused."""
+        for index, stage in enumerate(stages, 1):
+            header = f"== {index}/{len(stages)} {stage.name.replace('_', ' ')}"
+            if stage.name in self.results:
+                print(f"{header}: done earlier, reused", flush=True)
+                continue
+            print(header, flush=True)
+            started = time.perf_counter()
+            result = stage.run(self)
+            result["seconds"] = time.perf_counter() - started
+            self.results[stage.name] = result
+            self._save()
+
+
+def quiet() -> None:
+    """Only what a user can act on: Lightning's tips and info lines, and known-harmless warnings, are silenced."""
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    import lightning.pytorch  # noqa: F401  (sets its loggers' levels when imported: import first, then quieten)
+
+    for name in ("lightning.pytorch", "lightning.fabric", "lightning", "transformers", "vllm"):
+        logging.getLogger(name).setLevel(logging.ERROR)
+    for message in (
+        ".*litlogger.*",
+        ".*does not have many workers.*",
+        ".*Experiment logs directory .* exists and is not empty.*",
+        ".*Checkpoint directory .* exists and is not empty.*",
+        ".*max_steps.*",
+    ):
+        warnings.filterwarnings("ignore", message=message)
+    warnings.filterwarnings("ignore", category=DeprecationWarning)
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    import datasets
+    from transformers.utils import logging as transformers_logging
+
+    datasets.disable_progress_bars()  # "Generating train split" for every small file
+    transformers_logging.disable_progress_bar()  # "Loading weights" / "Writing model shards" for every load

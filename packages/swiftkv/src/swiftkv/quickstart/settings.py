@@ -1,0 +1,186 @@
+"""The main job's settings, every one checked before any compute: a bad model, family, ``l`` / ``g``, budget, data
+file or workload is refused here with the fix in the message."""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ACCELERATORS = ("auto", "cpu", "gpu")
+# per device: the shipped recipe (swiftkv_distill/recipes/, SmolLM2-135M-Instruct) and the training budget
+DEVICE_DEFAULTS = {
+    "cpu": {"recipe": "smollm2-135m-cpu", "budget_minutes": 12.0},
+    "gpu": {"recipe": "smollm2-135m-gpu", "budget_minutes": 4.0},
+}
+HELDOUT_CHAT_PROMPTS = "dataset:chat_prompts_heldout"  # answered together with dataset:chat_answers
+DEFAULT_PROMPT_LENGTHS = [256, 512, 1024, 2048, 4096]
+DEFAULT_WORKLOADS = ["2000/200", "500/500"]
+
+
+class QuickstartError(ValueError):
+    """Bad input, found before any compute; the message says how to fix it."""
+
+
+@dataclass
+class Settings:
+    """Everything that decides a run's results (a re-run with other settings needs --force or another --out)."""
+
+    model: str
+    accelerator: str  # "cpu" or "gpu": every stage runs there
+    num_key_value_layers: int
+    key_value_group_size: int
+    budget_minutes: float
+    recipe: str
+    train_files: list[str]
+    heldout_text: list[str]
+    heldout_chat_prompts: str
+    max_eval_rows: int
+    prompt_lengths: list[int]
+    serve: bool
+    serve_workloads: list[str]
+    serve_requests: int
+    serve_compile: bool
+    threshold: float
+    model_identity: dict = field(default_factory=dict)
+
+
+def check(
+    model: str,
+    out: Path | None,
+    accelerator: str,
+    num_key_value_layers: int | None,
+    key_value_group_size: int,
+    budget_minutes: float | None,
+    recipe: str | None,
+    train_files: list[str] | None,
+    heldout_text: list[str] | None,
+    heldout_chat_prompts: str,
+    max_eval_rows: int,
+    prompt_lengths: list[int] | None,
+    serve: bool | None,
+    serve_workloads: list[str] | None,
+    serve_requests: int,
+    serve_compile: bool,
+    threshold: float,
+) -> tuple[Settings, Path]:
+    """The run's settings and output folder, or ``QuickstartError`` (nothing is computed or written here)."""
+    import torch
+
+    from swiftkv_core.checkpoints import CheckpointError, check_checkpoint, model_identity
+    from swiftkv_distill.corpora import dataset_name
+    from swiftkv_distill.recipe import RecipeError, parse, recipe_path
+
+    accelerator = choose_accelerator(accelerator, torch.cuda.is_available())
+    recipe = recipe or DEVICE_DEFAULTS[accelerator]["recipe"]
+    budget_minutes = (
+        DEVICE_DEFAULTS[accelerator]["budget_minutes"] if budget_minutes is None else budget_minutes
+    )
+    try:
+        path, config = check_checkpoint(model, kind="base")
+    except CheckpointError as error:
+        raise QuickstartError(f"--model {error}") from None
+    try:
+        recipe_path(recipe)
+        recipe_settings = parse(recipe)
+    except RecipeError as error:
+        raise QuickstartError(f"--recipe: {error}") from None
+    L = config.num_hidden_layers
+    defaulted = num_key_value_layers is None
+    l = default_num_key_value_layers(str(model), L, recipe_settings) if defaulted else num_key_value_layers
+    g = key_value_group_size
+    try:
+        check_checkpoint(path, l, g, kind="base")
+    except CheckpointError as error:
+        why = f" (l was not given: {l} is the default for this model)" if defaulted else ""
+        raise QuickstartError(f"--num_key_value_layers / --key_value_group_size{why}: {error}") from None
+    data = recipe_settings.data
+    train_files = list(train_files or data.train_files)
+    val_files = data.val_files
+    heldout_text = list(
+        heldout_text or (next(iter(val_files.values())) if isinstance(val_files, dict) else val_files)
+    )
+    if not _has_chat_template(path):  # a base model: no chat to distil or evaluate
+        chat = [f for f in train_files if (dataset_name(f) or "").startswith("chat_")]
+        if chat:
+            print(f"note: {model} has no chat template (a base model): training on text only, without {chat}")
+        train_files = [f for f in train_files if f not in chat]
+        heldout_chat_prompts = ""
+    for name in train_files + heldout_text + ([heldout_chat_prompts] if heldout_chat_prompts else []):
+        if dataset_name(name) is None and not Path(name).is_file():
+            raise QuickstartError(
+                f"data file {name}: not found (give a local jsonl / parquet / txt, or dataset:NAME)."
+            )
+    step_seconds = estimated_step_seconds(config, data.batch_size * data.max_length, accelerator)
+    if not budget_minutes * 60 >= step_seconds:
+        raise QuickstartError(
+            f"--budget_minutes {budget_minutes}: too small to run one distillation step, which takes about "
+            f"{step_seconds:.0f} s for this model and recipe on this machine; give at least "
+            f"{math.ceil(step_seconds / 6) / 10:.1f}."
+        )
+    context = getattr(config, "max_position_embeddings", 4096)
+    lengths = sorted(n for n in (prompt_lengths or DEFAULT_PROMPT_LENGTHS) if n <= context)
+    workloads = list(serve_workloads or DEFAULT_WORKLOADS)
+    for workload in workloads:
+        prompt, _, output = workload.partition("/")
+        if not (prompt.isdigit() and output.isdigit()) or int(prompt) + int(output) > context:
+            raise QuickstartError(
+                f"--serve_workloads {workload}: write PROMPT/OUTPUT token counts whose sum fits the model's context "
+                f"({context})."
+            )
+    servable = importlib.util.find_spec("swiftkv_serve") is not None
+    if serve and not servable:
+        raise QuickstartError(
+            "--serve true needs the swiftkv-serve package (pip install swiftkv-serve[cpu]); or --serve false."
+        )
+    if serve is None:
+        serve = servable
+        if not servable:
+            print("note: swiftkv-serve is not installed here: the serving stage is skipped (--serve false)")
+    settings = Settings(
+        model=str(model), accelerator=accelerator, num_key_value_layers=l, key_value_group_size=g, budget_minutes=budget_minutes,
+        recipe=str(recipe), train_files=train_files, heldout_text=heldout_text,
+        heldout_chat_prompts=heldout_chat_prompts, max_eval_rows=max_eval_rows, prompt_lengths=lengths,
+        serve=serve, serve_workloads=workloads, serve_requests=serve_requests, serve_compile=serve_compile,
+        threshold=threshold, model_identity=model_identity(path),
+    )  # fmt: skip
+    name = (path.name if model in ("default", None) else Path(model).name.removesuffix(".gguf")).lower()
+    default_out = Path("runs") / (f"{name}-l{l}" + ("" if g == 1 else f"-g{g}"))
+    return settings, Path(out) if out is not None else default_out
+
+
+def default_num_key_value_layers(model: str, num_layers: int, recipe_settings) -> int:
+    """l when none is given: the recipe's own where the recipe is for this model (its l was measured there), else
+    half the layers (the published choice: prefill compute halves)."""
+    if str(recipe_settings.model.model) == model:
+        return int(recipe_settings.model.num_key_value_layers)
+    return num_layers // 2
+
+
+def choose_accelerator(requested: str, cuda_available: bool) -> str:
+    """``"cpu"`` or ``"gpu"``: ``auto`` is the GPU where one is visible."""
+    if requested not in ACCELERATORS:
+        raise QuickstartError(f"--accelerator {requested!r}: choose one of {list(ACCELERATORS)}.")
+    if requested == "gpu" and not cuda_available:
+        raise QuickstartError(
+            "--accelerator gpu: no CUDA GPU is visible here (torch.cuda.is_available() is False: no GPU, no driver, "
+            "or a CPU build of torch). Run with --accelerator cpu (or auto), or on a GPU machine "
+            "(docker run --gpus all swiftkv-train:cuda swiftkv quickstart)."
+        )
+    return "gpu" if requested == "gpu" or (requested == "auto" and cuda_available) else "cpu"
+
+
+def estimated_step_seconds(config, tokens: int, accelerator: str = "cpu") -> float:
+    """A distillation step of ``tokens`` tokens, roughly: teacher suffix + student forward/backward ~ 6 x params x
+    tokens, at a conservative rate: 50 GFLOP/s on a CPU (a small CPU's fp32 matmul rate, a few times below its
+    peak), 20 TFLOP/s on a GPU (far below any data-centre GPU's bf16 peak)."""
+    hidden, layers = config.hidden_size, config.num_hidden_layers
+    params = layers * 12 * hidden * hidden + config.vocab_size * hidden
+    return 6 * params * tokens / (20e12 if accelerator == "gpu" else 50e9)
+
+
+def _has_chat_template(path) -> bool:
+    from transformers import AutoTokenizer
+
+    return bool(getattr(AutoTokenizer.from_pretrained(path), "chat_template", None))

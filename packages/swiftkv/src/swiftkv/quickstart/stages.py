@@ -1,0 +1,274 @@
+"""The main job's stages, in order (``STAGES``); each takes the run and returns its results (JSON-able), which
+``Run`` records in state.json. Their order and what each does: ``swiftkv/quickstart/__init__.py``."""
+
+from __future__ import annotations
+
+import random
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+from .run import Run, Stage
+from .settings import HELDOUT_CHAT_PROMPTS
+
+CHAT_PROMPTS = [
+    "What is the capital of France?",
+    "Count from one to five.",
+    "What is 12 plus 7?",
+    "Give me three tips for writing clear emails.",
+    "Explain in two sentences what a KV cache is in a transformer.",
+]
+GREEDY_TOKENS = 8  # the greedy-answer metric: the first tokens of an answer, what a user reads first
+CHECKPOINT_EVERY_N_STEPS = (
+    10  # what an interrupted distillation can lose (a checkpoint holds the trained weights)
+)
+
+
+def analyze(run: Run) -> dict:
+    """Eq. 1 on a sample of the training text; the plot marks the chosen l and the threshold rule's pick."""
+    from swiftkv_core.analysis import (
+        layer_input_similarity,
+        recommend_num_key_value_layers,
+        write_similarity_report,
+    )
+    from swiftkv_core.generation import load
+    from swiftkv_distill.data import load_records, record_kind
+
+    records = load_records(run.results["teacher_answers"]["train_files"])
+    texts = [r["text"] for r in records if record_kind(r) == "text"][:400]
+    texts = ["\n\n".join(texts[i : i + 25]) for i in range(0, len(texts), 25)][:8] or [str(records[0])]
+    base, tokenizer = load(run.settings.model_identity["path"], dtype=run.dtype, device=run.device)
+    similarity = layer_input_similarity(base, tokenizer, texts, max_length=512)
+    result = write_similarity_report(
+        similarity,
+        run.settings.threshold,
+        run.path("analysis"),
+        title=f"{Path(run.settings.model_identity['path']).name}: layer input similarity",
+        chosen=run.settings.num_key_value_layers,
+    )
+    l, rule = (
+        run.settings.num_key_value_layers,
+        recommend_num_key_value_layers(similarity, run.settings.threshold),
+    )
+    print(
+        f"   similarity at l={l}: {similarity[l]:.3f}; the threshold rule ({run.settings.threshold}) picks l={rule}"
+    )
+    return {**result, "chosen": l, "plot": "analysis/similarity.png"}
+
+
+def convert(run: Run) -> dict:
+    """SwiftKV at l (and g), its K/V projections fitted to the teacher's by least squares on training data."""
+    from transformers import AutoTokenizer
+
+    from swiftkv_core.convert import convert as convert_model
+    from swiftkv_core.convert import save_checkpoint
+    from swiftkv_core.kv_init import fit_kv_projections, text_batches
+    from swiftkv_distill.data import encode_record, load_records
+    from swiftkv_distill.recipe import parse
+
+    s = run.settings
+    path = s.model_identity["path"]
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    model = convert_model(path, s.num_key_value_layers, s.key_value_group_size).to(run.device)
+    records = load_records(run.results["teacher_answers"]["train_files"])
+    random.Random(0).shuffle(records)  # the fit sees the training mix (prose and chat), not one file
+    texts = (tokenizer.decode(encode_record(r, tokenizer)[0]) for r in records)
+    recipe = parse(s.recipe).model  # the recipe's K/V fit settings
+    report = fit_kv_projections(
+        model,
+        text_batches(tokenizer, _joined(texts, 4000), device=run.device),
+        max_tokens=recipe.kv_init_tokens,
+        ridge=recipe.kv_init_ridge,
+        weighting=recipe.kv_init_weighting,
+    )
+    save_checkpoint(model.cpu(), run.path("converted"), tokenizer)
+    print(
+        f"   least-squares K/V init on {int(report['tokens'])} tokens: teacher K/V energy explained "
+        f"{report['explained_mean']:.3f} on average, {report['explained_min']:.3f} at worst"
+    )
+    return {"checkpoint": "converted", **{k: v for k, v in report.items() if not k.startswith("explained/")}}
+
+
+def _joined(texts, characters: int):
+    """Texts joined into pieces of about ``characters`` (short paragraphs alone make no 256-token rows)."""
+    piece = ""
+    for text in texts:
+        piece += text + "\n\n"
+        if len(piece) >= characters:
+            yield piece
+            piece = ""
+    if piece:
+        yield piece
+
+
+def teacher_answers(run: Run) -> dict:
+    """The teacher's own answers to chat prompts (vLLM where installed, cached by the teacher's identity): the
+    training files' ``dataset:chat_answers`` and the held-out chat set the evaluations compare against."""
+    from swiftkv_distill.answers import teacher_answers as answer_prompts
+    from swiftkv_distill.answers import write_jsonl
+    from swiftkv_distill.corpora import prepare, resolve_files
+    from swiftkv_distill.data import load_records
+
+    s = run.settings
+    teacher = s.model_identity["path"]
+    started = time.perf_counter()
+    train_files = resolve_files(s.train_files, teacher)  # answers dataset:chat_answers with the teacher, once
+    result = {"train_files": train_files}
+    if s.heldout_chat_prompts:
+        if s.heldout_chat_prompts == HELDOUT_CHAT_PROMPTS:  # answered with the training prompts, in one go
+            answers = load_records([prepare("chat_answers_heldout", teacher)])
+        else:
+            prompts = load_records(resolve_files([s.heldout_chat_prompts]))
+            answers = answer_prompts([r for r in prompts if r.get("prompt")], model=teacher)
+        write_jsonl(run.path("chat_heldout.jsonl"), answers)
+        result.update(file="chat_heldout.jsonl", answers=len(answers))
+    print(f"   teacher answers ready in {time.perf_counter() - started:.0f} s (cached for later runs)")
+    return result
+
+
+def distill(run: Run) -> dict:
+    """Lightning distillation of the converted model for --budget_minutes of training (the recipe's settings, through
+    ``swiftkv_distill.recipe``); resumes from its last checkpoint if interrupted; the full and serving exports."""
+    from swiftkv_distill.export import export
+    from swiftkv_distill.recipe import budgeted_fit
+
+    s = run.settings
+    val_files = {"text": s.heldout_text}
+    if run.path("chat_heldout.jsonl").is_file():
+        val_files["chat"] = [str(run.path("chat_heldout.jsonl"))]
+    overrides = {
+        "model.model": str(run.path("converted")),
+        "model.num_key_value_layers": s.num_key_value_layers,
+        "model.key_value_group_size": s.key_value_group_size,
+        "data.train_files": run.results["teacher_answers"]["train_files"],
+        "data.val_files": val_files,
+        "data.max_val_rows": s.max_eval_rows,
+        "trainer.accelerator": s.accelerator,
+        "trainer.devices": 1,
+    }
+    built, summary = budgeted_fit(
+        s.recipe,
+        run.path("distill"),
+        s.budget_minutes * 60,
+        overrides,
+        checkpoint_every=CHECKPOINT_EVERY_N_STEPS,
+    )
+    export(built.module, run.path("distilled"))
+    export(built.module, run.path("distilled-serving"), serving=True)
+    metrics = {}  # the distillation's own validation: the converted model before the first step, and the last
+    for checkpoint, values in (("converted", summary["before"]), ("distilled", summary["after"])):
+        for name in val_files:
+            prefix = "" if name == "text" else f"{name}/"
+            metrics[f"{checkpoint}/{name}"] = m = {
+                k.removeprefix(prefix): v
+                for k, v in values.items()
+                if k.startswith(prefix) and "/" not in k.removeprefix(prefix)
+            }
+            print(f"   {checkpoint:>9} on held-out {name}: KL {m['kl']:.3f}, agreement {m['agreement']:.1%}, "
+                  f"ppl {m['student_ppl']:.1f} (teacher {m['teacher_ppl']:.1f})", flush=True)  # fmt: skip
+    return {
+        "steps": summary["global_step"],
+        "precision": str(built.trainer.precision),
+        "train_seconds": summary["train_seconds"],
+        "train_tokens": summary["train_tokens"],
+        "resumed": summary["resumed"],
+        "metrics": metrics,
+        "metrics_csv": "distill/logs/version_0/metrics.csv",
+        "plot": "distill/logs/version_0/metrics.png",
+    }
+
+
+def evaluate(run: Run) -> dict:
+    """What a chat user sees: greedy answers of teacher and SwiftKV side by side, and over the held-out chat
+    prompts, how often the first 8 tokens of the greedy answers equal the teacher's (converted vs distilled)."""
+    from swiftkv_distill.data import load_records
+
+    from .evaluation import greedy_answers, greedy_prefix_agreement
+
+    answers = greedy_answers(run.path("distilled"), CHAT_PROMPTS, device=run.device, dtype=run.dtype)
+    result = {"prompts": CHAT_PROMPTS, "answers": answers}
+    if run.path("chat_heldout.jsonl").is_file():
+        prompts = [r["prompt"] for r in load_records([str(run.path("chat_heldout.jsonl"))])]
+        checkpoints = {name: run.path(name) for name in ("converted", "distilled")}
+        result["greedy_prefix"] = greedy = greedy_prefix_agreement(
+            checkpoints, prompts, tokens=GREEDY_TOKENS, device=run.device, dtype=run.dtype
+        )
+        shares = ", ".join(f"{name} {share:.1%}" for name, share in greedy["share"].items())
+        print(f"   greedy answers to {len(prompts)} held-out chat prompts, first {GREEDY_TOKENS} tokens equal to the "
+              f"teacher's: {shares}")  # fmt: skip
+    return result
+
+
+def prefill(run: Run) -> dict:
+    """HF prefill latency (cache on, last logits only, as generate) over prompt lengths, SwiftKV off vs on."""
+    import torch
+    from tqdm.auto import tqdm
+
+    from swiftkv_core.flops import ModelShape, prefill_flops_total
+    from swiftkv_core.generation import load, sample_prompt_ids, time_prefill_off_on
+
+    model, tokenizer = load(run.path("distilled"), dtype=run.dtype, device=run.device)
+    shape, l, g = (
+        ModelShape.from_config(model.config),
+        run.settings.num_key_value_layers,
+        run.settings.key_value_group_size,
+    )
+    rows = []
+    torch.manual_seed(0)
+    for length in tqdm(run.settings.prompt_lengths, desc="   prefill lengths", unit="length"):
+        ids = sample_prompt_ids(tokenizer, length).to(run.device)
+        times = {k: sorted(v)[1] for k, v in time_prefill_off_on(model, ids, repeats=3).items()}  # medians
+        bound = prefill_flops_total(shape, length) / prefill_flops_total(shape, length, l, g)
+        rows.append({"prompt_tokens": length, "off_s": times[False], "on_s": times[True],
+                     "speedup_x": times[False] / times[True], "flops_bound_x": bound})  # fmt: skip
+    for r in rows:
+        print(f"   {r['prompt_tokens']:>5} tokens: {r['off_s'] * 1e3:7.0f} -> {r['on_s'] * 1e3:7.0f} ms, "
+              f"{r['speedup_x']:.2f}x (FLOPs bound {r['flops_bound_x']:.2f}x)")  # fmt: skip
+    return {"rows": rows, "threads": torch.get_num_threads(), "device": run.device_description()}
+
+
+def serve(run: Run) -> dict:
+    """vLLM: the base checkpoint (stock) vs the distilled serving export (plugin), same prompts and settings."""
+    s = run.settings
+    if not s.serve:
+        return {"skipped": "--serve false"}
+    from swiftkv_serve.comparison import compare_serving
+
+    workloads = {w: tuple(int(x) for x in w.split("/")) for w in s.serve_workloads}
+    results = compare_serving(
+        Path(s.model_identity["path"]),
+        run.path("distilled-serving"),
+        workloads=workloads,
+        num_requests=s.serve_requests,
+        max_num_seqs=s.serve_requests,
+        compile=s.serve_compile,
+        progress=lambda line: print(f"   {line}", flush=True),
+    )
+    for w, r in results["ratios_swiftkv_over_stock"].items():
+        print(f"   {w}: throughput {r['combined_throughput_x']:.2f}x, TTFT {r['ttft_lower_x']:.2f}x lower, "
+              f"TPOT {r['tpot_lower_x']:.2f}x lower")  # fmt: skip
+    return results
+
+
+def report(run: Run) -> dict:
+    """``report.md`` (headline first, tables, plots inline), ``report.json`` and the plots."""
+    from swiftkv_core.runtime import device_description, stack_versions
+
+    from .report import write_run_report
+
+    versions = stack_versions()
+    paths = write_run_report(run.root, asdict(run.settings), run.results, versions)
+    return {"files": [str(p.relative_to(run.root)) for p in paths], "versions": versions,
+            "machine": device_description("cpu"), "device": run.device_description()}  # fmt: skip
+
+
+STAGES = [
+    Stage("teacher_answers", teacher_answers),
+    Stage("analyze", analyze),
+    Stage("convert", convert),
+    Stage("distill", distill),
+    Stage("evaluate", evaluate),
+    Stage("prefill", prefill),
+    Stage("serve", serve),
+    Stage("report", report),
+]

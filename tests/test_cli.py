@@ -1,0 +1,35 @@
+"""The one ``swiftkv`` command table (the top package, swiftkv.cli)."""
+
+import pytest
+
+
+def test_one_command_table_reaches_every_entry_point(capsys):
+    import importlib
+
+    from swiftkv.cli import COMMANDS, main
+
+    assert set(COMMANDS) == {
+        "convert", "analyze", "generate", "flops", "distill", "serve", "quickstart", "prepare-data"
+    }  # fmt: skip
+    for name, command in COMMANDS.items():
+        module, function = command.target.split(":")
+        assert callable(getattr(importlib.import_module(module), function)), name
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--help"])
+    out = capsys.readouterr().out
+    assert exit_info.value.code == 0 and all(name in out for name in COMMANDS), out
+    with pytest.raises(SystemExit, match="unknown command 'fit'"):
+        main(["fit"])
+
+
+def test_table_commands_run_through_their_own_parsers(capsys):
+    from swiftkv.cli import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["distill", "fit", "--help"])  # LightningCLI: the recipe's trainer and model options
+    assert exit_info.value.code == 0
+    out = capsys.readouterr().out
+    assert "--trainer.max_steps" in out and "--model.num_key_value_layers" in out
+    with pytest.raises(SystemExit):
+        main(["convert", "--help"])  # jsonargparse, from the typed signature
+    assert "--num_key_value_layers" in capsys.readouterr().out
