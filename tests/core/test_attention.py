@@ -1,0 +1,99 @@
+"""The SwiftKV prefill with each attention implementation that runs here: layers >= l run for the kept rows only
+(what makes prefill cheaper), and the logits equal sdpa's. flex_attention compiles its kernels on first use (about
+ten seconds a shape on a CPU); flash-attn, where installed with a GPU, is checked the same way."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+
+from swiftkv_core.convert import convert
+from tests.conftest import tiny_base
+
+IMPLEMENTATIONS = ["eager", "sdpa", "flex_attention"]
+if importlib.util.find_spec("flash_attn") is not None and torch.cuda.is_available():
+    IMPLEMENTATIONS.append("flash_attention_2")
+
+
+@pytest.fixture(autouse=True)
+def fresh_compile_caches():
+    """flex_attention compiles its kernels per shape; after a few recompilations in one process torch 2.13's CPU
+    code generation can fail (an inductor bug, CPU only): every test starts from empty compile caches."""
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def rows_through_layers_from_l(model, run) -> set[int]:
+    """The number of query rows each SwiftKV layer (>= l) saw during ``run()``."""
+    seen = set()
+    l = model.config.num_key_value_layers
+    hooks = [
+        layer.register_forward_pre_hook(
+            lambda _m, args, kwargs: seen.add(args[0].shape[1] if args else kwargs["hidden_states"].shape[1]),
+            with_kwargs=True,
+        )
+        for layer in model.model.layers[l:]
+    ]
+    try:
+        run()
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return seen
+
+
+@pytest.fixture(scope="module")
+def swift():
+    return convert(tiny_base("llama"), 2, 1)
+
+
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+@pytest.mark.parametrize("keep", [1, 3], ids=lambda k: f"last{k}")
+def test_kept_rows_only_and_the_same_logits_as_sdpa(swift, implementation, keep):
+    device = "cuda" if implementation.startswith("flash") else "cpu"
+    model = swift.to(device)
+    ids = torch.randint(1, 128, (2, 40), device=device)
+    mask = torch.ones_like(ids)
+    mask[0, :6] = 0  # a left-padded row, as generate() batches prompts
+    with torch.no_grad():
+        model.config._attn_implementation = "sdpa"
+        reference = model(ids, attention_mask=mask, logits_to_keep=keep).logits
+        model.config._attn_implementation = implementation
+        out = {}
+        rows = rows_through_layers_from_l(
+            model, lambda: out.update(logits=model(ids, attention_mask=mask, logits_to_keep=keep).logits)
+        )
+    model.config._attn_implementation = "sdpa"
+    assert rows == {keep}  # layers >= l ran for the kept rows only
+    torch.testing.assert_close(out["logits"], reference, atol=2e-5 if device == "cpu" else 2e-2, rtol=0)
+
+
+@pytest.mark.parametrize("implementation", ["eager", "flex_attention"])
+def test_any_kept_positions_with_a_cache_match_sdpa(swift, implementation):
+    """A chunk after a cached prefix and an arbitrary set of kept positions (the distillation's position subsets)."""
+    from transformers import DynamicCache
+
+    ids = torch.randint(1, 128, (1, 48))
+    keep = torch.tensor([0, 7, 20, 31])  # positions of the 32-token chunk after 16 cached tokens
+    out = {}
+    for impl in ("sdpa", implementation):
+        swift.config._attn_implementation = impl
+        cache = DynamicCache(config=swift.config)
+        with torch.no_grad():
+            swift(ids[:, :16], past_key_values=cache, use_cache=True)
+            rows = rows_through_layers_from_l(
+                swift,
+                lambda impl=impl, cache=cache: out.update(
+                    {
+                        impl: swift(
+                            ids[:, 16:], past_key_values=cache, use_cache=True, logits_to_keep=keep
+                        ).logits
+                    }
+                ),
+            )
+        assert rows == {len(keep)}
+    swift.config._attn_implementation = "sdpa"
+    torch.testing.assert_close(out[implementation], out["sdpa"], atol=2e-5, rtol=0)

@@ -1,0 +1,66 @@
+"""Timers are right on a GPU: every reading of the clock waits for the device first (kernels run asynchronously:
+a timer that does not wait measures their launch). On this CPU the check is that each timer synchronises the
+device of the work it times, around that work; on a GPU, that its figure matches CUDA events."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from swiftkv_core import runtime
+from swiftkv_core.convert import convert
+from swiftkv_core.generation import time_prefill
+from tests.conftest import tiny_base
+
+
+@pytest.fixture
+def events(monkeypatch):
+    """What happens, in order: each synchronisation (with its device) and each model forward."""
+    log = []
+    real = runtime.synchronize
+
+    def synchronize(device):
+        log.append(("synchronize", torch.device(device).type))
+        real(device)
+
+    monkeypatch.setattr(runtime, "synchronize", synchronize)
+    return log
+
+
+def test_prefill_timer_waits_for_the_device_before_each_reading(events):
+    model = convert(tiny_base("llama"), 2)
+    model.register_forward_pre_hook(lambda *_: events.append(("forward", None)))
+    time_prefill(model, torch.randint(1, 128, (1, 16)), repeats=2, warmup=1)
+    # per prefill: wait (clock starts), the forward, wait (clock stops)
+    assert events == [("synchronize", "cpu"), ("forward", None), ("synchronize", "cpu")] * 3
+
+
+def test_stopwatch_measures_the_work_between_start_and_stop(events):
+    seconds = runtime.timed(lambda: time.sleep(0.05), "cpu")
+    assert 0.05 <= seconds < 1.0
+    assert events == [("synchronize", "cpu")] * 2
+    with pytest.raises(RuntimeError, match="before start"):
+        runtime.Stopwatch("cpu").stop()
+
+
+@pytest.mark.gpu
+def test_prefill_timer_matches_cuda_events_on_a_gpu():
+    """A timer that did not synchronise would read the launch time only: far below the CUDA events' figure."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    with torch.device("cuda"):
+        config = LlamaConfig(hidden_size=2048, intermediate_size=8192, num_hidden_layers=8, num_attention_heads=16,
+                             num_key_value_heads=4, vocab_size=32000)  # fmt: skip
+        model = convert(LlamaForCausalLM(config).to(torch.bfloat16), 4)
+    ids = torch.randint(1, 32000, (1, 4096), device="cuda")
+    measured = time_prefill(model, ids, repeats=3, warmup=1)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    with torch.inference_mode():
+        start.record()
+        model(ids, use_cache=True, logits_to_keep=1)
+        end.record()
+    torch.cuda.synchronize()
+    events_s = start.elapsed_time(end) / 1000
+    assert 0.7 * events_s < measured < 1.5 * events_s, (measured, events_s)

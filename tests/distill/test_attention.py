@@ -1,0 +1,88 @@
+"""Packed rows through flex_attention (a block mask of the packed sequences, the GPU recipe's attention) give the
+numbers of the dense mask that sdpa gets: the distillation loss, the held-out statistics and, where flex_attention
+has a backward (CUDA; PyTorch's CPU flex_attention is forward-only), the gradients of the SwiftKV parameters."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from swiftkv_core.convert import convert
+from swiftkv_distill.build import attention_for
+from swiftkv_distill.data import collate, pack
+from swiftkv_distill.step import DistillationStep
+from tests.conftest import tiny_base
+
+
+@pytest.fixture(autouse=True)
+def fresh_compile_caches():
+    """flex_attention compiles its kernels per shape; after a few recompilations in one process torch 2.13's CPU
+    code generation can fail (an inductor bug, CPU only): every test starts from empty compile caches."""
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def packed_batch(device="cpu") -> dict:
+    torch.manual_seed(1)
+    sequences = [torch.randint(1, 128, (n,)).tolist() for n in (20, 35, 9, 40, 17, 23)]
+    batch = collate(pack(sequences, 48), pad_to=48)  # rows holding several sequences, positions restarting
+    assert (batch["position_ids"][:, 1:] == 0).any()
+    return {k: v.to(device) for k, v in batch.items()}
+
+
+def step_results(model, batch, implementation: str, positions=None, backward: bool = False) -> dict:
+    model.config._attn_implementation = implementation
+    model.zero_grad(set_to_none=True)
+    step = DistillationStep(model)
+    out = step(batch, 1.0 / batch["loss_mask"].sum(), positions=positions)
+    grads = {}
+    if backward:
+        out["loss"].backward()
+        grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    evaluation = step.evaluate(batch)
+    model.config._attn_implementation = "sdpa"
+    return {
+        "loss": out["loss"].detach(),
+        "kl": evaluation.stats.kl,
+        "agree": evaluation.stats.agree,
+        "grads": grads,
+    }
+
+
+def test_packed_rows_through_flex_attention_equal_the_dense_mask_on_cpu():
+    model = convert(tiny_base("llama"), 2, 1)
+    batch = packed_batch()
+    with torch.no_grad():
+        dense = step_results(model, batch, "sdpa")
+        flex = step_results(model, batch, "flex_attention")
+        kept = torch.tensor([3, 10, 30, 47])  # the student's layers >= l for a subset of positions
+        dense_kept = step_results(model, batch, "sdpa", kept)
+        flex_kept = step_results(model, batch, "flex_attention", kept)
+    torch.testing.assert_close(flex["loss"], dense["loss"], atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(flex["kl"], dense["kl"], atol=1e-6, rtol=1e-5)
+    assert torch.equal(flex["agree"], dense["agree"])
+    torch.testing.assert_close(flex_kept["loss"], dense_kept["loss"], atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.gpu
+def test_packed_rows_through_flex_attention_give_the_dense_gradients_on_gpu():
+    model = convert(tiny_base("llama"), 2, 1).cuda()
+    batch = packed_batch("cuda")
+    dense = step_results(model, batch, "sdpa", backward=True)
+    flex = step_results(model, batch, "flex_attention", backward=True)
+    assert dense["grads"] and set(flex["grads"]) == set(dense["grads"])
+    for name, grad in dense["grads"].items():
+        torch.testing.assert_close(flex["grads"][name], grad, atol=1e-5, rtol=1e-3, msg=name)
+    torch.testing.assert_close(flex["loss"], dense["loss"], atol=1e-6, rtol=1e-5)
+
+
+def test_the_run_picks_fast_packed_attention_for_its_device():
+    assert attention_for("cpu") == "sdpa"  # fastest on a CPU; packed rows get a dense mask there
+    assert attention_for("cuda") in (
+        "flex_attention",
+        "flash_attention_2",
+    )  # flash-attn where it is installed
+    assert attention_for("cuda", "sdpa") == "sdpa"  # a recipe may ask for one
+    with pytest.raises(ValueError, match="attn_implementation must be one of"):
+        attention_for("cpu", "flash")

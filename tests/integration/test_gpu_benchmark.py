@@ -1,0 +1,60 @@
+"""benchmarks/gpu.py --tiny: the GPU benchmark's every measurement, on a tiny shape on this CPU (on a lent GPU the
+same script runs at the Llama-3.1-8B shape). Checks what each figure is made of, never the timings themselves."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).parents[2]
+
+
+@pytest.fixture(scope="module")
+def tiny_result(tmp_path_factory):
+    spec = importlib.util.spec_from_file_location("gpu_benchmark", ROOT / "benchmarks" / "gpu.py")
+    benchmark = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(benchmark)
+    out = tmp_path_factory.mktemp("gpu") / "gpu-tiny"
+    benchmark.main(tiny=True, out=out)
+    return json.loads(out.with_suffix(".json").read_text()), out.with_suffix(".md").read_text()
+
+
+def test_prefill_rows_hold_both_sides_and_their_bound(tiny_result):
+    result, markdown = tiny_result
+    assert [p["prompt"] for p in result["prefill"]] == ["256", "512", "2 x 256"]
+    for p in result["prefill"]:
+        assert p["speedup_x"] == pytest.approx(p["off_s"] / p["on_s"])
+        assert 1 < p["flops_bound_x"] < 2  # l = L/2: at most half the prefill FLOPs saved
+        assert p["off_tflops"] > 0 and p["on_tflops"] > 0
+        assert f"| {p['prompt']} | {1e3 * p['off_s']:.1f} |" in markdown
+    assert result["decode"]["on_over_off"] == pytest.approx(
+        result["decode"]["on_s"] / result["decode"]["off_s"]
+    )
+
+
+def test_kv_bytes_are_what_a_real_cache_holds(tiny_result):
+    result, _ = tiny_result
+    rows = result["kv_cache"]
+    assert {(r["g"], r["cache"]) for r in rows} >= {(None, "fp32"), (1, "fp32"), (2, "fp32"), (2, "fp8")}
+    for r in rows:
+        assert r["held_bytes_per_token"] == pytest.approx(r["bytes_per_token"])
+    g2 = next(r for r in rows if r["g"] == 2 and r["cache"] == "fp32")
+    assert g2["vs_original"] < 1  # AcrossKV shares one K/V per group
+
+
+def test_distillation_step_rows_compare_against_the_whole_teacher_and_student(tiny_result):
+    result, markdown = tiny_result
+    rows = {r["setup"]: r for r in result["distill"]}
+    assert set(rows) == {
+        "ours, dense mask (sdpa)",
+        "whole teacher + whole student (sdpa)",
+    }  # CPU: no flex backward
+    whole = rows["whole teacher + whole student (sdpa)"]
+    assert whole["speed_vs_whole_x"] == 1
+    for r in rows.values():
+        assert r["tokens_per_s"] == pytest.approx(512 / r["step_s"])  # 2 rows x 256 tokens per step
+        assert r["step_tflop"] > 0 and r["mfu"] is None and r["peak_gib"] is None  # no peak on a CPU
+    assert "## Distillation step" in markdown and result["command"].startswith("python3 benchmarks/gpu.py")
