@@ -287,8 +287,8 @@ def report(results: dict) -> str:
         "- Same engine settings for both (dtype, max_model_len, KV cache space, seed); the SwiftKV export is the "
         "base converted at l = L/2 and exported for serving (start-up does not depend on its weights). "
         "`swiftkv-serve` reads the checkpoint's config.json before it runs `vllm serve`: that is counted.",
-        "- `swiftkv serve` (the umbrella command) runs the same function after importing swiftkv_core: "
-        f"{results['umbrella_overhead']['added_s']:.1f} s more (median `--help` of each, "
+        "- `swiftkv serve` (the umbrella command) runs the same function: "
+        f"{results['umbrella_overhead']['added_s']:+.1f} s (median `--help` of each, "
         f"{results['umbrella_overhead']['swiftkv --help_s']:.1f} vs "
         f"{results['umbrella_overhead']['swiftkv-serve --help_s']:.1f} s).",
         "",

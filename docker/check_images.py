@@ -137,7 +137,6 @@ def check_serve(work: Path) -> None:
     command = [
         "run", "-d", "--name", name, "--network", "host", "--shm-size", "1g",
         "-v", f"{checkpoint}:/model:ro",
-        "-e", "VLLM_CPU_KVCACHE_SPACE=1",
         SERVE_IMAGE, "/model",
         "--port", str(port), "--dtype", "float32", "--enforce-eager", "--max-model-len", "1024", "--seed", "0",
     ]  # fmt: skip
@@ -220,9 +219,80 @@ def check_serve(work: Path) -> None:
         f"last log lines:\n{tail}")  # fmt: skip
     if not clean:
         failures.append(f"docker stop: exit code {exit_code} after {seconds:.1f} s")
+    log_text = (work / "serve-container.log").read_text()
+    said = [line for line in log_text.splitlines() if "KV cache: " in line or "no API key" in line]
+    log("the image's own choices, from its log: " + " | ".join(said))
+    if log_text.count("no API key") != 1 or "KV cache: " not in log_text:
+        failures.append(
+            "the unauthenticated server did not say once that it is unauthenticated, or its KV size"
+        )
+    failures += check_api_key(work, checkpoint)
     if failures:
         raise SystemExit("serve check FAILED:\n  " + "\n  ".join(failures))
     log("serve: all checks passed")
+
+
+def check_api_key(work: Path, checkpoint: Path) -> list[str]:
+    """The image with a key file mounted as a secret: every /v1 route answers 401 without the key or with a wrong
+    one, 200 with it; /health stays open; the key is in neither the logs nor `docker inspect`."""
+    key = "sk-swiftkv-" + os.urandom(12).hex()
+    secret = work / "api-key"
+    secret.write_text(key + "\n")
+    secret.chmod(0o644)  # the image's user (uid 1000) reads it
+    port, failures = free_port(), []
+    name = f"swiftkv-serve-auth-{port}"
+    command = [
+        "run", "-d", "--name", name, "--network", "host", "--shm-size", "1g", "-v", f"{checkpoint}:/model:ro",
+        "-v", f"{secret}:/run/secrets/api-key:ro", "-e", "SWIFTKV_API_KEY_FILE=/run/secrets/api-key",
+        SERVE_IMAGE, "/model", "--port", str(port), "--dtype", "float32", "--enforce-eager", "--max-model-len", "512",
+    ]  # fmt: skip
+    log("docker " + " ".join(command))
+    docker("rm", "-f", name, check=False)
+    docker(*command)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        t0 = time.monotonic()
+        while not healthy(base):
+            if docker("inspect", "-f", "{{.State.Running}}", name) != "true" or time.monotonic() - t0 > 600:
+                return [f"the authenticated server did not come up:\n{docker('logs', '--tail', '40', name)}"]
+            time.sleep(1)
+        body = {"model": "/model", "prompt": "Hi", "max_tokens": 2}
+        for path, payload in (("/v1/models", None), ("/v1/completions", body)):
+            codes = {who: status(base + path, payload, token) for who, token in
+                     (("no key", None), ("wrong key", "wrong"), ("the key", key))}  # fmt: skip
+            log(f"auth {path}: " + ", ".join(f"{who} HTTP {code}" for who, code in codes.items()))
+            if codes != {"no key": 401, "wrong key": 401, "the key": 200}:
+                failures.append(f"auth {path}: {codes}")
+        health = status(base + "/health", None, None)
+        log(f"auth /health without a key: HTTP {health}")
+        if health != 200:
+            failures.append(f"/health answered {health} without a key")
+    finally:
+        docker("stop", "-t", "60", name, check=False)
+        logs = subprocess.run(["docker", "logs", name], capture_output=True, text=True).stdout
+        inspect = docker("inspect", name, check=False)
+        docker("rm", "-f", name, check=False)
+    leaks = [where for where, text in (("docker logs", logs), ("docker inspect", inspect)) if key in text]
+    log(f"auth: the key appears in {leaks or 'neither the logs nor docker inspect'}")
+    return failures + [f"the key leaks into {where}" for where in leaks]
+
+
+def status(url: str, body: dict | None, token: str | None) -> int:
+    headers = {"Content-Type": "application/json"} | ({"Authorization": f"Bearer {token}"} if token else {})
+    data = json.dumps(body).encode() if body is not None else None
+    try:
+        with urllib.request.urlopen(urllib.request.Request(url, data, headers), timeout=120) as response:
+            return response.status
+    except urllib.error.HTTPError as error:
+        return error.code
+
+
+def healthy(base: str) -> bool:
+    try:
+        with urllib.request.urlopen(f"{base}/health", timeout=2) as response:
+            return response.status == 200
+    except OSError:
+        return False
 
 
 # ---------------------------------------------------------------------------------------------------- training

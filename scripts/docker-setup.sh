@@ -12,6 +12,26 @@ mkdir -p "$state"
 say() { echo "docker-setup: $*"; }
 fail() { echo "docker-setup: $*" >&2; exit 1; }
 as_root() { if [ "$(id -u)" = 0 ]; then "$@"; elif command -v sudo >/dev/null; then sudo "$@"; else return 1; fi; }
+# The Debian mirror debootstrap fetches from: $DEBIAN_MIRROR, else the one this machine's apt uses for its main
+# archive (a proxy or local mirror where the machine has one), else deb.debian.org.
+debian_mirror() {
+    if [ -n "${DEBIAN_MIRROR:-}" ]; then echo "$DEBIAN_MIRROR"; return; fi
+    local found="" etc=${APT_ETC:-/etc/apt}  # where apt keeps its sources (a test points it elsewhere)
+    # deb822 .sources files: the URIs of a stanza whose Types has deb, skipping the security archive
+    for f in "$etc"/sources.list.d/*.sources; do
+        [ -f "$f" ] || continue
+        found=$(awk 'BEGIN { RS = ""; FS = "\n" }
+            /(^|\n)Types:[^\n]*deb([ \t\n]|$)/ { for (i = 1; i <= NF; i++) if ($i ~ /^URIs:/) {
+                split($i, u, /[ \t]+/); if (u[2] !~ /security/) { print u[2]; exit } } }' "$f")
+        [ -n "$found" ] && break
+    done
+    # one-line sources.list entries: "deb [options] URI suite components"
+    if [ -z "$found" ] && [ -f "$etc/sources.list" ]; then
+        found=$(awk '$1 == "deb" { for (i = 2; i <= NF; i++) if ($i ~ /^[a-z]+:\/\//) { if ($i !~ /security/) {
+                print $i; exit } ; break } }' "$etc/sources.list")
+    fi
+    echo "${found:-http://deb.debian.org/debian}"
+}
 apt_install() {
     command -v apt-get >/dev/null || fail "$1 is missing and apt-get is not available: install $1."
     say "installing $* (Debian packages)"
@@ -39,10 +59,11 @@ if ! docker image inspect debian:bookworm-slim >/dev/null 2>&1; then
         say "pulled debian:bookworm-slim"
     else
         command -v debootstrap >/dev/null || apt_install debootstrap
-        say "no image registry reachable: making debian:bookworm-slim with debootstrap (about 30 s)"
+        mirror=$(debian_mirror)
+        say "no image registry reachable: making debian:bookworm-slim with debootstrap from $mirror (about 30 s)"
         rootfs=$state/rootfs-bookworm
         as_root rm -rf "$rootfs"
-        as_root debootstrap --variant=minbase bookworm "$rootfs" http://deb.debian.org/debian >"$state/debootstrap.log" 2>&1 \
+        as_root debootstrap --variant=minbase bookworm "$rootfs" "$mirror" >"$state/debootstrap.log" 2>&1 \
             || fail "debootstrap failed; see $state/debootstrap.log."
         as_root tar -C "$rootfs" -c . | docker import - debian:bookworm-slim >/dev/null \
             || fail "docker import of $rootfs failed."

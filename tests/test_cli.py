@@ -9,7 +9,7 @@ def test_one_command_table_reaches_every_entry_point(capsys):
     from swiftkv.cli import COMMANDS, main
 
     assert set(COMMANDS) == {
-        "convert", "analyze", "generate", "flops", "distill", "serve", "quickstart", "prepare-data"
+        "convert", "analyze", "generate", "flops", "distill", "serve", "quickstart", "prepare-data", "eval", "lm-eval"
     }  # fmt: skip
     for name, command in COMMANDS.items():
         module, function = command.target.split(":")

@@ -81,7 +81,7 @@ def test_cli_convert_and_flops(tmp_path, capsys):
 
 
 def test_cli_rejects_a_folder_that_is_no_checkpoint(tmp_path):
-    with pytest.raises(FileNotFoundError, match="not a HF checkpoint folder"):
+    with pytest.raises(SystemExit, match="swiftkv convert: .*not a HF checkpoint folder"):
         main(["convert", "--model", str(tmp_path), "--out_dir", str(tmp_path / "x")])
 
 

@@ -3,11 +3,16 @@
 from __future__ import annotations
 
 import json
+import os
 import re
+import shlex
+import sys
+import urllib.request
 from pathlib import Path
 
 import pytest
 
+from swiftkv_serve.server import free_port, running_server
 from tests.conftest import use_data_cache
 from tests.distill.conftest import write_jsonl
 from tests.serve.checkpoints import tiny_base
@@ -68,8 +73,9 @@ def numbers(text: str) -> list[float]:
 
 @pytest.mark.slow
 @pytest.mark.vllm
-def test_quickstart_report_is_complete_and_consistent(inputs, tmp_path):
+def test_quickstart_report_is_complete_and_consistent(inputs, tmp_path, capsys):
     report = run_quickstart(inputs, tmp_path / "run")
+    printed = capsys.readouterr().out
     root = report.parent
     data = json.loads((root / "report.json").read_text())
     head, results = data["headline"], data["results"]
@@ -115,6 +121,28 @@ def test_quickstart_report_is_complete_and_consistent(inputs, tmp_path):
         assert (root / image).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", image
     for folder in ("distilled", "distilled-serving", "converted"):
         assert (root / folder / "config.json").is_file()
+
+    # the serve command the run printed, run as printed (on a free port), answers a real request
+    (line,) = [line.strip() for line in printed.splitlines() if line.strip().startswith("swiftkv serve ")]
+    command = shlex.split(line)
+    command[0] = str(Path(sys.executable).parent / "swiftkv")
+    command[command.index("--port") + 1] = str(free_port())
+    command.append(
+        "--enforce-eager"
+    )  # as printed, but without a minute and a half of torch.compile on this CPU
+    environment = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("VLLM_CPU_KVCACHE_SPACE", "VLLM_ENABLE_V1_MULTIPROCESSING")
+    }
+    with running_server(command, tmp_path / "serve.log", environment) as (base, _):
+        body = json.dumps({"model": command[2], "prompt": "Rain fell", "max_tokens": 4}).encode()
+        request = urllib.request.Request(f"{base}/v1/completions", body, {"Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=120) as response:
+            assert response.status == 200 and json.loads(response.read())["choices"][0]["text"]
+    log = (tmp_path / "serve.log").read_text()
+    assert "KV cache: " in log  # sized by the command itself (no VLLM_CPU_KVCACHE_SPACE here)
+    assert log.count("no API key") == 1  # an unauthenticated server says so, once
 
 
 @pytest.mark.slow

@@ -15,6 +15,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import IO
 
+from .faults import pause_point
+
 
 @contextmanager
 def atomic_directory(target: str | os.PathLike) -> Iterator[Path]:
@@ -23,9 +25,12 @@ def atomic_directory(target: str | os.PathLike) -> Iterator[Path]:
     On an error (or an interrupt) the staging folder is deleted and ``target`` is left as it was."""
     target = Path(target)
     target.parent.mkdir(parents=True, exist_ok=True)
+    for stale in target.parent.glob(f".{target.name}.staging.*"):  # left by a process killed mid-write
+        shutil.rmtree(stale, ignore_errors=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.staging.", dir=target.parent))
     try:
         yield staging
+        pause_point("atomic-directory")  # the whole new folder is staged; the old one is still in place
         replace_directory(staging, target)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
@@ -57,6 +62,7 @@ def atomic_file(path: str | os.PathLike, mode: str = "w", encoding: str | None =
     try:
         with os.fdopen(fd, mode, encoding=None if "b" in mode else encoding) as f:
             yield f
+        pause_point("atomic-file")  # the new file is written beside the old one, which is still in place
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)

@@ -4,6 +4,7 @@ model's family and its ``(l, g)``, and says what makes a folder this model (for 
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 from dataclasses import asdict
 from pathlib import Path
@@ -43,6 +44,7 @@ def check_checkpoint(
     if kind not in KINDS:
         raise ValueError(f"kind must be one of {KINDS}, got {kind!r}.")
     path, config = read_config(model)
+    check_weight_files(path)
     family = config.model_type
     allowed = {"base": set(FAMILIES), "swiftkv": SWIFTKV_FAMILIES, "any": set(FAMILIES) | SWIFTKV_FAMILIES}[
         kind
@@ -76,6 +78,31 @@ def check_checkpoint(
             f"{key_value_group_size}. Give those values, or its base model to convert anew."
         )
     return path, config
+
+
+def check_weight_files(path: Path) -> None:
+    """Raise ``CheckpointError`` for a ``*.safetensors`` file that is not whole (cut off by a failed copy or a
+    killed write): its header must parse and its data must reach the end its header names. Reads headers only."""
+    for file in sorted(Path(path).glob("*.safetensors")):
+        size, end = file.stat().st_size, _safetensors_end(file)
+        if end is None or end > size:
+            whole = f" of {end:,}" if end else ", its header unreadable"
+            raise CheckpointError(
+                f"{file}: the weights file is not whole ({size:,} bytes{whole}): copy it again, or export the "
+                "checkpoint again."
+            )
+
+
+def _safetensors_end(file: Path) -> int | None:
+    """The byte where a safetensors file's last tensor ends, from its header; ``None`` if the header is cut."""
+    try:
+        with file.open("rb") as f:
+            header_bytes = int.from_bytes(f.read(8), "little")
+            header = json.loads(f.read(header_bytes))
+    except (OSError, ValueError):
+        return None
+    ends = [entry["data_offsets"][1] for key, entry in header.items() if key != "__metadata__"]
+    return 8 + header_bytes + max(ends, default=0)
 
 
 def check_swiftkv_version_of(swiftkv: str | os.PathLike, base: str | os.PathLike):

@@ -30,12 +30,17 @@ def convert(
             better start than the published init (default, without files).
         kv_init_tokens: Tokens of those files the fit reads at most.
     """
+    from .checkpoints import check_checkpoint, read_config
     from .convert import convert as convert_model
     from .convert import save_checkpoint
     from .generation import load
 
+    _, config = read_config(model)
+    l = config.num_hidden_layers // 2 if num_key_value_layers is None else num_key_value_layers
+    check_checkpoint(model, l, key_value_group_size, kind="base")  # before any weight is read
+    _existing_files(kv_init_text_files, "--kv_init_text_files")
+    _positive(kv_init_tokens=kv_init_tokens)
     base, tokenizer = load(model, need_tokenizer=bool(kv_init_text_files))
-    l = base.config.num_hidden_layers // 2 if num_key_value_layers is None else num_key_value_layers
     swift = convert_model(base, l, key_value_group_size)
     if kv_init_text_files:
         from .kv_init import fit_kv_projections, text_batches
@@ -72,9 +77,15 @@ def analyze(
         max_length: Tokens per text at most.
     """
     from .analysis import layer_input_similarity, write_similarity_report
+    from .checkpoints import read_config
     from .default_model import resolve_model_path
     from .generation import load
 
+    read_config(model)
+    _existing_files(text_files, "--text_files")
+    _positive(max_length=max_length)
+    if not 0 < threshold <= 1:
+        raise ValueError(f"--threshold {threshold}: a cosine similarity in (0, 1], e.g. 0.9 (the paper's).")
     texts = list(texts or []) + [Path(f).read_text() for f in text_files or []]
     if not texts:
         texts = _sample_texts()
@@ -108,12 +119,15 @@ def generate(
         kv_cache_dtype: 'auto' (the model's dtype) or 'fp8' (e4m3 with a float32 scale per token and KV head).
     """
     from .chat import chat_prompt_batch
+    from .checkpoints import check_checkpoint
     from .convert import convert as convert_model
     from .generation import load, time_prefill
     from .kv_cache import check_kv_cache_dtype, kv_cache_nbytes, make_kv_cache
     from .runtime import Stopwatch
 
     check_kv_cache_dtype(kv_cache_dtype)
+    _positive(max_new_tokens=max_new_tokens)
+    check_checkpoint(model, num_key_value_layers, key_value_group_size)  # family, and l / g when given
     lm, tokenizer = load(model)
     if num_key_value_layers is not None and not hasattr(lm, "swiftkv"):
         lm = convert_model(lm, num_key_value_layers, key_value_group_size)
@@ -169,6 +183,9 @@ def flops(
     from .kv_cache import storage_bytes
 
     storage_bytes(kv_cache_dtype)  # an unknown name fails here, before any work
+    _positive(seq_len=seq_len)
+    if attention not in ("causal", "dense"):
+        raise ValueError(f"--attention {attention!r}: 'causal' or 'dense'.")
     if model is None:
         print(format_table1())
         return
@@ -194,6 +211,18 @@ def flops(
         f"({kv_base / kv_swift:.2f}x more tokens in the same memory; "
         f"{1 - kv_swift / kv_bf16:.1%} less than the original model in bf16)"
     )
+
+
+def _positive(**values: int) -> None:
+    for name, value in values.items():
+        if value < 1:
+            raise ValueError(f"--{name} {value}: must be a positive integer.")
+
+
+def _existing_files(files: list[Path] | None, option: str) -> None:
+    missing = [str(f) for f in files or [] if not Path(f).is_file()]
+    if missing:
+        raise ValueError(f"{option}: {missing} not found: give existing text files.")
 
 
 def _sample_texts() -> list[str]:

@@ -10,7 +10,16 @@ from .recipe import make_cli
 
 
 def main(args=None) -> None:
-    make_cli(args)
+    """``swiftkv-distill`` (``swiftkv distill``): bad input gets one line, no traceback (SWIFTKV_DEBUG=1 shows it)."""
+    import argparse
+    import os
+
+    try:
+        make_cli(args)
+    except (ValueError, FileNotFoundError, argparse.ArgumentError) as error:
+        if os.environ.get("SWIFTKV_DEBUG"):
+            raise
+        raise SystemExit(f"swiftkv distill: {' '.join(str(error).split())}") from None
     _end_process_group()
 
 

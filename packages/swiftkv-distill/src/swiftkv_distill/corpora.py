@@ -332,4 +332,4 @@ def main(args: list[str] | None = None) -> None:
     from jsonargparse import auto_cli
 
     args = sys.argv[1:] if args is None else list(args)
-    auto_cli([prepare_data, answer], args=args or ["prepare_data"], as_positional=False)
+    auto_cli([prepare_data, answer], args=args or ["prepare_data"], as_positional=False, exit_on_error=False)

@@ -26,6 +26,7 @@ Local jsonl / json / parquet / text files are read through ``datasets``.
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Sequence
 from pathlib import Path
@@ -59,6 +60,8 @@ def load_records(files: Sequence[str | Path]) -> list[dict]:
             )
         if path.stat().st_size == 0:
             raise DataError(f"Data file {path} is empty.")
+        if path.suffix.lower() == ".jsonl":
+            _check_json_lines(path)
         try:
             dataset = datasets.load_dataset(builder, data_files=str(path), split="train")
         except Exception as error:  # datasets wraps parser errors in several exception types
@@ -78,6 +81,25 @@ def load_records(files: Sequence[str | Path]) -> list[dict]:
                 )
         records.extend(rows)
     return records
+
+
+def _check_json_lines(path: Path) -> None:
+    """Raise ``DataError`` naming the first line of a jsonl file that is not a JSON object."""
+    with path.open(encoding="utf-8", errors="replace") as f:
+        for number, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as error:
+                raise DataError(
+                    f"Data file {path} could not be read as jsonl: line {number} is not valid JSON ({error.msg}, "
+                    f"column {error.colno}): fix or remove that line."
+                ) from None
+            if not isinstance(record, dict):
+                raise DataError(
+                    f"Data file {path}, line {number}: a JSON object per line is expected, got {line[:60]!r}."
+                )
 
 
 def record_kind(record: dict) -> str | None:

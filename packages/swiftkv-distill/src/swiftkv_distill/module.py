@@ -16,6 +16,7 @@ from torch import nn
 from swiftkv_core.checkpoints import check_checkpoint
 from swiftkv_core.convert import SWIFTKV_FAMILIES
 from swiftkv_core.early_exit import EarlyExitHead
+from swiftkv_core.faults import pause_point
 from swiftkv_core.kv_init import KVLeastSquares
 from swiftkv_core.runtime import Stopwatch
 
@@ -184,6 +185,7 @@ class SwiftKVDistillation(L.LightningModule):
         distilled = batch["loss_mask"] if positions is None else batch["loss_mask"][:, positions]
         row_scale = world / self._sum_over_processes(distilled.sum().float()).clamp(min=1)
         out = self.step(batch, row_scale, positions=positions)
+        pause_point("training-step")  # mid-step: the forward done, the backward and the update to come
         batch_size = batch["input_ids"].shape[0]
         log = dict(on_step=True, on_epoch=False, batch_size=batch_size)
         self.log(
@@ -392,6 +394,7 @@ class SwiftKVDistillation(L.LightningModule):
 
     # --- checkpoints -------------------------------------------------------------------------------------------
     def on_save_checkpoint(self, checkpoint: dict) -> None:
+        pause_point("checkpoint-save")  # inside Trainer.save_checkpoint: the file is not written yet
         # The frozen base weights are the pretrained checkpoint (hparams.model): keep only what training changed.
         # Under FSDP2 (a distributed checkpoint: each rank writes its own shards) the loader wants every key, so
         # the sharded state is kept whole there.

@@ -40,6 +40,34 @@ class DistillCLI(LightningCLI):
         # One model path for the module (weights) and the data (tokenizer, context length).
         parser.link_arguments("model.model", "data.model")
 
+    def before_fit(self) -> None:
+        """The data read, checked, tokenised and packed before the Trainer writes anything (its config, logs): bad
+        data is refused with nothing left in the output folder. (Several processes leave it to Lightning, which
+        prepares the data on one process first.)"""
+        if self.trainer.world_size == 1:
+            self.datamodule.prepare_data()
+            self.datamodule.setup("fit")
+
+    def fit(self, model, datamodule=None, ckpt_path=None, **kwargs) -> None:
+        """``Trainer.fit``, continuing from the last checkpoint in the run's checkpoint folder when no
+        ``--ckpt_path`` is given: running the same command again resumes an interrupted run."""
+        ckpt_path = ckpt_path or last_checkpoint(self.trainer)
+        if ckpt_path and self.trainer.is_global_zero:
+            print(
+                f"resuming from {ckpt_path} (another --trainer.default_root_dir starts a new run)", flush=True
+            )
+        self.trainer.fit(model, datamodule=datamodule, ckpt_path=ckpt_path, **kwargs)
+
+
+def last_checkpoint(trainer) -> str | None:
+    """The ``last.ckpt`` a ModelCheckpoint callback of ``trainer`` wrote, if one is there (a file, or a folder of
+    shards under FSDP2). Written atomically by Lightning: a killed write leaves the previous one."""
+    for callback in trainer.checkpoint_callbacks:
+        last = Path(callback.dirpath or "") / "last.ckpt"
+        if callback.dirpath and last.exists():
+            return str(last)
+    return None
+
 
 def with_recipe_paths(args: list[str]) -> list[str]:
     """``args`` with each ``--config NAME`` of a shipped recipe replaced by its file (paths that exist stay)."""
@@ -66,6 +94,8 @@ def make_cli(args=None, run: bool = True, cli_class: type[LightningCLI] = Distil
     # the recipes' interpolations name keys from the config's own root (``trainer.``), also under a subcommand
     set_parsing_settings(omegaconf_absolute_to_relative_paths=True)
     args = with_recipe_paths(sys.argv[1:] if args is None else list(args))
+    for config in _config_files(args):
+        _check_yaml(config)
     with warnings.catch_warnings():
         # Lightning warns when ``args`` are given while the process has command-line arguments of its own: here
         # they are given on purpose (a recipe name resolved, or a caller such as the main job building a run).
@@ -79,9 +109,31 @@ def make_cli(args=None, run: bool = True, cli_class: type[LightningCLI] = Distil
             save_config_kwargs={"overwrite": True},
             # ``${trainer.default_root_dir}/...`` in the recipes: one output folder per file, resolved after the
             # command line (an overridden default_root_dir moves everything under it)
-            parser_kwargs={"parser_mode": "omegaconf+"},
+            # a bad option raises (argparse.ArgumentError, one message) instead of printing the whole usage
+            parser_kwargs={"parser_mode": "omegaconf+", "exit_on_error": False},
             seed_everything_default=0,
         )
+
+
+def _config_files(args: list[str]) -> list[str]:
+    files = [args[i + 1] for i, arg in enumerate(args[:-1]) if arg in ("--config", "-c")]
+    return files + [arg.split("=", 1)[1] for arg in args if arg.startswith("--config=")]
+
+
+def _check_yaml(path: str) -> None:
+    """Raise ``RecipeError`` naming the file and the place when a recipe is not valid YAML (jsonargparse's own
+    message names neither)."""
+    import yaml
+
+    if not Path(path).is_file():
+        return  # LightningCLI says that the file does not exist
+    try:
+        yaml.safe_load(Path(path).read_text())
+    except yaml.YAMLError as error:
+        mark = getattr(error, "problem_mark", None)
+        where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark else ""
+        problem = getattr(error, "problem", None) or "not valid YAML"
+        raise RecipeError(f"recipe {path}: {problem}{where}: fix the YAML.") from None
 
 
 def recipe_names() -> list[str]:
@@ -197,10 +249,9 @@ def budgeted_fit(
         "trainer.num_sanity_val_steps": 0,
     }  # fmt: skip
     built = build(recipe, {**run, **given, "trainer.precision": precision})
-    last = folder / "checkpoints" / "last.ckpt"
-    resume = checkpoint_every and last.is_file()
+    resume = last_checkpoint(built.trainer) if checkpoint_every else None
     if resume:
-        print(f"   resuming from {last}", flush=True)
-    built.trainer.fit(built.module, built.datamodule, ckpt_path=str(last) if resume else None)
+        print(f"   resuming from {resume}", flush=True)
+    built.trainer.fit(built.module, built.datamodule, ckpt_path=resume)
     summary = json.loads((folder / "logs" / "version_0" / "summary.json").read_text())
     return built, {**summary, "resumed": bool(resume)}

