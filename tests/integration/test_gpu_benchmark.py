@@ -17,9 +17,9 @@ def tiny_result(tmp_path_factory):
     spec = importlib.util.spec_from_file_location("gpu_benchmark", ROOT / "benchmarks" / "gpu.py")
     benchmark = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(benchmark)
-    out = tmp_path_factory.mktemp("gpu") / "gpu-tiny"
+    out = tmp_path_factory.mktemp("gpu") / "gpu-tiny-3.1"  # a dot in the name, as in gpu-llama-3.1-8b
     benchmark.main(tiny=True, out=out)
-    return json.loads(out.with_suffix(".json").read_text()), out.with_suffix(".md").read_text()
+    return json.loads((out.parent / f"{out.name}.json").read_text()), (out.parent / f"{out.name}.md").read_text()
 
 
 def test_prefill_rows_hold_both_sides_and_their_bound(tiny_result):
@@ -47,13 +47,11 @@ def test_kv_bytes_are_what_a_real_cache_holds(tiny_result):
 
 def test_distillation_step_rows_compare_against_the_whole_teacher_and_student(tiny_result):
     result, markdown = tiny_result
-    rows = {r["setup"]: r for r in result["distill"]}
-    assert set(rows) == {
-        "ours, dense mask (sdpa)",
-        "whole teacher + whole student (sdpa)",
-    }  # CPU: no flex backward
-    whole = rows["whole teacher + whole student (sdpa)"]
-    assert whole["speed_vs_whole_x"] == 1
+    rows = {(r["setup"], r["frozen"]): r for r in result["distill"]}
+    setups = ("ours, dense mask (sdpa)", "whole teacher + whole student (sdpa)")  # CPU: no flex backward
+    assert set(rows) == {(s, f) for s in setups for f in ("fp32", "bf16")}  # teacher weights in fp32, in bf16
+    for frozen in ("fp32", "bf16"):
+        assert rows["whole teacher + whole student (sdpa)", frozen]["speed_vs_whole_x"] == 1
     for r in rows.values():
         assert r["tokens_per_s"] == pytest.approx(512 / r["step_s"])  # 2 rows x 256 tokens per step
         assert r["step_tflop"] > 0 and r["mfu"] is None and r["peak_gib"] is None  # no peak on a CPU

@@ -54,3 +54,13 @@ def match_swiftkv_kv(name: str) -> tuple[int, str, str] | None:
     """``(layer, "k" | "v", "weight" | "bias")`` for a group leader's K/V projection, else ``None``."""
     match = SWIFTKV_KV_PATTERN.search(name)
     return (int(match.group(1)), match.group(2), match.group(3)) if match else None
+
+
+def cast_frozen(model: nn.Module, dtype) -> nn.Module:
+    """Keep the frozen parameters (the teacher: all but the trained ones) in ``dtype``; the trained ones stay as
+    they are (the fp32 master weights). Under bf16 autocast every matmul casts its weight to bf16 anyway: frozen
+    weights stored in bf16 halve their memory and skip that cast at every step."""
+    for param in model.parameters():
+        if not param.requires_grad:
+            param.data = param.data.to(dtype)
+    return model

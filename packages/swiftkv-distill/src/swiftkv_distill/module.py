@@ -19,6 +19,7 @@ from swiftkv_core.early_exit import EarlyExitHead
 from swiftkv_core.faults import pause_point
 from swiftkv_core.kv_init import KVLeastSquares
 from swiftkv_core.runtime import Stopwatch
+from swiftkv_core.weights import cast_frozen
 
 from .build import attention_for, build_swiftkv_model, cpu_precision
 from .schedule import FIRST_STEP_FLOOR, lr_factor, run_progress
@@ -47,6 +48,10 @@ class SwiftKVDistillation(L.LightningModule):
         min_lr_ratio: the cosine schedule decays to ``learning_rate * min_lr_ratio``.
         logits_chunk_size: positions per chunk of full-vocabulary logits (memory vs speed).
         model_dtype: dtype the weights are loaded in (``float32``; ``bfloat16`` for large models on GPU).
+        frozen_dtype: dtype the frozen weights (the teacher: all but the trained SwiftKV ones) are kept in
+            (default: ``model_dtype``). ``bfloat16`` with ``float32`` weights and ``bf16-mixed`` precision keeps
+            fp32 master weights for what trains and halves the teacher's memory (an 8B model distils on one
+            80 GB GPU: benchmarks/results/gpu-llama-3.1-8b.md). One device only: FSDP2 shards one dtype.
         evaluate_before_training: run the validation metrics once before the first step (the undistilled model)
             and log them as ``before/*``.
         reshard_after_forward: FSDP2 (ModelParallelStrategy only): free gathered layer weights after each forward.
@@ -87,6 +92,7 @@ class SwiftKVDistillation(L.LightningModule):
         min_lr_ratio: float = 0.1,
         logits_chunk_size: int = 512,
         model_dtype: str = "float32",
+        frozen_dtype: str | None = None,
         evaluate_before_training: bool = True,
         reshard_after_forward: bool = True,
         attn_implementation: str = "auto",
@@ -108,8 +114,9 @@ class SwiftKVDistillation(L.LightningModule):
         if not 0 < position_fraction <= 1:
             raise ValueError(f"position_fraction must be in (0, 1], got {position_fraction}.")
         attention_for("cpu", attn_implementation)  # an unknown name fails here, before any weight is loaded
-        if model_dtype not in _DTYPES:
-            raise ValueError(f"model_dtype must be one of {sorted(_DTYPES)}, got {model_dtype!r}.")
+        for name, value in (("model_dtype", model_dtype), ("frozen_dtype", frozen_dtype or model_dtype)):
+            if value not in _DTYPES:
+                raise ValueError(f"{name} must be one of {sorted(_DTYPES)}, got {value!r}.")
         self.save_hyperparameters()
         self.loss_settings = LossSettings(  # checks its values
             temperature=temperature,
@@ -148,8 +155,26 @@ class SwiftKVDistillation(L.LightningModule):
             attention_for(device, hp.attn_implementation),
         )
         model.train()  # dropout is 0 in these families; train() only matters for the module flags
+        if hp.frozen_dtype not in (None, hp.model_dtype):
+            self._check_frozen_dtype()
+            cast_frozen(model, _DTYPES[hp.frozen_dtype])
         head = EarlyExitHead.from_model(model) if hp.early_exit else None
         return DistillationStep(model, self.loss_settings, head)
+
+    def _check_frozen_dtype(self) -> None:
+        """Frozen weights in another dtype than the trained ones need autocast (a mixed precision) and one device."""
+        trainer, frozen = self._trainer, self.hparams.frozen_dtype
+        precision = str(trainer.precision) if trainer is not None else "32-true"
+        if not precision.endswith("-mixed"):
+            raise ValueError(
+                f"frozen_dtype={frozen} needs a mixed precision (trainer.precision bf16-mixed), got {precision}: "
+                f"set trainer.precision: bf16-mixed, or drop model.frozen_dtype."
+            )
+        if self.device_mesh is not None or (trainer is not None and trainer.world_size > 1):
+            raise ValueError(
+                f"frozen_dtype={frozen} runs on one device (FSDP2 shards parameters of one dtype), got "
+                f"{trainer.strategy.__class__.__name__}: drop model.frozen_dtype, or set model.model_dtype: {frozen}."
+            )
 
     def configure_model(self) -> None:
         if self.step is not None:

@@ -162,8 +162,11 @@ class DistillationStep(nn.Module):
     def evaluate(self, batch: dict) -> Evaluation:
         """Validation statistics of ``batch`` at temperature 1 (every position, no gradient), computed in the
         weights' own dtype even when training runs under autocast (``bf16-mixed``): the held-out figures measure
-        the model that is exported, and compare across training precisions."""
-        with torch.autocast(device_type=batch["input_ids"].device.type, enabled=False):
+        the model that is exported, and compare across training precisions. Frozen weights held in a lower
+        precision than the trained ones (``frozen_dtype``) compute in theirs."""
+        dtypes = {p.dtype for p in self.model.parameters()}
+        low = min(dtypes, key=lambda dtype: torch.finfo(dtype).bits)
+        with torch.autocast(batch["input_ids"].device.type, dtype=low, enabled=len(dtypes) > 1):
             return self._evaluate(batch)
 
     def _evaluate(self, batch: dict) -> Evaluation:
