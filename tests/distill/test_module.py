@@ -207,7 +207,8 @@ def test_frozen_weights_in_bf16_beside_fp32_master_weights(tiny_model, text_file
     dtypes = {p.dtype for p in module.trainable_parameters()}
     frozen = {p.dtype for p in module.swiftkv_model.parameters() if not p.requires_grad}
     assert dtypes == {torch.float32} and frozen == {torch.bfloat16}
-    assert module.init_metrics["kl"] < module.before_metrics["kl"]  # the least-squares init ran on bf16 weights
+    # the least-squares init ran on the bf16 weights
+    assert module.init_metrics["kl"] < module.before_metrics["kl"]
     assert torch.isfinite(trainer.callback_metrics["train/loss"])
     with pytest.raises(ValueError, match="frozen_dtype=bfloat16 needs a mixed precision .*bf16-mixed"):
         quiet_trainer(tmp_path, max_steps=1).fit(

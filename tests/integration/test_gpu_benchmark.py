@@ -19,7 +19,8 @@ def tiny_result(tmp_path_factory):
     spec.loader.exec_module(benchmark)
     out = tmp_path_factory.mktemp("gpu") / "gpu-tiny-3.1"  # a dot in the name, as in gpu-llama-3.1-8b
     benchmark.main(tiny=True, out=out)
-    return json.loads((out.parent / f"{out.name}.json").read_text()), (out.parent / f"{out.name}.md").read_text()
+    json_path, md_path = out.parent / f"{out.name}.json", out.parent / f"{out.name}.md"
+    return json.loads(json_path.read_text()), md_path.read_text()
 
 
 def test_prefill_rows_hold_both_sides_and_their_bound(tiny_result):
