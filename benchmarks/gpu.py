@@ -17,7 +17,9 @@ distillation batches are real text (Brown prose, the default tokenizer) packed i
   whole student forward on the same weights: tokens/s, peak memory and MFU (the step's FLOPs, counted by torch's
   FlopCounterMode, over the device's dense bf16 peak).
 
-Writes ``benchmarks/results/gpu-<shape>.{json,md}`` (or ``--out``).
+Writes ``benchmarks/results/gpu-<shape>.{json,md}`` (or ``--out``). ``--profile true`` instead prints where a 2k
+prefill spends its time (the CUDA profile off and on, host launch against device time) and the same prefill with
+each decoder layer compiled (``gpu-prefill-profile.md``).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import json
 import shlex
 import statistics
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -245,6 +248,48 @@ def distill_rows(
              "memory_vs_whole_x": r["peak_gib"] / whole_row["peak_gib"] if r["peak_gib"] else None} for r in rows]  # fmt: skip
 
 
+def profile_prefill(model, length: int = 2048) -> None:
+    """Print the CUDA profile of one ``length``-token prefill, SwiftKV off and on, the host's launch time against
+    the device's, then the off/on speed-up with each decoder layer compiled (regional ``torch.compile``)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from swiftkv_core.generation import time_prefill_off_on
+    from swiftkv_core.kv_cache import make_kv_cache
+
+    ids = torch.randint(100, model.config.vocab_size - 100, (1, length), device=model.device)
+
+    def forward(on: bool):
+        model.swiftkv(on)
+        return model(
+            ids, past_key_values=make_kv_cache(model.config, "auto"), use_cache=True, logits_to_keep=1
+        )
+
+    with torch.inference_mode():
+        for on in (False, True):
+            forward(on)
+            torch.cuda.synchronize()
+            started = time.perf_counter()
+            forward(on)
+            launched = time.perf_counter()
+            torch.cuda.synchronize()
+            print(f"{length} SwiftKV {'on' if on else 'off'}: host launches {1e3 * (launched - started):.1f} ms, "
+                  f"done {1e3 * (time.perf_counter() - started):.1f} ms", flush=True)  # fmt: skip
+            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                forward(on)
+                torch.cuda.synchronize()
+            print(
+                prof.key_averages().table(sort_by="cuda_time_total", row_limit=18, max_name_column_width=60)
+            )
+    for compiled in (False, True):
+        if compiled:
+            for layer in model.model.layers:
+                layer.compile()
+            time_prefill_off_on(model, ids, 1)  # compiles
+        t = {on: statistics.median(v) for on, v in time_prefill_off_on(model, ids, 7).items()}
+        print(f"{length} {'compiled layers' if compiled else 'as is'}: off {1e3 * t[False]:.1f} ms, on "
+              f"{1e3 * t[True]:.1f} ms, speed-up {t[False] / t[True]:.3f}", flush=True)  # fmt: skip
+
+
 def main(
     shape: str = "llama-3.1-8b",
     num_key_value_layers: int | None = None,
@@ -259,7 +304,8 @@ def main(
     distill_steps: int = 5,
     peak_tflops: float | None = None,
     out: Path | None = None,
-) -> dict:
+    profile: bool = False,
+) -> dict | None:
     """Measure SwiftKV against the original model at a real shape on this machine's GPU.
 
     Args:
@@ -276,10 +322,13 @@ def main(
         distill_steps: timed distillation steps per setup (after one warm-up).
         peak_tflops: the device's dense bf16 peak for MFU (default: from its name; H100/H200 989).
         out: output prefix (default benchmarks/results/gpu-<shape>).
+        profile: print where a 2k prefill spends its time instead (profile_prefill; writes nothing).
     """
     from swiftkv_core.runtime import device_description, stack_versions
     from swiftkv_core.weights import cast_frozen
 
+    if tiny and profile:
+        raise SystemExit("--profile true needs a CUDA GPU (the profile is of CUDA kernels).")
     if tiny:
         shape, device, dtype = "tiny", "cpu", torch.float32
         prefill_lengths, packed_prefill, repeats, decode_tokens = [256, 512], (2, 256), 1, 4
@@ -293,6 +342,8 @@ def main(
     name = device_description(device)
     peak = peak_tflops or next((v for k, v in PEAK_BF16_TFLOPS.items() if k in name), None)
     model, l = build(shape, num_key_value_layers, device, dtype)
+    if profile:
+        return profile_prefill(model)
     result = {"shape": shape, "num_key_value_layers": l, "num_hidden_layers": model.config.num_hidden_layers,
               "device": name, "peak_bf16_tflops": peak, "versions": stack_versions(),
               "command": shlex.join(["python3", "benchmarks/gpu.py", *sys.argv[1:]])}  # fmt: skip
