@@ -128,18 +128,19 @@ def test_the_main_job_killed_mid_stage_and_mid_state_write_continues(tmp_path):
         "--heldout_chat_prompts", "", "--serve", "false", "--max_eval_rows", "2", "--prompt_lengths", "[16]",
         "--serve_workloads", "[96/8]",
     ]  # fmt: skip
-    # state.json writes: the run's start, then after each stage; the 4th is the one after convert
-    run(command, pause="state-write", after=4)
+    # state.json writes: the run's start, then after each stage; the 5th is the one after convert
+    run(command, pause="state-write", after=5)
     state = json.loads((out / "state.json").read_text())  # the previous state, whole
-    assert list(state["results"]) == ["teacher_answers", "analyze"]
+    assert list(state["results"]) == ["teacher_answers", "frontier", "analyze"]
     run(command, pause="training-step", after=1)  # distillation killed mid-step (its first)
     state = json.loads((out / "state.json").read_text())
-    assert list(state["results"]) == ["teacher_answers", "analyze", "convert"]
+    assert list(state["results"]) == ["teacher_answers", "frontier", "analyze", "convert"]
     output = run(command)
     assert "analyze: done earlier, reused" in output and "convert: done earlier, reused" in output
     report = json.loads((out / "report.json").read_text())
     assert list(report["results"]) == [
         "teacher_answers",
+        "frontier",
         "analyze",
         "convert",
         "distill",

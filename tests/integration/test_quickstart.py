@@ -116,7 +116,18 @@ def test_quickstart_report_is_complete_and_consistent(inputs, tmp_path, capsys):
     for row in results["prefill"]["rows"]:
         assert f"| {row['prompt_tokens']} | {row['off_s'] * 1e3:.0f} | {row['on_s'] * 1e3:.0f} |" in markdown
     images = re.findall(r"!\[[^\]]*\]\(([^)]+)\)", markdown)
-    assert len(images) == 4
+    assert len(images) == 5
+    # the frontier: the init at every l of the sweep (here 4 and 6 of 8, g=2), the given l marked, the prediction
+    frontier = results["frontier"]
+    assert (
+        [r["l"] for r in frontier["rows"]] == [4, 6]
+        and frontier["chosen"] == 4
+        and frontier["reason"] == "given"
+    )
+    row = frontier["rows"][0]
+    assert row["text"]["agreement"] == pytest.approx(metrics["converted/text"]["agreement"], abs=0.02)
+    assert head["frontier"]["text"]["measured"] == metrics["distilled/text"]["agreement"]
+    assert "## How many layers can this model give up?" in markdown and "| 4 **(this run)** |" in markdown
     for image in images:
         assert (root / image).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", image
     for folder in ("distilled", "distilled-serving", "converted"):
@@ -164,12 +175,12 @@ def test_an_interrupted_run_resumes_without_redoing_finished_steps(inputs, tmp_p
         patch.setattr(BudgetProgress, "on_train_batch_end", crash_at_step_3)
         run_quickstart(inputs, out, serve=False, budget_minutes=0.5)
     state = json.loads((out / "state.json").read_text())["results"]
-    assert list(state) == ["teacher_answers", "analyze", "convert"]
+    assert list(state) == ["teacher_answers", "frontier", "analyze", "convert"]
     assert (out / "distill" / "checkpoints" / "last.ckpt").is_file()
     mtimes = {p: p.stat().st_mtime_ns for p in (out / "converted").iterdir()}
 
     calls = []
-    finished = ("teacher_answers", "analyze", "convert")
+    finished = ("teacher_answers", "frontier", "analyze", "convert")
     monkeypatch.setattr(stages, "STAGES", [
         Stage(s.name, lambda run, name=s.name: calls.append(name)) if s.name in finished else s for s in stages.STAGES
     ])  # fmt: skip
@@ -190,6 +201,21 @@ def test_default_l_is_the_recipes_for_its_own_model_else_half_the_layers():
     assert recipe.model.model == "default" and recipe.model.num_key_value_layers == 20
     assert default_num_key_value_layers("default", 30, recipe) == 20
     assert default_num_key_value_layers("/models/qwen2-0.5b", 24, recipe) == 12  # another model: L/2
+
+
+def test_the_frontier_sweeps_l_and_auto_picks_the_smallest_predicted_to_clear_the_bar():
+    from swiftkv.quickstart.frontier import GAP_CLOSED, choose, predicted_distilled, sweep
+
+    assert sweep(30, 1, 18) == [15, 18, 20, 25]  # L/2 to 5L/6 in three points, and the run's own
+    assert sweep(30, 2, None) == [16, 20, 24]  # only where g divides L - l
+    assert sweep(4, 1, 2) == [2, 3]
+    assert predicted_distilled(0.8) == pytest.approx(0.8 + GAP_CLOSED * 0.2)
+    rows = [
+        {"l": l, "predicted": {"text": t, "chat": c}}
+        for l, t, c in ((15, 0.80, 0.79), (18, 0.84, 0.83), (21, 0.88, 0.87))
+    ]
+    assert choose(rows, 0.82)[0] == 18  # chat decides where it was measured
+    assert choose(rows, 0.95) == (21, "no l of the sweep is predicted to clear 95%: the largest, l=21")
 
 
 def test_the_main_job_takes_the_gpu_when_there_is_one():

@@ -34,9 +34,11 @@ LOCAL_TASKS = {
     "swiftkv_arithmetic": {
         "data": "arithmetic.jsonl",
         "output_type": "generate_until",
-        "doc_to_text": "Question: {{question}}\nAnswer:",
+        # two worked examples in the prompt: without them a small model restates the sum ("2 + 17 = ") first
+        "doc_to_text": "Question: What is 3 plus 4?\nAnswer: 7\n\nQuestion: What is 10 plus 5?\nAnswer: 15\n\n"
+        "Question: {{question}}\nAnswer:",
         "doc_to_target": "{{answer}}",
-        "generation_kwargs": {"until": ["\n", ".", ","], "max_gen_toks": 8, "do_sample": False},
+        "generation_kwargs": {"until": ["\n"], "max_gen_toks": 6, "do_sample": False},
         "metric_list": [
             {
                 "metric": "exact_match",
@@ -187,11 +189,17 @@ def write(out: Path, rows: list[dict], settings: dict) -> None:
     def cell(value, stderr):
         return "-" if value is None else f"{value:.3f}" + ("" if stderr is None else f" ± {stderr:.3f}")
 
+    teacher = (
+        "the same checkpoint with SwiftKV off"
+        if settings["teacher"] == settings["model"]
+        else settings["teacher"]
+    )
+    fewshot = settings["num_fewshot"] if settings["num_fewshot"] is not None else "each task's own"
     lines = [
-        f"# Task accuracy: {settings['model']} (SwiftKV) vs its teacher ({settings['teacher']})",
+        f"# Task accuracy: {settings['model']} (SwiftKV) vs its teacher ({teacher})",
         "",
-        f"lm-evaluation-harness ({settings['backend']} backend), {settings['device']}; limit {settings['limit'] or 'none'}, few-shot "
-        f"{settings['num_fewshot'] if settings['num_fewshot'] is not None else 'the tasks own'}.",
+        f"lm-evaluation-harness ({settings['backend']} backend), {settings['device']}; "
+        f"limit {settings['limit'] or 'none'}, few-shot {fewshot}.",
         "",
         "| task | metric | teacher | SwiftKV | SwiftKV - teacher |",
         "|---|---|---|---|---|",

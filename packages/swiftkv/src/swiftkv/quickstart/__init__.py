@@ -5,17 +5,19 @@ stages (``stages.STAGES``, in this order):
 
     1. teacher answers  the teacher's own answers to chat prompts (vLLM, cached): the recipe's chat training data
                         and the held-out chat evaluation set
-    2. analyze          per-layer input similarity (paper Eq. 1) on the training text; l defaults to the recipe's
+    2. frontier         for a sweep of l: the least-squares init's held-out agreement and KL beside the prefill
+                        FLOPs bound and KV bytes (frontier.py); with l 'auto', the pick
+    3. analyze          per-layer input similarity (paper Eq. 1) on the training text; l defaults to the recipe's
                         for its own model (20 of 30 for SmolLM2), else to L/2
-    3. convert          SwiftKV at l (AcrossKV group size g), K/V projections fitted by least squares
-    4. distill          Lightning distillation within --budget_minutes of training, with a live progress bar;
+    4. convert          SwiftKV at l (AcrossKV group size g), K/V projections fitted by least squares
+    5. distill          Lightning distillation within --budget_minutes of training, with a live progress bar;
                         converted vs distilled against the teacher on held-out text and chat: KL, agreement, ppl
-    5. evaluate         greedy answers of teacher and SwiftKV side by side, and how often the first 8 tokens of
+    6. evaluate         greedy answers of teacher and SwiftKV side by side, and how often the first 8 tokens of
                         their greedy answers to the held-out chat prompts are the same
-    6. prefill          HF prefill latency over prompt lengths, SwiftKV off vs on (same weights, same run)
-    7. serve            vLLM: the base checkpoint vs the distilled serving export on prompt-heavy workloads
-    8. task accuracy    with --eval_tasks: lm-evaluation-harness on the teacher and the distilled model
-    9. report           runs/<name>/report.md (+ report.json, PNG plots), the checkpoints, how to serve them
+    7. prefill          HF prefill latency over prompt lengths, SwiftKV off vs on (same weights, same run)
+    8. serve            vLLM: the base checkpoint vs the distilled serving export on prompt-heavy workloads
+    9. task accuracy    with --eval_tasks: lm-evaluation-harness on the teacher and the distilled model
+   10. report           runs/<name>/report.md (+ report.json, PNG plots), the checkpoints, how to serve them
 
 Each finished stage is recorded in ``runs/<name>/state.json`` (``run.py``, written atomically): running the same
 command again reuses every finished stage, and an interrupted distillation resumes from its last checkpoint.
@@ -34,7 +36,7 @@ def main(
     model: str = "default",
     out: Path | None = None,
     accelerator: str = "auto",
-    num_key_value_layers: int | None = None,
+    num_key_value_layers: int | str | None = None,
     key_value_group_size: int = 1,
     budget_minutes: float | None = None,
     recipe: str | None = None,
@@ -48,6 +50,7 @@ def main(
     serve_requests: int = 8,
     serve_compile: bool = True,
     threshold: float = 0.9,
+    min_agreement: float = 0.85,
     eval_tasks: list[str] | None = None,
     force: bool = False,
 ) -> Path:
@@ -59,7 +62,8 @@ def main(
         accelerator: Where every stage runs: 'auto' (the GPU where one is visible, else the CPU), 'cpu' or 'gpu'.
             On a GPU: bf16, the GPU recipe's longer rows and bigger batches, flex_attention / flash-attn.
         num_key_value_layers: l: layers >= l take their K/V from layer l's input (default: the recipe's where
-            MODEL is the recipe's model, 20 of 30 for the default SmolLM2; else half the layers).
+            MODEL is the recipe's model, 20 of 30 for the default SmolLM2; else half the layers); 'auto': the
+            smallest l of the frontier whose distilled agreement is predicted to clear --min_agreement.
         key_value_group_size: AcrossKV group size g (1: off); must divide L - l.
         budget_minutes: Training time of the distillation (the evaluations and K/V fit come on top); default 12 on
             a CPU, 4 on a GPU.
@@ -78,6 +82,8 @@ def main(
         serve_requests: Requests per workload burst.
         serve_compile: vLLM's default torch.compile mode (False: eager, faster start, slower steps).
         threshold: The similarity threshold whose rule the analysis plot shows (the paper's recommendation).
+        min_agreement: With --num_key_value_layers auto: the held-out agreement (chat where measured, else text) the
+            distilled model should reach.
         eval_tasks: lm-eval tasks to measure the teacher and the distilled model on (swiftkv eval), e.g.
             [swiftkv_capitals, swiftkv_arithmetic] (local) or [arc_challenge, hellaswag] (downloaded); default none.
         force: Delete an earlier run in the output folder and start over.
@@ -91,7 +97,7 @@ def main(
     settings, run_dir = check(
         model, out, accelerator, num_key_value_layers, key_value_group_size, budget_minutes, recipe, train_files,
         heldout_text, heldout_chat_prompts, max_eval_rows, prompt_lengths, serve, serve_workloads,
-        serve_requests, serve_compile, threshold, eval_tasks,
+        serve_requests, serve_compile, threshold, eval_tasks, min_agreement,
     )  # fmt: skip
     run = Run(run_dir, settings, force)
     print(f"swiftkv quickstart: {settings.model} -> SwiftKV l={settings.num_key_value_layers}, "

@@ -6,14 +6,17 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from . import frontier
+
 
 def headline(settings: dict, results: dict) -> dict:
     """The figures a reader wants first, each computed once here (the Markdown and the JSON both print these)."""
-    out: dict = {"num_key_value_layers": settings["num_key_value_layers"]}
+    l = results["frontier"]["chosen"]  # the given l, or the frontier's pick for 'auto'
+    out: dict = {"num_key_value_layers": l}
     analysis = results["analyze"]
     L = analysis["num_hidden_layers"]
     out["num_hidden_layers"] = L
-    out["skipped_fraction"] = (L - settings["num_key_value_layers"]) / L
+    out["skipped_fraction"] = (L - l) / L
     rows = results["prefill"]["rows"]
     if rows:
         longest = rows[-1]
@@ -29,6 +32,7 @@ def headline(settings: dict, results: dict) -> dict:
         out["serving"] = serve["ratios_swiftkv_over_stock"]
         out["kv_capacity_x"] = serve["kv_capacity_x"]
     distill = results["distill"]
+    out["frontier"] = frontier.how_the_prediction_held(results["frontier"], metrics)
     out["distill"] = {k: distill[k] for k in ("steps", "train_seconds", "train_tokens")}
     out["distill"]["precision"] = distill.get("precision", "32-true")
     return out
@@ -38,7 +42,8 @@ def write_run_report(root: Path, settings: dict, results: dict, versions: dict) 
     """Write the plots, ``report.json`` and ``report.md`` into ``root``; returns their paths."""
     from swiftkv_core.atomic import atomic_file
 
-    plots = [_plot_prefill(results["prefill"]["rows"], root / "prefill.png")]
+    plots = [_plot_prefill(results["prefill"]["rows"], root / "prefill.png"), root / "frontier.png"]
+    frontier.plot(results["frontier"], results["distill"]["metrics"], root / "frontier.png")
     if "ratios_swiftkv_over_stock" in results.get("serve", {}):
         from swiftkv_serve.comparison import plot_serving
 
@@ -161,6 +166,7 @@ def _markdown(root: Path, settings: dict, results: dict, versions: dict, head: d
         lines += ["", "![serving](serving.png)", ""]
     else:
         lines += ["## Serving", "", f"Not measured: {serve.get('skipped', 'see the settings')}.", ""]
+    lines += frontier.markdown(results["frontier"], metrics, "frontier.png")
     tasks = results.get("task_accuracy", {})
     if "rows" in tasks:
         lines += ["## Task accuracy (lm-evaluation-harness)", "", "| task | metric | teacher | SwiftKV | difference |",

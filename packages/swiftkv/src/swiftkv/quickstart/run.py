@@ -70,6 +70,12 @@ class Run:
         return self.root / name
 
     @property
+    def num_key_value_layers(self) -> int:
+        """The run's num_key_value_layers: the one given, or the frontier stage's pick for ``auto``."""
+        given = self.settings.num_key_value_layers
+        return given if isinstance(given, int) else self.results["frontier"]["chosen"]
+
+    @property
     def device(self):
         """Where the stages run: the GPU (``cuda``) or the CPU."""
         import torch

@@ -29,7 +29,7 @@ class Settings:
 
     model: str
     accelerator: str  # "cpu" or "gpu": every stage runs there
-    num_key_value_layers: int
+    num_key_value_layers: int | str  # an l, or "auto": the frontier stage picks it (run.num_key_value_layers)
     key_value_group_size: int
     budget_minutes: float
     recipe: str
@@ -43,6 +43,7 @@ class Settings:
     serve_requests: int
     serve_compile: bool
     threshold: float
+    min_agreement: float = 0.85
     eval_tasks: list[str] = field(default_factory=list)
     model_identity: dict = field(default_factory=dict)
 
@@ -51,7 +52,7 @@ def check(
     model: str,
     out: Path | None,
     accelerator: str,
-    num_key_value_layers: int | None,
+    num_key_value_layers: int | str | None,
     key_value_group_size: int,
     budget_minutes: float | None,
     recipe: str | None,
@@ -66,6 +67,7 @@ def check(
     serve_compile: bool,
     threshold: float,
     eval_tasks: list[str] | None = None,
+    min_agreement: float = 0.85,
 ) -> tuple[Settings, Path]:
     """The run's settings and output folder, or ``QuickstartError`` (nothing is computed or written here)."""
     import torch
@@ -74,6 +76,8 @@ def check(
     from swiftkv_distill.corpora import dataset_name
     from swiftkv_distill.data import DataError, load_records
     from swiftkv_distill.recipe import RecipeError, parse, recipe_path
+
+    from .frontier import sweep as frontier_sweep
 
     accelerator = choose_accelerator(accelerator, torch.cuda.is_available())
     recipe = recipe or DEVICE_DEFAULTS[accelerator]["recipe"]
@@ -93,8 +97,16 @@ def check(
     defaulted = num_key_value_layers is None
     l = default_num_key_value_layers(str(model), L, recipe_settings) if defaulted else num_key_value_layers
     g = key_value_group_size
+    if isinstance(l, str) and l != "auto":
+        raise QuickstartError(
+            f"--num_key_value_layers {l!r}: an integer l, or 'auto' (the frontier picks it)."
+        )
+    if not 0 < min_agreement < 1:
+        raise QuickstartError(f"--min_agreement {min_agreement}: a share of tokens in (0, 1), e.g. 0.85.")
     try:
-        check_checkpoint(path, l, g, kind="base")
+        check_checkpoint(path, L // 2 if l == "auto" else l, 1 if l == "auto" else g, kind="base")
+        if l == "auto" and not frontier_sweep(L, g, None):
+            raise CheckpointError(f"no l in [{L // 2}, {L - 1}] fits key_value_group_size={g}")
     except CheckpointError as error:
         why = f" (l was not given: {l} is the default for this model)" if defaulted else ""
         raise QuickstartError(f"--num_key_value_layers / --key_value_group_size{why}: {error}") from None
@@ -153,7 +165,8 @@ def check(
         recipe=str(recipe), train_files=train_files, heldout_text=heldout_text,
         heldout_chat_prompts=heldout_chat_prompts, max_eval_rows=max_eval_rows, prompt_lengths=lengths,
         serve=serve, serve_workloads=workloads, serve_requests=serve_requests, serve_compile=serve_compile,
-        threshold=threshold, eval_tasks=list(eval_tasks or []), model_identity=model_identity(path),
+        threshold=threshold, min_agreement=min_agreement, eval_tasks=list(eval_tasks or []),
+        model_identity=model_identity(path),
     )  # fmt: skip
     name = (path.name if model in ("default", None) else Path(model).name.removesuffix(".gguf")).lower()
     default_out = Path("runs") / (f"{name}-l{l}" + ("" if g == 1 else f"-g{g}"))

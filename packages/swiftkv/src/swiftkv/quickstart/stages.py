@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import json
-import random
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -45,10 +44,10 @@ def analyze(run: Run) -> dict:
         run.settings.threshold,
         run.path("analysis"),
         title=f"{Path(run.settings.model_identity['path']).name}: layer input similarity",
-        chosen=run.settings.num_key_value_layers,
+        chosen=run.num_key_value_layers,
     )
     l, rule = (
-        run.settings.num_key_value_layers,
+        run.num_key_value_layers,
         recommend_num_key_value_layers(similarity, run.settings.threshold),
     )
     print(
@@ -57,49 +56,45 @@ def analyze(run: Run) -> dict:
     return {**result, "chosen": l, "plot": "analysis/similarity.png"}
 
 
+def frontier(run: Run) -> dict:
+    """The quality/speed frontier: per l of a sweep, the least-squares init on the held-out sets, the FLOPs bound and
+    the KV bytes; with l 'auto', the smallest l predicted to clear --min_agreement after distillation."""
+    from .frontier import choose, measure, sweep
+
+    s = run.settings
+    given = s.num_key_value_layers if isinstance(s.num_key_value_layers, int) else None
+    num_layers = json.loads((Path(s.model_identity["path"]) / "config.json").read_text())["num_hidden_layers"]
+    rows = measure(run, sweep(num_layers, s.key_value_group_size, given))
+    chosen, reason = (given, "given") if given else choose(rows, s.min_agreement)
+    for r in rows:
+        held = ", ".join(f"{name} {r[name]['agreement']:.1%} (predicted distilled {r['predicted'][name]:.1%})"
+                         for name in r["predicted"])  # fmt: skip
+        print(f"   l={r['l']:>3}: FLOPs bound {r['flops_bound_x']:.2f}x, init agreement {held}", flush=True)
+    if not given:
+        print(f"   l = {chosen}: {reason}", flush=True)
+    return {"rows": rows, "chosen": chosen, "reason": reason, "min_agreement": s.min_agreement}
+
+
 def convert(run: Run) -> dict:
     """SwiftKV at l (and g), its K/V projections fitted to the teacher's by least squares on training data."""
     from transformers import AutoTokenizer
 
     from swiftkv_core.convert import convert as convert_model
     from swiftkv_core.convert import save_checkpoint
-    from swiftkv_core.kv_init import fit_kv_projections, text_batches
-    from swiftkv_distill.data import encode_record, load_records
-    from swiftkv_distill.recipe import parse
+
+    from .frontier import fit_kv_init
 
     s = run.settings
     path = s.model_identity["path"]
     tokenizer = AutoTokenizer.from_pretrained(path)
-    model = convert_model(path, s.num_key_value_layers, s.key_value_group_size).to(run.device)
-    records = load_records(run.results["teacher_answers"]["train_files"])
-    random.Random(0).shuffle(records)  # the fit sees the training mix (prose and chat), not one file
-    texts = (tokenizer.decode(encode_record(r, tokenizer)[0]) for r in records)
-    recipe = parse(s.recipe).model  # the recipe's K/V fit settings
-    report = fit_kv_projections(
-        model,
-        text_batches(tokenizer, _joined(texts, 4000), device=run.device),
-        max_tokens=recipe.kv_init_tokens,
-        ridge=recipe.kv_init_ridge,
-        weighting=recipe.kv_init_weighting,
-    )
+    model = convert_model(path, run.num_key_value_layers, s.key_value_group_size).to(run.device)
+    report = fit_kv_init(run, model, tokenizer)
     save_checkpoint(model.cpu(), run.path("converted"), tokenizer)
     print(
         f"   least-squares K/V init on {int(report['tokens'])} tokens: teacher K/V energy explained "
         f"{report['explained_mean']:.3f} on average, {report['explained_min']:.3f} at worst"
     )
     return {"checkpoint": "converted", **{k: v for k, v in report.items() if not k.startswith("explained/")}}
-
-
-def _joined(texts, characters: int):
-    """Texts joined into pieces of about ``characters`` (short paragraphs alone make no 256-token rows)."""
-    piece = ""
-    for text in texts:
-        piece += text + "\n\n"
-        if len(piece) >= characters:
-            yield piece
-            piece = ""
-    if piece:
-        yield piece
 
 
 def teacher_answers(run: Run) -> dict:
@@ -139,7 +134,7 @@ def distill(run: Run) -> dict:
         val_files["chat"] = [str(run.path("chat_heldout.jsonl"))]
     overrides = {
         "model.model": str(run.path("converted")),
-        "model.num_key_value_layers": s.num_key_value_layers,
+        "model.num_key_value_layers": run.num_key_value_layers,
         "model.key_value_group_size": s.key_value_group_size,
         "data.train_files": run.results["teacher_answers"]["train_files"],
         "data.val_files": val_files,
@@ -211,7 +206,7 @@ def prefill(run: Run) -> dict:
     model, tokenizer = load(run.path("distilled"), dtype=run.dtype, device=run.device)
     shape, l, g = (
         ModelShape.from_config(model.config),
-        run.settings.num_key_value_layers,
+        run.num_key_value_layers,
         run.settings.key_value_group_size,
     )
     rows = []
@@ -279,6 +274,7 @@ def report(run: Run) -> dict:
 
 STAGES = [
     Stage("teacher_answers", teacher_answers),
+    Stage("frontier", frontier),
     Stage("analyze", analyze),
     Stage("convert", convert),
     Stage("distill", distill),
