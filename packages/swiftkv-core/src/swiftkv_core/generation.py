@@ -53,7 +53,6 @@ def sample_prompt_ids(tokenizer, num_tokens: int) -> torch.Tensor:
 
 
 @torch.inference_mode()
-@torch.inference_mode()
 def time_prefill(
     model, input_ids: torch.Tensor, repeats: int = 3, warmup: int = 1, kv_cache_dtype: str = "auto"
 ) -> float:
