@@ -122,7 +122,7 @@ async def _load(base: str, model: str, headers: dict, clients: int, drop_fractio
             for i in range(clients)
         ]
         while not all(task.done() for task in tasks):
-            sample()
+            sample(records)
             await asyncio.wait(tasks, timeout=sample_s)
         await asyncio.gather(*tasks)
     return records
@@ -152,10 +152,15 @@ def run_soak(checkpoint: Path, minutes: float = 5.0, clients: int = 64, drop_fra
         quiet = greedy_answers(base, model, headers)
         started = time.monotonic()
 
-        def sample() -> None:
+        def sample(records: list[dict] | None = None) -> None:
             samples.append(
                 {"t": time.monotonic() - started, "rss": process_tree_rss(proc.pid), **metrics(base)}
             )
+            if records is not None:  # live progress, one line per sample
+                s, errors = samples[-1], sum(1 for r in records if r["error"] or (r["status"] or 0) >= 400)
+                print(f"   {s['t']:4.0f} s of {60 * minutes:.0f}: {len(records)} requests done, {errors} errors, "
+                      f"{s['running']:.0f} running, {s['waiting']:.0f} waiting, KV {s['kv_usage']:.0%}, "
+                      f"{s['preemptions']:.0f} preemptions, server RSS {s['rss'] / 2**20:,.0f} MiB", flush=True)  # fmt: skip
 
         records = asyncio.run(_load(base, model, headers, clients, drop_fraction, 60 * minutes, prompts, sample,
                                     sample_s))  # fmt: skip
