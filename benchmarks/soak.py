@@ -19,18 +19,18 @@ RESULTS = Path(__file__).parent / "results"
 
 
 def tiny_checkpoint() -> Path:
-    """A tiny random SwiftKV Llama (4 layers, the SmolLM2 tokenizer) for the serving stack alone, made once."""
+    """A tiny random SwiftKV Llama (4 layers, head_dim 32 for the CPU kernels), made once."""
     import torch
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
     from swiftkv_core.convert import convert, export_for_serving
     from swiftkv_core.default_model import cache_dir, default_model_path
 
-    out = cache_dir() / "bench" / "tiny-swiftkv-l2"
+    out = cache_dir() / "bench" / "tiny-swiftkv-l2-hd32"
     if not (out / "config.json").is_file():
         tokenizer = AutoTokenizer.from_pretrained(default_model_path())
         torch.manual_seed(0)
-        config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+        config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=128, intermediate_size=256, num_hidden_layers=4,
                              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
                              tie_word_embeddings=True)  # fmt: skip
         export_for_serving(convert(LlamaForCausalLM(config), 2), out, tokenizer)
