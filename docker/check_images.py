@@ -376,7 +376,7 @@ def check_quickstart_offline(work: Path) -> None:
     command = [
         "run", "--rm", "--network", "none", "-v", f"{outputs}:/workspace/outputs",
         "-v", "swiftkv-docker-test-cache:/cache", TRAIN_IMAGE,
-        "swiftkv", "quickstart", "--out", "outputs/run", "--budget_minutes", "0.3", "--serve", "false",
+        "swiftkv", "quickstart", "--out", "outputs/run", "--budget_minutes", "1", "--serve", "false",
         "--train_files", "[dataset:brown_train]", "--heldout_chat_prompts", "", "--max_eval_rows", "4",
         "--prompt_lengths", "[64, 128]",
     ]  # fmt: skip
