@@ -5,7 +5,8 @@
 #             passes its HEALTHCHECK and stops cleanly on `docker stop`;
 #   training: a few-step `swiftkv-distill fit` and a 2-process `fabric run` inside the image, exports loaded outside.
 # Sets up what it needs first (scripts/docker-setup.sh: the engine, the base image) or says what is missing.
-# On a shared machine run it under the heavy-work lock: flock /tmp/swiftkv-heavy.lock make docker-test
+# On a shared machine run it under the heavy-work lock: flock -o /tmp/swiftkv-heavy.lock make docker-test
+# (-o: the lock is not handed down, so the dockerd this may start does not hold it after the test ends).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 work=${SWIFTKV_DOCKER_WORK:-/tmp/swiftkv-docker/test}
