@@ -16,13 +16,14 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
 import urllib.error
 import urllib.request
 from pathlib import Path
+
+from swiftkv_serve.server import free_port, healthy  # the host side runs in the workspace's venv
 
 SERVE_IMAGE = os.environ.get("SERVE_IMAGE", "swiftkv-serve:cpu")
 TRAIN_IMAGE = os.environ.get("TRAIN_IMAGE", "swiftkv-train:cpu")
@@ -51,12 +52,6 @@ def docker(*args: str, check: bool = True) -> str:
     if check and result.returncode != 0:
         raise SystemExit(f"docker {' '.join(args)} failed ({result.returncode}):\n{result.stderr}")
     return (result.stdout + (result.stderr if args[0] == "logs" else "")).strip()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def post(url: str, body: bytes | dict, timeout: float = 300) -> tuple[int, dict]:
@@ -285,14 +280,6 @@ def status(url: str, body: dict | None, token: str | None) -> int:
             return response.status
     except urllib.error.HTTPError as error:
         return error.code
-
-
-def healthy(base: str) -> bool:
-    try:
-        with urllib.request.urlopen(f"{base}/health", timeout=2) as response:
-            return response.status == 200
-    except OSError:
-        return False
 
 
 # ---------------------------------------------------------------------------------------------------- training

@@ -16,8 +16,6 @@ import random
 # (held-out chat: l=15 72.1% -> 79.4%, l=20 83.8% -> 87.6%: 0.26 and 0.23; benchmarks/results/frontier.md).
 GAP_CLOSED = 0.25
 PROMPT_TOKENS = 4096  # the prompt length of the FLOPs bound in the table (within the model's context)
-
-
 SWEEP_POINTS = 3  # l's of the sweep besides the run's own (each costs a K/V fit and two evaluations)
 
 
@@ -40,14 +38,11 @@ def choose(rows: list[dict], min_agreement: float) -> tuple[int, str]:
     """The smallest ``l`` whose predicted distilled agreement clears ``min_agreement`` (chat where it was measured,
     else text), and why; the largest ``l`` of the sweep when none does."""
     key = "chat" if all("chat" in r for r in rows) else "text"
+    bar = f"{min_agreement:.0%}"
     for row in rows:  # by increasing l: the most prefill saved first
         if row["predicted"][key] >= min_agreement:
-            return row[
-                "l"
-            ], f"the smallest l whose predicted distilled {key} agreement clears {min_agreement:.0%}"
-    return rows[-1][
-        "l"
-    ], f"no l of the sweep is predicted to clear {min_agreement:.0%}: the largest, l={rows[-1]['l']}"
+            return row["l"], f"the smallest l whose predicted distilled {key} agreement clears {bar}"
+    return rows[-1]["l"], f"no l of the sweep is predicted to clear {bar}: the largest, l={rows[-1]['l']}"
 
 
 def fit_kv_init(run, model, tokenizer) -> dict:
