@@ -58,6 +58,9 @@ class SwiftKVConfigMixin:
 
     ``serving_only`` is ours, not the published format's: a checkpoint written by ``export_for_serving`` leaves
     out the teacher q/k/v of layers ``>= l``, so a model built from it cannot run the original forward.
+    ``lora_rank`` is ours too: with ``r > 0`` every layer ``>= l`` also has rank-``r`` adapters on ``o_proj`` and
+    the MLP that only the SwiftKV forward adds (the teacher runs without them). ``export_for_serving`` merges them
+    into the weights and writes ``lora_rank = 0``: the published format.
     """
 
     def _post_init_swiftkv(self) -> None:
@@ -66,6 +69,8 @@ class SwiftKVConfigMixin:
 
     def validate_swiftkv(self) -> None:
         validate_layers(self.num_hidden_layers, self.num_key_value_layers, self.key_value_group_size)
+        if not isinstance(self.lora_rank, int) or isinstance(self.lora_rank, bool) or self.lora_rank < 0:
+            raise ValueError(f"lora_rank={self.lora_rank!r} must be an integer >= 0 (0: no adapters).")
         if self.serving_only and not self.swiftkv:
             raise ValueError(
                 "swiftkv=False needs the teacher q/k/v projections, but this config is serving_only (written by "
@@ -122,6 +127,7 @@ class LlamaSwiftKVConfig(SwiftKVConfigMixin, LlamaConfig):
     num_key_value_layers: int | None = None
     key_value_group_size: int = 1
     serving_only: bool = False
+    lora_rank: int = 0
 
     def __post_init__(self, **kwargs):
         self._post_init_swiftkv()
@@ -142,6 +148,7 @@ class Qwen2SwiftKVConfig(SwiftKVConfigMixin, Qwen2Config):
     num_key_value_layers: int | None = None
     key_value_group_size: int = 1
     serving_only: bool = False
+    lora_rank: int = 0
 
     def __post_init__(self, **kwargs):
         self._post_init_swiftkv()

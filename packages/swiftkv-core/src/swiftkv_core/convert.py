@@ -11,7 +11,7 @@ from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from .atomic import atomic_directory
 from .configuration import LlamaSwiftKVConfig, Qwen2SwiftKVConfig
-from .modeling import LlamaSwiftKVForCausalLM, Qwen2SwiftKVForCausalLM
+from .modeling import LORA_SUFFIX, LlamaSwiftKVForCausalLM, LowRankAdapter, Qwen2SwiftKVForCausalLM
 from .weights import is_teacher_projection, swiftkv_parameter_names, train_only_swiftkv
 
 # base model_type -> (SwiftKV config, SwiftKV model)
@@ -127,7 +127,8 @@ def save_checkpoint(
 
     Everything is written into a temporary folder beside ``out_dir`` and renamed into place at the end, so a
     failure leaves an earlier checkpoint at ``out_dir`` intact. ``serving=True`` leaves out the teacher q/k/v of
-    layers ``>= l`` and marks the config ``serving_only`` (see ``export_for_serving``).
+    layers ``>= l``, merges the adapters of a ``lora_rank > 0`` model into the weights they adapt, and marks the
+    config ``serving_only`` (see ``export_for_serving``).
     """
     config = model.config
     if serving and config.model_type not in SWIFTKV_FAMILIES:
@@ -136,16 +137,16 @@ def save_checkpoint(
         if serving:  # SwiftKV on, no teacher q/k/v, and a config that says so
             state_dict = {
                 k: v
-                for k, v in model.state_dict().items()
+                for k, v in lora_merged_state_dict(model).items()
                 if not is_teacher_projection(k, config.num_key_value_layers)
             }
-            was_serving_only = config.serving_only
+            was = config.serving_only, config.lora_rank
             with model.swiftkv_mode(True):
-                config.serving_only = True
+                config.serving_only, config.lora_rank = True, 0
                 try:
                     model.save_pretrained(staging, state_dict=state_dict)
                 finally:
-                    config.serving_only = was_serving_only
+                    config.serving_only, config.lora_rank = was
         else:
             model.save_pretrained(staging)
         if tokenizer is not None:
@@ -153,8 +154,24 @@ def save_checkpoint(
     return out_dir
 
 
+@torch.no_grad()
+def lora_merged_state_dict(model: PreTrainedModel) -> dict[str, torch.Tensor]:
+    """``model``'s state dict with every adapter merged into the weight it adapts (``W + B A``, computed in fp32)
+    and the adapters left out: the weights the SwiftKV forward computes with, as ordinary weights. Only layers
+    ``>= l`` have adapters, and with SwiftKV on nothing else runs those layers, so the merge loses nothing."""
+    state = model.state_dict()
+    for name, module in model.named_modules():
+        if isinstance(module, LowRankAdapter):
+            target = name.removesuffix(LORA_SUFFIX) + ".weight"
+            weight = state[target]
+            state[target] = (weight.float() + module.delta().float()).to(weight.dtype)
+            del state[f"{name}.lora_a"], state[f"{name}.lora_b"]
+    return state
+
+
 def export_for_serving(model: PreTrainedModel, out_dir: str | os.PathLike, tokenizer=None) -> Path:
-    """Write a serving checkpoint: no teacher q/k/v for layers ``>= l`` (smaller), loads with SwiftKV on."""
+    """Write a serving checkpoint: no teacher q/k/v for layers ``>= l`` (smaller), adapters merged (the published
+    format), loads with SwiftKV on."""
     if not getattr(model.config, "swiftkv", True):
         raise ValueError(
             "export_for_serving writes a SwiftKV-only checkpoint, but the model is in teacher mode "

@@ -10,6 +10,10 @@ With ``config.swiftkv`` on, the forward is rewired:
     for j >= l: h = layer_j(h, K/V = K_G(j), V_G(j), query = q_proj_swiftkv_j)
     logits = lm_head(norm(h))
 
+With ``config.lora_rank = r > 0`` (ours, beyond the paper) the rewired layers ``j >= l`` also add rank-``r``
+adapters to ``o_proj`` and the MLP's three projections: the student can then change what those layers do with the
+K/V it gives them, while the teacher (``swiftkv`` off) still runs the original weights, in the same single copy.
+
 Prompt tokens therefore skip query, attention and MLP of every layer ``>= l``: when only the last position's
 logits are wanted (``logits_to_keep=1``, what ``generate`` asks for) the later layers run for ONE position.
 With ``swiftkv`` off the original model runs unchanged (the distillation teacher).
@@ -67,6 +71,43 @@ def _rope(x: torch.Tensor, position_embeddings: tuple[torch.Tensor, torch.Tensor
     return x * cos + rotate_half(x) * sin
 
 
+class LowRankAdapter(nn.Module):
+    """``x -> x A^T B^T``: a rank-``r`` update of a frozen linear layer's weight (``W + B A``), zero at the start
+    (``B = 0``, ``A`` as ``nn.Linear`` initialises its weight), so the student begins as the converted model."""
+
+    def __init__(self, in_features: int, out_features: int, rank: int):
+        super().__init__()
+        self.lora_a = nn.Parameter(torch.empty(rank, in_features))
+        self.lora_b = nn.Parameter(torch.zeros(out_features, rank))
+        nn.init.kaiming_uniform_(self.lora_a, a=5**0.5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return nn.functional.linear(nn.functional.linear(x, self.lora_a), self.lora_b)
+
+    def delta(self) -> torch.Tensor:
+        """The update ``B A`` (the shape of the adapted weight)."""
+        return self.lora_b @ self.lora_a
+
+
+LORA_SUFFIX = "_lora_swiftkv"  # an adapter of projection P is the module P + LORA_SUFFIX beside P
+
+
+def add_adapters(module: nn.Module, projections: tuple[str, ...], rank: int) -> None:
+    """Give each ``module.<projection>`` (an ``nn.Linear``) an adapter ``<projection>_lora_swiftkv`` beside it, on
+    the projection's device and dtype."""
+    for name in projections:
+        linear = getattr(module, name)
+        adapter = LowRankAdapter(linear.in_features, linear.out_features, rank)
+        setattr(module, name + LORA_SUFFIX, adapter.to(linear.weight.device, linear.weight.dtype))
+
+
+def _adapted(module: nn.Module, name: str, x: torch.Tensor) -> torch.Tensor:
+    """``module.<name>(x)``, plus its adapter's update where it has one."""
+    out = getattr(module, name)(x)
+    adapter = getattr(module, name + LORA_SUFFIX, None)
+    return out if adapter is None else out + adapter(x)
+
+
 class SwiftKVAttentionMixin:
     """Adds ``q_proj_swiftkv`` (and, on AcrossKV group leaders, ``k/v_proj_swiftkv``) to layers ``>= l``."""
 
@@ -82,6 +123,8 @@ class SwiftKVAttentionMixin:
             self.v_proj_swiftkv = nn.Linear(hidden, kv_heads * self.head_dim, bias=bias)
         if config.serving_only:  # the teacher projections are never needed: do not allocate them
             del self.q_proj, self.k_proj, self.v_proj
+        if config.lora_rank:
+            add_adapters(self, ("o_proj",), config.lora_rank)
 
     def swiftkv_key_value(self, swiftkv_input, position_embeddings):
         """K (rotated) and V of this layer's AcrossKV group, from the shared normalised input."""
@@ -120,7 +163,10 @@ class SwiftKVAttentionMixin:
             scaling=self.scaling,
             **kwargs,
         )
-        return self.o_proj(output.reshape(*input_shape, -1).contiguous()), weights
+        return _adapted(self, "o_proj", output.reshape(*input_shape, -1).contiguous()), weights
+
+
+MLP_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 
 
 class SwiftKVDecoderLayerMixin:
@@ -142,6 +188,22 @@ class SwiftKVDecoderLayerMixin:
         self.mlp = self.mlp_class(config)
         self.input_layernorm = self.norm_class(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = self.norm_class(config.hidden_size, eps=config.rms_norm_eps)
+        if config.is_swiftkv_layer(layer_idx) and config.lora_rank:
+            add_adapters(self.mlp, MLP_PROJECTIONS, config.lora_rank)
+
+    def forward(self, hidden_states, swiftkv_key_value=None, **kwargs):
+        """The HF layer's forward; the SwiftKV one (``swiftkv_key_value`` given) with the MLP's adapters, if any."""
+        if swiftkv_key_value is None or not hasattr(self.mlp, "gate_proj" + LORA_SUFFIX):
+            if swiftkv_key_value is not None:
+                kwargs["swiftkv_key_value"] = swiftkv_key_value
+            return super().forward(hidden_states, **kwargs)
+        attended, _ = self.self_attn(
+            hidden_states=self.input_layernorm(hidden_states), swiftkv_key_value=swiftkv_key_value, **kwargs
+        )
+        hidden_states = hidden_states + attended
+        x, mlp = self.post_attention_layernorm(hidden_states), self.mlp
+        inner = mlp.act_fn(_adapted(mlp, "gate_proj", x)) * _adapted(mlp, "up_proj", x)
+        return hidden_states + _adapted(mlp, "down_proj", inner)
 
 
 class SwiftKVModelMixin:
@@ -418,6 +480,20 @@ class SwiftKVForCausalLMMixin:
                 "Load the full checkpoint to run the original model."
             )
         self.config.swiftkv = bool(enabled)
+        return self
+
+    def add_lora(self, rank: int):
+        """Give every layer ``>= l`` rank-``rank`` adapters on ``o_proj`` and the MLP (zero at the start: the model's
+        outputs do not change), for a checkpoint that has none; they are SwiftKV parameters (they train)."""
+        config = self.config
+        if config.lora_rank:
+            raise ValueError(f"This model already has adapters of rank {config.lora_rank}; load it as it is.")
+        if not isinstance(rank, int) or rank < 1:
+            raise ValueError(f"lora rank must be an integer >= 1, got {rank!r}.")
+        for layer in self.model.layers[config.num_key_value_layers :]:
+            add_adapters(layer.self_attn, ("o_proj",), rank)
+            add_adapters(layer.mlp, MLP_PROJECTIONS, rank)
+        config.lora_rank = rank
         return self
 
     @contextmanager

@@ -50,9 +50,11 @@ def build_swiftkv_model(
     key_value_group_size: int = 1,
     dtype: torch.dtype = torch.float32,
     attn_implementation: str = "sdpa",
+    lora_rank: int = 0,
 ):
     """A SwiftKV model ready to distil: converted from a base checkpoint, or a SwiftKV checkpoint loaded as is;
-    attention through ``attn_implementation`` (one of ``ATTENTION`` but ``auto``)."""
+    attention through ``attn_implementation`` (one of ``ATTENTION`` but ``auto``); with ``lora_rank > 0`` and
+    adapters (swiftkv_core.modeling.LowRankAdapter) on o_proj and the MLP of layers ``>= l``."""
     from transformers import AutoModelForCausalLM
 
     path, config = check_checkpoint(model, num_key_value_layers, key_value_group_size)
@@ -61,5 +63,12 @@ def build_swiftkv_model(
         built = train_only_swiftkv(loaded).swiftkv(True)
     else:
         built = convert(loaded, num_key_value_layers, key_value_group_size)
+    if lora_rank and built.config.lora_rank not in (0, lora_rank):
+        raise ValueError(
+            f"{model} has adapters of rank {built.config.lora_rank}, but lora_rank={lora_rank} was asked for: set "
+            f"model.lora_rank: {built.config.lora_rank} to continue training them."
+        )
+    if lora_rank and not built.config.lora_rank:
+        train_only_swiftkv(built.add_lora(lora_rank))
     built.config._attn_implementation = attn_implementation
     return built

@@ -74,6 +74,9 @@ class SwiftKVDistillation(L.LightningModule):
             to training), while the K/V of every position still gets gradient as keys and values. 1: all.
         hard_label_weight: weight of an added hard-label term, the student's cross-entropy on the teacher's top-1
             token (loss.py). 0 (default): pure KL (measurements: benchmarks/results/recipe-notes.md).
+        lora_rank: beyond the published recipe: also train rank-``r`` adapters on ``o_proj`` and the MLP of layers
+            ``>= l`` (the teacher runs without them; the full checkpoint keeps them apart, the serving export merges
+            them into ordinary weights). 0 (default): Q/K/V only, the published recipe.
     """
 
     def __init__(
@@ -103,6 +106,7 @@ class SwiftKVDistillation(L.LightningModule):
         kv_init_weighting: str = "attention",
         position_fraction: float = 1.0,
         hard_label_weight: float = 0.0,
+        lora_rank: int = 0,
     ):
         super().__init__()
         if kv_init not in _KV_INITS:
@@ -113,6 +117,8 @@ class SwiftKVDistillation(L.LightningModule):
             )
         if not 0 < position_fraction <= 1:
             raise ValueError(f"position_fraction must be in (0, 1], got {position_fraction}.")
+        if not isinstance(lora_rank, int) or isinstance(lora_rank, bool) or lora_rank < 0:
+            raise ValueError(f"lora_rank must be an integer >= 0 (0: Q/K/V only), got {lora_rank!r}.")
         attention_for("cpu", attn_implementation)  # an unknown name fails here, before any weight is loaded
         for name, value in (("model_dtype", model_dtype), ("frozen_dtype", frozen_dtype or model_dtype)):
             if value not in _DTYPES:
@@ -153,6 +159,7 @@ class SwiftKVDistillation(L.LightningModule):
             hp.key_value_group_size,
             _DTYPES[hp.model_dtype],
             attention_for(device, hp.attn_implementation),
+            hp.lora_rank,
         )
         model.train()  # dropout is 0 in these families; train() only matters for the module flags
         if hp.frozen_dtype not in (None, hp.model_dtype):
