@@ -62,19 +62,60 @@ def test_layer_l_recovers_its_own_projections(family, weighting):
 
 
 @torch.no_grad()
-@pytest.mark.parametrize("group", [1, 2])
-def test_fit_is_the_least_squares_solution_and_report_is_exact(group):
+def _member_metric(model, batches, j):
+    """What member ``j`` makes of a K/V error, computed directly: keys by the energy of its queries per dimension
+    (each RoPE pair, c and c + d/2, averaged), values by ``sum_q O_q^T O_q`` over its KV head's query heads."""
+    heads, kv_heads, d = 4, 2, 16
+    attn = model.model.layers[j].self_attn
+    model.swiftkv(False)
+    queries = []
+    for batch in batches:
+        states = model(**batch, output_hidden_states=True).hidden_states
+        queries.append(attn.q_proj(model.model.layers[j].input_layernorm(states[j])).flatten(0, 1))
+    model.swiftkv(True)
+    q = torch.cat(queries).double().view(-1, kv_heads, heads // kv_heads, d)
+    energy = q.pow(2).mean((0, 2))
+    energy = torch.cat([(energy[:, : d // 2] + energy[:, d // 2 :]) / 2] * 2, 1)
+    o = attn.o_proj.weight.double()
+    values = [
+        sum(o[:, i * d : (i + 1) * d].T @ o[:, i * d : (i + 1) * d] for i in (2 * h, 2 * h + 1))
+        for h in (0, 1)
+    ]
+    return torch.block_diag(*[torch.diag(e) for e in energy], *values)
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("group, member_metric", [(1, True), (2, False), (2, True)])
+def test_fit_is_the_least_squares_solution_and_report_is_exact(group, member_metric):
     batches = _batches()
     model = convert(tiny_base("llama"), 2, group)
     x, targets = _teacher_targets(model, batches)
     published = ((_student_kv(model, x, 3) - targets[3]) ** 2).sum() if group == 1 else None
-    report = fit_kv_projections(model, batches, ridge=0.0)
+    metrics = {j: _member_metric(model, batches, j) for j in (2, 3)} if member_metric else {}
+    report = fit_kv_projections(model, batches, ridge=0.0, member_metric=member_metric)
+    xd = x.double()
     for leader in range(2, 4, group):
         members = [targets[j] for j in range(leader, leader + group)]
-        target = torch.stack(members).mean(0)  # the least-squares target of a shared projection
-        residual = _student_kv(model, x, leader) - target
-        # optimality: the residual is orthogonal to every input direction (normal equations)
-        assert (x.T.double() @ residual.double()).abs().max() < 1e-3 * x.abs().max() * target.abs().max()
+        residuals = [(_student_kv(model, x, leader) - y).double() for y in members]
+        # optimality (normal equations): the gradient of sum_j ||(x W - Y_j) M_j^(1/2)||^2 vanishes, M_j = I without
+        # member_metric (the shared projection then fits the members' mean K/V); g = 1 is the plain fit either way
+        if group > 1 and member_metric:
+            gradient = sum(
+                xd.T @ r @ metrics[j] for j, r in zip(range(leader, leader + group), residuals, strict=True)
+            )
+            scale = (
+                xd.abs().max()
+                * max(y.abs().max() for y in members)
+                * max(m.abs().max() for m in metrics.values())
+            )
+        else:
+            gradient, scale = (
+                sum(xd.T @ r for r in residuals),
+                xd.abs().max() * max(y.abs().max() for y in members),
+            )
+        assert gradient.abs().max() < 1e-3 * scale
+        if group > 1 and member_metric:  # and it differs from the mean-K/V fit: the members' metrics differ
+            assert sum(xd.T @ r for r in residuals).abs().max() > 1e-2 * scale / metrics[leader].abs().max()
         fitted = _student_kv(model, x, leader)
         explained = 1 - sum((fitted - y).pow(2).sum() for y in members) / sum(y.pow(2).sum() for y in members)
         assert report[f"explained/{leader}"] == pytest.approx(float(explained), abs=1e-4)

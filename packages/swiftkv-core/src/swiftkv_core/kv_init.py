@@ -8,8 +8,19 @@ instead FITTED, in closed form, to reproduce the teacher's own K/V from that sin
     Y_G = mean over the group's layers j of [k_proj_j(x_j), v_proj_j(x_j)]    # the teacher's K/V (before RoPE)
     W_G = argmin ||x W - Y_G||^2 + ridge * mean(diag(x^T x)) * ||W||^2
 
-(RoPE rotates teacher and student keys alike at each position, so fitting keys before RoPE is the same as after;
-for an AcrossKV group the mean of its members' K/V is the least-squares target of the shared projection.)
+(RoPE rotates teacher and student keys alike at each position, so fitting keys before RoPE is the same as after.)
+
+An AcrossKV group (``g > 1``) shares one K/V among layers that read it differently, so the group fit weights each
+member ``j``'s error by what that layer makes of it (``member_metric``, the default): a key error ``e`` changes
+member ``j``'s attention logits by ``q_j . e``, so key dimensions are weighted by the energy of ``j``'s queries there
+(averaged over RoPE's rotations, which mixes each rotated pair of dimensions evenly); a value error reaches the
+residual stream through ``j``'s ``o_proj`` slices, so values are weighted by ``M_j = sum_q O_q^T O_q`` over the
+query heads ``q`` reading that KV head. With the members' token weights replaced by their mean, the normal equations
+``sum_j X^T D X W M_j = sum_j X^T D Y_j M_j`` solve in closed form:
+
+    W = (X^T D X)^-1 (sum_j X^T D Y_j M_j) (sum_j M_j)^-1
+
+which for one member (``g = 1``) is the plain fit, and with equal metrics the fit to the members' mean K/V.
 With ``weighting="attention"`` each token's error is weighted, per layer and KV head, by the attention the
 teacher's queries pay that token (``KVLeastSquares``). Only the normal equations ``x^T x`` and ``x^T Y`` are kept (in
 float64), so any number of tokens fits in memory and data-parallel ranks just sum them before solving.
@@ -24,6 +35,7 @@ from collections.abc import Callable, Iterable
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 
 class KVLeastSquares:
@@ -41,7 +53,9 @@ class KVLeastSquares:
     120 MB; uniform keeps one in all).
     """
 
-    def __init__(self, model: nn.Module, ridge: float = 1e-4, weighting: str = "uniform"):
+    def __init__(
+        self, model: nn.Module, ridge: float = 1e-4, weighting: str = "uniform", member_metric: bool = True
+    ):
         if weighting not in ("uniform", "attention"):
             raise ValueError(f"weighting must be 'uniform' or 'attention', got {weighting!r}.")
         self.model, self.ridge, self.weighting = model, ridge, weighting
@@ -58,6 +72,11 @@ class KVLeastSquares:
         self.bias = attn.k_proj_swiftkv.bias is not None
         self.head_dim, self.kv_heads = attn.head_dim, config.num_key_value_heads
         self.leaders = config.kv_group_leaders
+        self.heads = config.num_attention_heads
+        self.member_metric = member_metric and self.g > 1  # one member: the metric cancels out
+        self.query_energy: dict[
+            int, torch.Tensor
+        ] = {}  # member -> (kv_heads, head_dim) sum of squared queries
         self.mask: torch.Tensor | None = None
         self.tokens = 0
         self._x: torch.Tensor | None = None
@@ -91,6 +110,8 @@ class KVLeastSquares:
                 attn.k_proj.register_forward_hook(keep((j, "k"))),
                 attn.v_proj.register_forward_hook(keep((j, "v"))),
             ]
+            if self.member_metric:
+                self._hooks.append(attn.q_proj.register_forward_hook(keep((j, "q"))))
             if self.weighting == "attention":  # (attn_output, attn_probs): eager attention returns the probs
                 self._hooks.append(
                     attn.register_forward_hook(
@@ -114,7 +135,7 @@ class KVLeastSquares:
     @torch.no_grad()
     def collect(self) -> None:
         """Add the tokens of the forward that just ran (called after each ``forward``)."""
-        per_layer = 3 if self.weighting == "attention" else 2
+        per_layer = 2 + (self.weighting == "attention") + self.member_metric
         if self._x is None or len(self._outputs) != per_layer * (self.L - self.l):
             raise RuntimeError(
                 "No teacher forward of layers >= l was seen: run the model with swiftkv=False inside the `with`."
@@ -128,9 +149,14 @@ class KVLeastSquares:
         for leader in self.leaders:
             for j in range(leader, leader + self.g):  # the group's members: every one's K/V is a target
                 k, v = (self._rows(self._outputs[(j, n)], keep) for n in ("k", "v"))
+                if self.member_metric:
+                    q = self._rows(self._outputs[(j, "q")], keep).view(
+                        -1, self.kv_heads, self.heads // self.kv_heads, self.head_dim
+                    )
+                    _add(self.query_energy, j, q.pow(2).sum(0).mean(1))
                 if self.weighting == "uniform":
                     y = torch.cat([k, v], 1)
-                    _add(self.xy, (leader, None), x.T @ y)
+                    _add(self.xy, (j, None), x.T @ y)
                     _add(self.yy, (leader, None), (y * y).sum())
                     continue
                 weights = self._attention_weights(self._outputs[(j, "a")], keep)
@@ -138,7 +164,7 @@ class KVLeastSquares:
                     cols = slice(h * self.head_dim, (h + 1) * self.head_dim)
                     y, w = torch.cat([k[:, cols], v[:, cols]], 1), weights[:, h : h + 1]
                     _add(self.xx, (leader, h), x.T @ (w * x))
-                    _add(self.xy, (leader, h), x.T @ (w * y))
+                    _add(self.xy, (j, h), x.T @ (w * y))
                     _add(self.yy, (leader, h), (w * y * y).sum())
         self.tokens += x.shape[0]
         self._x, self._outputs = None, {}
@@ -162,7 +188,7 @@ class KVLeastSquares:
 
     def all_reduce(self, reduce: Callable[[torch.Tensor], torch.Tensor]) -> None:
         """Sum the normal equations over data-parallel ranks (``reduce`` returns the summed tensor)."""
-        for sums in (self.xx, self.xy, self.yy):
+        for sums in (self.xx, self.xy, self.yy, self.query_energy):
             for key in sums:
                 sums[key] = reduce(sums[key])
         device = next(iter(self.xy.values())).device
@@ -187,11 +213,17 @@ class KVLeastSquares:
             for h in heads:
                 # uniform: the group's g members share the inputs, so their sum of x^T x is g times one
                 xx = self.xx[None] * self.g if h is None else self.xx[(leader, h)]
-                xy, yy = self.xy[(leader, h)], self.yy[(leader, h)]
+                members = range(leader, leader + self.g)
+                xy, yy = sum(self.xy[(j, h)] for j in members), self.yy[(leader, h)]
                 hidden = xx.shape[0] - int(self.bias)
                 penalty = torch.zeros_like(xx)
                 penalty.diagonal()[:hidden] = self.ridge * xx.diagonal()[:hidden].mean()
-                w = torch.linalg.solve(xx + penalty, xy)
+                if self.member_metric:
+                    metrics = [self._member_metric(j, h) for j in members]
+                    weighted = sum(self.xy[(j, h)] @ m for j, m in zip(members, metrics, strict=True))
+                    w = self.g * torch.linalg.solve(xx + penalty, weighted) @ torch.linalg.inv(sum(metrics))
+                else:
+                    w = torch.linalg.solve(xx + penalty, xy)
                 # residual energy from the normal equations: y.y - 2 w.xy + w.xx.w
                 residual += float(yy - 2 * (w * xy).sum() + (w * (xx @ w)).sum())
                 energy += float(yy)
@@ -208,13 +240,34 @@ class KVLeastSquares:
         report.update(explained_min=min(explained), explained_mean=sum(explained) / len(explained))
         return report
 
+    def _member_metric(self, j: int, head: int | None) -> torch.Tensor:
+        """How member ``j`` weighs errors in the K/V columns of KV head ``head`` (all heads: ``None``): block-diagonal,
+        keys by ``j``'s query energy per dimension (each RoPE pair averaged), values by ``sum_q O_q^T O_q``."""
+        d, per_kv = self.head_dim, self.heads // self.kv_heads
+        energy = self.query_energy[j] / max(self.tokens, 1)
+        energy = ((energy[:, : d // 2] + energy[:, d // 2 :]) / 2).repeat(
+            1, 2
+        )  # rotate_half pairs c and c + d/2
+        o_proj = self.layers[j].self_attn.o_proj.weight.detach()
+        if isinstance(o_proj, DTensor):  # FSDP2: every rank needs the whole weight (one layer's, once)
+            o_proj = o_proj.full_tensor()
+        o_proj = o_proj.double()
+        heads = range(self.kv_heads) if head is None else [head]
+        key_blocks, value_blocks = [], []
+        for h in heads:
+            slices = [o_proj[:, q * d : (q + 1) * d] for q in range(h * per_kv, (h + 1) * per_kv)]
+            key_blocks.append(torch.diag(energy[h]))
+            value_blocks.append(sum(o.T @ o for o in slices))
+        metric = torch.block_diag(*key_blocks, *value_blocks)
+        return metric.to(self.xx[next(iter(self.xx))].device)
+
 
 def _add(sums: dict, key, value: torch.Tensor) -> None:
     sums[key] = sums[key] + value if key in sums else value
 
 
 def _assign(param: torch.Tensor, value: torch.Tensor) -> None:
-    from torch.distributed.tensor import DTensor, distribute_tensor
+    from torch.distributed.tensor import distribute_tensor
 
     if isinstance(param, DTensor):  # FSDP2: every rank holds the full solution, keeps its shard
         value = distribute_tensor(value.to(param.dtype), param.device_mesh, param.placements)
@@ -228,18 +281,21 @@ def fit_kv_projections(
     max_tokens: int = 32768,
     ridge: float = 1e-4,
     weighting: str = "uniform",
+    member_metric: bool = True,
 ) -> dict[str, float]:
     """Fit ``k/v_proj_swiftkv`` of a SwiftKV model (e.g. fresh from ``convert``) to its teacher's K/V, in place.
 
     ``batches``: dicts with ``input_ids`` and optionally ``attention_mask`` (padding is left out) and
     ``position_ids``, on the model's device. Stops after ``max_tokens`` tokens. Returns the fit report (see
-    ``KVLeastSquares.solve_and_apply``). ``weighting``: ``"uniform"`` or ``"attention"`` (see ``KVLeastSquares``).
+    ``KVLeastSquares.solve_and_apply``). ``weighting``: ``"uniform"`` or ``"attention"`` (see ``KVLeastSquares``);
+    ``member_metric``: an AcrossKV group's members weigh their errors by their queries and ``o_proj`` (the module
+    docstring); ``False``: the fit to the members' mean K/V.
     The model's ``swiftkv`` switch is restored afterwards.
     """
     was_training = model.training
     model.eval()
     try:
-        with model.swiftkv_mode(False), KVLeastSquares(model, ridge, weighting) as fit:
+        with model.swiftkv_mode(False), KVLeastSquares(model, ridge, weighting, member_metric) as fit:
             for batch in batches:
                 fit.mask = batch.get("attention_mask")
                 model(
