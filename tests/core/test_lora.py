@@ -82,3 +82,23 @@ def test_lora_rank_is_checked():
     config = model.config.to_dict() | {"lora_rank": -2}
     with pytest.raises(Exception, match=r"lora_rank=-2 must be an integer >= 0"):
         type(model.config)(**config)
+
+
+@torch.no_grad()
+def test_prefix_adapters_change_layer_l_input_in_the_student_only_and_merge(tmp_path):
+    model = convert(tiny_base("llama"), 2).add_lora(4, prefix=True)
+    assert model.config.lora_prefix and hasattr(model.model.layers[0].mlp, "up_proj_lora_swiftkv")
+    for name, param in model.named_parameters():
+        if name.endswith("lora_b"):
+            param.normal_(0, 0.2)
+    ids = torch.randint(1, 128, (2, 12))
+    with model.swiftkv_mode(False):
+        assert_close(model(ids).logits, tiny_base("llama")(ids).logits)  # the teacher: no adapter anywhere
+    student = model(ids).logits
+    export_for_serving(model, tmp_path / "serving")
+    serving = AutoModelForCausalLM.from_pretrained(tmp_path / "serving")
+    assert not serving.config.lora_prefix and serving.config.lora_rank == 0
+    assert_close(serving(ids).logits, student, rtol=1e-4, atol=1e-4)
+    config = model.config.to_dict() | {"lora_rank": 0, "lora_prefix": True}
+    with pytest.raises(Exception, match="lora_prefix=True needs lora_rank > 0"):
+        type(model.config)(**config)

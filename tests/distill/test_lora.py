@@ -8,6 +8,7 @@ from transformers import AutoModelForCausalLM
 
 from swiftkv_core.weights import swiftkv_parameter_names
 from swiftkv_distill import DistillDataModule, SwiftKVDistillation
+from swiftkv_distill.data import collate, pack
 from swiftkv_distill.export import export
 from tests.distill.conftest import quiet_trainer
 
@@ -58,8 +59,51 @@ def test_lora_rank_is_checked_before_loading_and_against_the_checkpoint(tiny_mod
     module.configure_model()
     export(module, tmp_path / "with-adapters")
     again = SwiftKVDistillation(str(tmp_path / "with-adapters"), num_key_value_layers=2, lora_rank=8)
-    with pytest.raises(ValueError, match=r"has adapters of rank 4, but lora_rank=8 .* model.lora_rank: 4"):
+    with pytest.raises(
+        ValueError,
+        match=r"has adapters of rank 4 \(lora_prefix=False\), but lora_rank=8 .* model.lora_rank: 4",
+    ):
         again.configure_model()
     same = SwiftKVDistillation(str(tmp_path / "with-adapters"), num_key_value_layers=2, lora_rank=4)
     same.configure_model()  # continues training them
     assert same.swiftkv_model.config.lora_rank == 4
+
+
+def test_prefix_adapters_step_equals_two_full_passes_and_trains_them(tiny_model):
+    """lora_prefix: the student runs its own layers < l (with adapters), the teacher the original ones: the step's
+    loss is that of a teacher forward (SwiftKV off) and a student forward (on), and the prefix adapters get
+    gradients (the frozen weights do not)."""
+    module = SwiftKVDistillation(
+        str(tiny_model),
+        num_key_value_layers=2,
+        temperature=1.0,
+        lora_rank=4,
+        lora_prefix=True,
+        logits_chunk_size=5,
+    )
+    module.configure_model()
+    model = module.swiftkv_model
+    with torch.no_grad():  # as if trained: the adapters' updates are not zero
+        for name, p in model.named_parameters():
+            if name.endswith("lora_b"):
+                p.normal_(0, 0.05)
+    assert hasattr(model.model.layers[0].mlp, "gate_proj_lora_swiftkv")
+    assert not hasattr(model.model.layers[0].self_attn, "o_proj_lora_swiftkv")  # below l: the MLP only
+    batch = collate(pack([[5, 17, 300, 42, 9, 8], [77, 1000, 3, 4, 5], [12, 13, 14, 15]], max_length=8), 0, 8)
+    out = module.step(batch, 1.0 / batch["loss_mask"].sum())
+    out["loss"].backward()
+    assert model.model.layers[0].mlp.gate_proj_lora_swiftkv.lora_b.grad.abs().sum() > 0
+    assert all(p.grad is None for n, p in model.named_parameters() if not p.requires_grad)
+
+    mask = batch["loss_mask"]
+    kwargs = dict(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False)
+    with torch.no_grad():
+        teacher = model.swiftkv(False)(**kwargs).logits[mask]
+        student = model.swiftkv(True)(**kwargs).logits[mask]
+        reference = AutoModelForCausalLM.from_pretrained(tiny_model)(**kwargs).logits[mask]
+    assert_close(teacher, reference, rtol=1e-4, atol=1e-5)  # the teacher is the base model, adapters off
+    log_ps, log_pt = torch.log_softmax(student, -1), torch.log_softmax(teacher, -1)
+    expected = (log_pt.exp() * (log_pt - log_ps)).sum(-1).mean()
+    assert_close(out["loss"].detach(), expected, rtol=1e-4, atol=1e-6)
+    with pytest.raises(ValueError, match="lora_prefix=True needs lora_rank > 0"):
+        SwiftKVDistillation(str(tiny_model), num_key_value_layers=2, lora_prefix=True)

@@ -60,7 +60,8 @@ class SwiftKVConfigMixin:
     out the teacher q/k/v of layers ``>= l``, so a model built from it cannot run the original forward.
     ``lora_rank`` is ours too: with ``r > 0`` every layer ``>= l`` also has rank-``r`` adapters on ``o_proj`` and
     the MLP that only the SwiftKV forward adds (the teacher runs without them). ``export_for_serving`` merges them
-    into the weights and writes ``lora_rank = 0``: the published format.
+    into the weights and writes ``lora_rank = 0``: the published format. ``lora_prefix`` (with ``lora_rank > 0``):
+    the MLP of layers ``< l`` has adapters too, on whenever ``swiftkv`` is.
     """
 
     def _post_init_swiftkv(self) -> None:
@@ -71,6 +72,10 @@ class SwiftKVConfigMixin:
         validate_layers(self.num_hidden_layers, self.num_key_value_layers, self.key_value_group_size)
         if not isinstance(self.lora_rank, int) or isinstance(self.lora_rank, bool) or self.lora_rank < 0:
             raise ValueError(f"lora_rank={self.lora_rank!r} must be an integer >= 0 (0: no adapters).")
+        if self.lora_prefix and not self.lora_rank:
+            raise ValueError(
+                "lora_prefix=True needs lora_rank > 0 (the adapters' rank); set both or neither."
+            )
         if self.serving_only and not self.swiftkv:
             raise ValueError(
                 "swiftkv=False needs the teacher q/k/v projections, but this config is serving_only (written by "
@@ -128,6 +133,7 @@ class LlamaSwiftKVConfig(SwiftKVConfigMixin, LlamaConfig):
     key_value_group_size: int = 1
     serving_only: bool = False
     lora_rank: int = 0
+    lora_prefix: bool = False
 
     def __post_init__(self, **kwargs):
         self._post_init_swiftkv()
@@ -149,6 +155,7 @@ class Qwen2SwiftKVConfig(SwiftKVConfigMixin, Qwen2Config):
     key_value_group_size: int = 1
     serving_only: bool = False
     lora_rank: int = 0
+    lora_prefix: bool = False
 
     def __post_init__(self, **kwargs):
         self._post_init_swiftkv()

@@ -140,13 +140,13 @@ def save_checkpoint(
                 for k, v in lora_merged_state_dict(model).items()
                 if not is_teacher_projection(k, config.num_key_value_layers)
             }
-            was = config.serving_only, config.lora_rank
+            was = config.serving_only, config.lora_rank, config.lora_prefix
             with model.swiftkv_mode(True):
-                config.serving_only, config.lora_rank = True, 0
+                config.serving_only, config.lora_rank, config.lora_prefix = True, 0, False
                 try:
                     model.save_pretrained(staging, state_dict=state_dict)
                 finally:
-                    config.serving_only, config.lora_rank = was
+                    config.serving_only, config.lora_rank, config.lora_prefix = was
         else:
             model.save_pretrained(staging)
         if tokenizer is not None:
@@ -157,8 +157,8 @@ def save_checkpoint(
 @torch.no_grad()
 def lora_merged_state_dict(model: PreTrainedModel) -> dict[str, torch.Tensor]:
     """``model``'s state dict with every adapter merged into the weight it adapts (``W + B A``, computed in fp32)
-    and the adapters left out: the weights the SwiftKV forward computes with, as ordinary weights. Only layers
-    ``>= l`` have adapters, and with SwiftKV on nothing else runs those layers, so the merge loses nothing."""
+    and the adapters left out: the weights the SwiftKV forward computes with, as ordinary weights (what the
+    teacher computed with is lost: a serving export runs SwiftKV only)."""
     state = model.state_dict()
     for name, module in model.named_modules():
         if isinstance(module, LowRankAdapter):

@@ -13,6 +13,8 @@ With ``config.swiftkv`` on, the forward is rewired:
 With ``config.lora_rank = r > 0`` (ours, beyond the paper) the rewired layers ``j >= l`` also add rank-``r``
 adapters to ``o_proj`` and the MLP's three projections: the student can then change what those layers do with the
 K/V it gives them, while the teacher (``swiftkv`` off) still runs the original weights, in the same single copy.
+``config.lora_prefix`` adds rank-``r`` adapters to the MLP of layers ``< l`` too, on whenever ``swiftkv`` is: the
+student may then also change what layer ``l``'s input (the single input of every later K/V) carries.
 
 Prompt tokens therefore skip query, attention and MLP of every layer ``>= l``: when only the last position's
 logits are wanted (``logits_to_keep=1``, what ``generate`` asks for) the later layers run for ONE position.
@@ -188,12 +190,15 @@ class SwiftKVDecoderLayerMixin:
         self.mlp = self.mlp_class(config)
         self.input_layernorm = self.norm_class(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = self.norm_class(config.hidden_size, eps=config.rms_norm_eps)
-        if config.is_swiftkv_layer(layer_idx) and config.lora_rank:
+        self.swiftkv_layer = config.is_swiftkv_layer(layer_idx)
+        if config.lora_rank and (self.swiftkv_layer or config.lora_prefix):
             add_adapters(self.mlp, MLP_PROJECTIONS, config.lora_rank)
 
     def forward(self, hidden_states, swiftkv_key_value=None, **kwargs):
-        """The HF layer's forward; the SwiftKV one (``swiftkv_key_value`` given) with the MLP's adapters, if any."""
-        if swiftkv_key_value is None or not hasattr(self.mlp, "gate_proj" + LORA_SUFFIX):
+        """The HF layer's forward, or the student's with the MLP's adapters where it has them: on a layer ``>= l``
+        when it runs rewired (``swiftkv_key_value`` given), on a layer ``< l`` when the model runs with SwiftKV on."""
+        student = swiftkv_key_value is not None if self.swiftkv_layer else self.self_attn.config.swiftkv
+        if not (student and hasattr(self.mlp, "gate_proj" + LORA_SUFFIX)):
             if swiftkv_key_value is not None:
                 kwargs["swiftkv_key_value"] = swiftkv_key_value
             return super().forward(hidden_states, **kwargs)
@@ -482,18 +487,21 @@ class SwiftKVForCausalLMMixin:
         self.config.swiftkv = bool(enabled)
         return self
 
-    def add_lora(self, rank: int):
-        """Give every layer ``>= l`` rank-``rank`` adapters on ``o_proj`` and the MLP (zero at the start: the model's
-        outputs do not change), for a checkpoint that has none; they are SwiftKV parameters (they train)."""
+    def add_lora(self, rank: int, prefix: bool = False):
+        """Give every layer ``>= l`` rank-``rank`` adapters on ``o_proj`` and the MLP (``prefix``: and the MLP of every
+        layer ``< l``), zero at the start (the model's outputs do not change), for a checkpoint that has none; they
+        are SwiftKV parameters (they train)."""
         config = self.config
         if config.lora_rank:
             raise ValueError(f"This model already has adapters of rank {config.lora_rank}; load it as it is.")
         if not isinstance(rank, int) or rank < 1:
             raise ValueError(f"lora rank must be an integer >= 1, got {rank!r}.")
-        for layer in self.model.layers[config.num_key_value_layers :]:
-            add_adapters(layer.self_attn, ("o_proj",), rank)
-            add_adapters(layer.mlp, MLP_PROJECTIONS, rank)
-        config.lora_rank = rank
+        for j, layer in enumerate(self.model.layers):
+            if j >= config.num_key_value_layers:
+                add_adapters(layer.self_attn, ("o_proj",), rank)
+            if j >= config.num_key_value_layers or prefix:
+                add_adapters(layer.mlp, MLP_PROJECTIONS, rank)
+        config.lora_rank, config.lora_prefix = rank, bool(prefix)
         return self
 
     @contextmanager

@@ -51,10 +51,12 @@ def build_swiftkv_model(
     dtype: torch.dtype = torch.float32,
     attn_implementation: str = "sdpa",
     lora_rank: int = 0,
+    lora_prefix: bool = False,
 ):
     """A SwiftKV model ready to distil: converted from a base checkpoint, or a SwiftKV checkpoint loaded as is;
     attention through ``attn_implementation`` (one of ``ATTENTION`` but ``auto``); with ``lora_rank > 0`` and
-    adapters (swiftkv_core.modeling.LowRankAdapter) on o_proj and the MLP of layers ``>= l``."""
+    adapters (swiftkv_core.modeling.LowRankAdapter) on o_proj and the MLP of layers ``>= l`` (``lora_prefix``: and
+    on the MLP of layers ``< l``)."""
     from transformers import AutoModelForCausalLM
 
     path, config = check_checkpoint(model, num_key_value_layers, key_value_group_size)
@@ -63,12 +65,16 @@ def build_swiftkv_model(
         built = train_only_swiftkv(loaded).swiftkv(True)
     else:
         built = convert(loaded, num_key_value_layers, key_value_group_size)
-    if lora_rank and built.config.lora_rank not in (0, lora_rank):
+    has = built.config.lora_rank, built.config.lora_prefix
+    if lora_rank and has[0] and has != (lora_rank, lora_prefix):
         raise ValueError(
-            f"{model} has adapters of rank {built.config.lora_rank}, but lora_rank={lora_rank} was asked for: set "
-            f"model.lora_rank: {built.config.lora_rank} to continue training them."
+            f"{model} has adapters of rank {has[0]} (lora_prefix={has[1]}), but lora_rank={lora_rank} "
+            f"(lora_prefix={lora_prefix}) was asked for: set model.lora_rank: {has[0]} and model.lora_prefix: "
+            f"{str(has[1]).lower()} to continue training them."
         )
-    if lora_rank and not built.config.lora_rank:
-        train_only_swiftkv(built.add_lora(lora_rank))
+    if lora_prefix and not lora_rank:
+        raise ValueError("model.lora_prefix: true needs model.lora_rank > 0 (the adapters' rank).")
+    if lora_rank and not has[0]:
+        train_only_swiftkv(built.add_lora(lora_rank, lora_prefix))
     built.config._attn_implementation = attn_implementation
     return built

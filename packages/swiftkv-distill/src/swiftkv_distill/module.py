@@ -77,6 +77,8 @@ class SwiftKVDistillation(L.LightningModule):
         lora_rank: beyond the published recipe: also train rank-``r`` adapters on ``o_proj`` and the MLP of layers
             ``>= l`` (the teacher runs without them; the full checkpoint keeps them apart, the serving export merges
             them into ordinary weights). 0 (default): Q/K/V only, the published recipe.
+        lora_prefix: with ``lora_rank``, adapters on the MLP of layers ``< l`` too: the student may change what the
+            single input carries; layers ``< l`` then run twice per step (teacher, and student with gradients).
     """
 
     def __init__(
@@ -107,6 +109,7 @@ class SwiftKVDistillation(L.LightningModule):
         position_fraction: float = 1.0,
         hard_label_weight: float = 0.0,
         lora_rank: int = 0,
+        lora_prefix: bool = False,
     ):
         super().__init__()
         if kv_init not in _KV_INITS:
@@ -119,6 +122,8 @@ class SwiftKVDistillation(L.LightningModule):
             raise ValueError(f"position_fraction must be in (0, 1], got {position_fraction}.")
         if not isinstance(lora_rank, int) or isinstance(lora_rank, bool) or lora_rank < 0:
             raise ValueError(f"lora_rank must be an integer >= 0 (0: Q/K/V only), got {lora_rank!r}.")
+        if lora_prefix and not lora_rank:
+            raise ValueError("lora_prefix=True needs lora_rank > 0 (the adapters' rank).")
         attention_for("cpu", attn_implementation)  # an unknown name fails here, before any weight is loaded
         for name, value in (("model_dtype", model_dtype), ("frozen_dtype", frozen_dtype or model_dtype)):
             if value not in _DTYPES:
@@ -160,6 +165,7 @@ class SwiftKVDistillation(L.LightningModule):
             _DTYPES[hp.model_dtype],
             attention_for(device, hp.attn_implementation),
             hp.lora_rank,
+            hp.lora_prefix,
         )
         model.train()  # dropout is 0 in these families; train() only matters for the module flags
         if hp.frozen_dtype not in (None, hp.model_dtype):

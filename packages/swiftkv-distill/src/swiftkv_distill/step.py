@@ -13,6 +13,7 @@ and without autograd (nothing before layer l is trainable, so nothing there need
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
@@ -82,25 +83,32 @@ class DistillationStep(nn.Module):
         self.settings = settings or LossSettings()
         self.early_exit_head = early_exit_head
 
+    def _prefix(self, batch: dict, positions: torch.Tensor | None):
+        return self.model.model.forward_prefix(
+            input_ids=batch["input_ids"],
+            position_ids=batch["position_ids"],
+            attention_mask=None,
+            use_cache=False,
+            keep_positions=positions,
+        )
+
     def _prefix_and_teacher(self, batch: dict, positions: torch.Tensor | None):
-        """Embeddings + layers < l (for every position) and the teacher's layers >= l, without autograd."""
-        inner = self.model.model
-        with torch.no_grad():
-            hidden, context = inner.forward_prefix(
-                input_ids=batch["input_ids"],
-                position_ids=batch["position_ids"],
-                attention_mask=None,
-                use_cache=False,
-                keep_positions=positions,
-            )
-            teacher, teacher_last_input = inner.forward_suffix(
+        """Embeddings + layers < l (for every position) and the teacher's layers >= l, without autograd. The
+        prefix is the student's too, unless the student has adapters of its own there (``lora_prefix``)."""
+        own_prefix = self.model.config.lora_prefix
+        with torch.no_grad(), self.model.swiftkv_mode(False) if own_prefix else contextlib.nullcontext():
+            hidden, context = self._prefix(batch, positions)
+            teacher, teacher_last_input = self.model.model.forward_suffix(
                 hidden, context, swiftkv=False, return_last_layer_input=True
             )
         return hidden, context, teacher, teacher_last_input
 
-    def _student(self, hidden, context, mask, positions):
-        """The student's layers >= l (the graph), its final hidden states and the early-exit head's input."""
+    def _student(self, batch, hidden, context, mask, positions):
+        """The student's layers >= l (the graph; with ``lora_prefix`` its own layers < l first), its final hidden
+        states and the early-exit head's input."""
         inner = self.model.model
+        if self.model.config.lora_prefix:
+            hidden, context = self._prefix(batch, positions)
         student, student_last_input = inner.forward_suffix(
             hidden, context, swiftkv=True, return_last_layer_input=True
         )
@@ -122,7 +130,7 @@ class DistillationStep(nn.Module):
         hidden, context, teacher, teacher_last_input = self._prefix_and_teacher(batch, positions)
         with torch.no_grad():
             teacher = self.model.model.norm(teacher)[mask]
-        student, student_last_input, early = self._student(hidden, context, mask, positions)
+        student, student_last_input, early = self._student(batch, hidden, context, mask, positions)
         rows = torch.full((student.shape[0],), 1.0, device=student.device) * row_scale
         kl_sum, kl_rows, agree = distillation_kl(
             student,
@@ -174,7 +182,7 @@ class DistillationStep(nn.Module):
         head_weight = self.model.lm_head.weight
         hidden, context, teacher, _ = self._prefix_and_teacher(batch, None)
         teacher = self.model.model.norm(teacher)[mask]
-        student, _, early = self._student(hidden, context, mask, None)
+        student, _, early = self._student(batch, hidden, context, mask, None)
         stats = eval_stats(student, teacher, head_weight, batch["labels"][mask], chunk_size)
         early_agree = None
         if early is not None:
