@@ -32,6 +32,8 @@ SHORT = {
     "position_fraction": "model.position_fraction",
     "hard_weight": "model.hard_label_weight",
     "min_lr_ratio": "model.min_lr_ratio",
+    "lora_rank": "model.lora_rank",
+    "lora_prefix": "model.lora_prefix",
 }
 
 
@@ -48,17 +50,23 @@ def parse_variant(text: str) -> tuple[dict, int | None]:
                 f"variant {text!r}: unknown key {key!r}; use a recipe key (model.X, data.X) or {sorted(SHORT)}."
             )
         overrides[SHORT.get(key, key)] = (
-            json.loads(value) if value[:1] in "[{" else float(value) if _number(value) else value
-        )
+            json.loads(value) if value[:1] in "[{" or value in ("true", "false")
+            else _number(value) if _is_number(value) else value
+        )  # fmt: skip
     return overrides, steps
 
 
-def _number(text: str) -> bool:
+def _is_number(text: str) -> bool:
     try:
         float(text)
     except ValueError:
         return False
     return True
+
+
+def _number(text: str) -> int | float:
+    """``"16"`` -> 16 (an integer setting such as ``lora_rank`` stays one), ``"1e-3"`` -> 0.001."""
+    return int(text) if text.lstrip("-").isdigit() else float(text)
 
 
 def main(
