@@ -74,9 +74,8 @@ class KVLeastSquares:
         self.leaders = config.kv_group_leaders
         self.heads = config.num_attention_heads
         self.member_metric = member_metric and self.g > 1  # one member: the metric cancels out
-        self.query_energy: dict[
-            int, torch.Tensor
-        ] = {}  # member -> (kv_heads, head_dim) sum of squared queries
+        # member -> (kv_heads, head_dim): its squared queries summed over tokens (mean over a KV head's query heads)
+        self.query_energy: dict[int, torch.Tensor] = {}
         self.mask: torch.Tensor | None = None
         self.tokens = 0
         self._x: torch.Tensor | None = None
@@ -245,9 +244,8 @@ class KVLeastSquares:
         keys by ``j``'s query energy per dimension (each RoPE pair averaged), values by ``sum_q O_q^T O_q``."""
         d, per_kv = self.head_dim, self.heads // self.kv_heads
         energy = self.query_energy[j] / max(self.tokens, 1)
-        energy = ((energy[:, : d // 2] + energy[:, d // 2 :]) / 2).repeat(
-            1, 2
-        )  # rotate_half pairs c and c + d/2
+        pairs = (energy[:, : d // 2] + energy[:, d // 2 :]) / 2  # RoPE (rotate_half) mixes c and c + d/2
+        energy = pairs.repeat(1, 2)
         o_proj = self.layers[j].self_attn.o_proj.weight.detach()
         if isinstance(o_proj, DTensor):  # FSDP2: every rank needs the whole weight (one layer's, once)
             o_proj = o_proj.full_tensor()

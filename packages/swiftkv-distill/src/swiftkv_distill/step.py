@@ -8,7 +8,8 @@
          + early_exit_weight * T^2 KL(teacher || early_exit_head(h_l))   (optional)
 
 The published trainer runs the whole teacher and the whole student, so layers < l run twice; here they run once
-and without autograd (nothing before layer l is trainable, so nothing there needs a graph).
+and without autograd (nothing before layer l is trainable, so nothing there needs a graph). The one exception is
+``lora_prefix`` (student-only adapters below l): the student then runs its own prefix, with a graph.
 """
 
 from __future__ import annotations

@@ -288,6 +288,12 @@ class SwiftKVModel(nn.Module):
                 f"and num_key_value_heads={config.num_key_value_heads} for a SwiftKV model."
             )
         config.validate_swiftkv()
+        if config.lora_rank:
+            raise ValueError(
+                f"This checkpoint keeps low-rank adapters apart (lora_rank={config.lora_rank}: a full distillation "
+                "checkpoint). Serve its serving export, which merges them into ordinary weights: the quickstart's "
+                "distilled-serving/, or swiftkv_core.convert.export_for_serving(model, out_dir)."
+            )
         self.config = config
         num_groups = config.num_kv_groups
         self.kv_size = config.num_key_value_heads // tp_size * head_dim(config)  # per group, on this rank

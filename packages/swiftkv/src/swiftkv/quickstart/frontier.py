@@ -45,8 +45,9 @@ def choose(rows: list[dict], min_agreement: float) -> tuple[int, str]:
     return rows[-1]["l"], f"no l of the sweep is predicted to clear {bar}: the largest, l={rows[-1]['l']}"
 
 
-def fit_kv_init(run, model, tokenizer) -> dict:
-    """Fit ``model``'s K/V projections by least squares on the run's training mix, with the recipe's settings."""
+def fit_kv_init(run, model, tokenizer, member_metric: bool = True) -> dict:
+    """Fit ``model``'s K/V projections by least squares on the run's training mix, with the recipe's settings
+    (``member_metric``: see ``swiftkv_core.kv_init``)."""
     from swiftkv_core.kv_init import fit_kv_projections, text_batches
     from swiftkv_distill.data import encode_record, load_records
     from swiftkv_distill.recipe import parse
@@ -61,6 +62,7 @@ def fit_kv_init(run, model, tokenizer) -> dict:
         max_tokens=recipe.kv_init_tokens,
         ridge=recipe.kv_init_ridge,
         weighting=recipe.kv_init_weighting,
+        member_metric=member_metric,
     )
 
 
@@ -101,7 +103,6 @@ def measure(run, ls: list[int]) -> list[dict]:
 
     from swiftkv_core.convert import convert
     from swiftkv_core.flops import ModelShape, kv_cache_bytes_per_token, prefill_flops_total
-    from swiftkv_distill.step import DistillationStep, ValidationMetrics
 
     path = run.settings.model_identity["path"]
     tokenizer = AutoTokenizer.from_pretrained(path)
@@ -113,21 +114,29 @@ def measure(run, ls: list[int]) -> list[dict]:
     for l in tqdm(ls, desc="   frontier", unit="l"):
         model = convert(base, l, g).to(run.device)  # the base weights shared, the SwiftKV projections new
         report = fit_kv_init(run, model, tokenizer)
-        step, held_out = DistillationStep(model), {}
-        for name, loader in loaders.items():
-            metrics = ValidationMetrics().to(run.device)
-            for batch in loader:
-                metrics.update(step.evaluate({k: v.to(run.device) for k, v in batch.items()}))
-            values = metrics.compute()
-            held_out[name] = {"agreement": values["agreement"], "kl": values["kl"]}
+        held_out = held_out_metrics(model, loaders, run.device)
         bound = prefill_flops_total(shape, tokens) / prefill_flops_total(shape, tokens, l, g)
         rows.append({
             "l": l, "skipped": 1 - l / shape.num_hidden_layers, "flops_bound_x": bound, "prompt_tokens": tokens,
             "kv_bytes_per_token": kv_cache_bytes_per_token(shape, l, g), "explained": report["explained_mean"],
             **held_out, "predicted": {name: predicted_distilled(v["agreement"]) for name, v in held_out.items()},
         })  # fmt: skip
-        del model, step
+        del model
     return rows
+
+
+def held_out_metrics(model, loaders: dict, device) -> dict:
+    """``{set name: {"agreement", "kl"}}`` of ``model`` (SwiftKV on) against itself off, on ``held_out_loaders``."""
+    from swiftkv_distill.step import DistillationStep, ValidationMetrics
+
+    step, held_out = DistillationStep(model), {}
+    for name, loader in loaders.items():
+        metrics = ValidationMetrics().to(device)
+        for batch in loader:
+            metrics.update(step.evaluate({k: v.to(device) for k, v in batch.items()}))
+        values = metrics.compute()
+        held_out[name] = {"agreement": values["agreement"], "kl": values["kl"]}
+    return held_out
 
 
 def how_the_prediction_held(result: dict, metrics: dict) -> dict:
