@@ -9,8 +9,8 @@ checkpoint (a quickstart's ``converted/``: least-squares K/V already fitted) for
         --seconds 240 --variants '["lr=1e-3", "lr=1e-3,position_fraction=0.5", "lr=1e-3,position_fraction=0.25"]'
 
 A variant is ``key=value`` pairs: a recipe key (``model.temperature=2``, ``data.batch_size=8``), one of the short
-names of ``SHORT`` (``lr``, ``temperature``, ``batch_size``, ``position_fraction``, ``hard_weight``,
-``min_lr_ratio``), or ``steps`` (a budget in optimizer steps instead of seconds: a GPU replays the CPU run's step
+names of ``swiftkv_distill.recipe.SHORT_KEYS`` (``lr``, ``temperature``, ``position_fraction``, ``lora_rank``, ...),
+or ``steps`` (a budget in optimizer steps instead of seconds: a GPU replays the CPU run's step
 count, ``--accelerator gpu``). ``--heldout_rows 0`` measures every held-out row (948 rows of Brown prose at 256
 tokens), ``--chat_heldout true`` the teacher's held-out chat answers too. Writes
 ``benchmarks/results/distill-variants[-TAG].{json,md}``. Short runs on a shared CPU: differences below about half a
@@ -25,48 +25,19 @@ import sys
 from pathlib import Path
 
 RESULTS = Path(__file__).parent / "results"
-SHORT = {
-    "lr": "model.learning_rate",
-    "temperature": "model.temperature",
-    "batch_size": "data.batch_size",
-    "position_fraction": "model.position_fraction",
-    "hard_weight": "model.hard_label_weight",
-    "min_lr_ratio": "model.min_lr_ratio",
-    "lora_rank": "model.lora_rank",
-    "lora_prefix": "model.lora_prefix",
-}
 
 
 def parse_variant(text: str) -> tuple[dict, int | None]:
     """``"lr=1e-3,steps=200"`` -> ``({"model.learning_rate": 0.001}, 200)``: the recipe overrides and the steps."""
-    overrides, steps = {}, None
-    for item in filter(None, text.replace(" ", "").split(",")):
-        key, _, value = item.partition("=")
-        if key == "steps":
-            steps = int(float(value))
-            continue
-        if key not in SHORT and "." not in key:
-            raise SystemExit(
-                f"variant {text!r}: unknown key {key!r}; use a recipe key (model.X, data.X) or {sorted(SHORT)}."
-            )
-        overrides[SHORT.get(key, key)] = (
-            json.loads(value) if value[:1] in "[{" or value in ("true", "false")
-            else _number(value) if _is_number(value) else value
-        )  # fmt: skip
-    return overrides, steps
+    from swiftkv_distill.recipe import parse_overrides
 
-
-def _is_number(text: str) -> bool:
+    items = [item for item in text.replace(" ", "").split(",") if item]
+    steps = [int(float(item.partition("=")[2])) for item in items if item.startswith("steps=")]
     try:
-        float(text)
-    except ValueError:
-        return False
-    return True
-
-
-def _number(text: str) -> int | float:
-    """``"16"`` -> 16 (an integer setting such as ``lora_rank`` stays one), ``"1e-3"`` -> 0.001."""
-    return int(text) if text.lstrip("-").isdigit() else float(text)
+        overrides = parse_overrides(",".join(item for item in items if not item.startswith("steps=")))
+    except ValueError as error:
+        raise SystemExit(f"variant {text!r}: {error}") from None
+    return overrides, steps[-1] if steps else None
 
 
 def main(

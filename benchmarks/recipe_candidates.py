@@ -11,7 +11,7 @@ model (Q/K/V only, the published recipe) is the baseline row, measured by that r
     flock -o /tmp/swiftkv-heavy.lock .venv/bin/python benchmarks/recipe_candidates.py --run runs/l15-qkv \\
         --candidates '["lora_rank=16", "lora_rank=64"]' --tag l15
 
-A candidate is ``key=value`` pairs as in ``distill_variants.py`` (``lora_rank=16``, ``position_fraction=0.25``,
+A candidate is ``key=value`` pairs (``swiftkv_distill.recipe.parse_overrides``: ``lora_rank=16``, ``position_fraction=0.25``,
 ``lr=2e-3``, any ``model.X`` / ``data.X`` recipe key). Writes ``benchmarks/results/recipe-candidates[-TAG].{json,md}``
 and a plot of held-out chat agreement against prefill saved: the run's frontier (K/V init alone, per ``l``), its
 distilled point and each candidate's.
@@ -24,8 +24,6 @@ import shlex
 import sys
 import time
 from pathlib import Path
-
-from distill_variants import parse_variant
 
 RESULTS = Path(__file__).parent / "results"
 GREEDY_TOKENS = 8
@@ -53,16 +51,15 @@ def main(
     from swiftkv_core.atomic import atomic_write_text
     from swiftkv_distill.data import load_records
     from swiftkv_distill.export import export
-    from swiftkv_distill.recipe import budgeted_fit
+    from swiftkv_distill.recipe import budgeted_fit, parse_overrides
 
     quiet()  # the quickstart's output: no tips or harmless warnings
     state = _finished_run(run)
     settings, results = state["settings"], state["results"]
-    parsed = [parse_variant(c) for c in candidates]  # every candidate checked before any training
-    if any(steps for _, steps in parsed):
-        raise SystemExit(
-            "--candidates: 'steps' is not a candidate setting here (every candidate gets --minutes)."
-        )
+    try:  # every candidate checked before any training
+        parsed = [parse_overrides(c) for c in candidates]
+    except ValueError as error:
+        raise SystemExit(f"--candidates: {error}") from None
     minutes = minutes or settings["budget_minutes"]
     l = (
         results["frontier"]["chosen"]
@@ -82,7 +79,7 @@ def main(
     }
     rows = [_baseline_row(results)]
     checkpoints = {"converted": run / "converted"}
-    for index, (text, (overrides, _)) in enumerate(zip(candidates, parsed, strict=True)):
+    for index, (text, overrides) in enumerate(zip(candidates, parsed, strict=True)):
         folder = Path(out) / (tag or "run") / f"candidate-{index}"
         started = time.perf_counter()
         built, summary = budgeted_fit(settings["recipe"], folder, minutes * 60, {**common, **overrides})

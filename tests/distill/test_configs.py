@@ -153,3 +153,16 @@ def test_cli_fit_writes_logs_plot_summary_and_exports(tmp_path, tiny_model, text
     assert list(out.rglob("events.out.tfevents.*"))
     assert (out / "export" / "hf" / "early_exit_head.safetensors").is_file()
     assert (out / "export" / "hf-serving" / "config.json").is_file()
+
+
+def test_parse_overrides_of_the_benchmarks():
+    from swiftkv_distill.recipe import parse_overrides
+
+    assert parse_overrides('lr=1e-3, lora_rank=16,lora_prefix=true,data.val_files={"a":[1]}') == {
+        "model.learning_rate": 0.001,
+        "model.lora_rank": 16,
+        "model.lora_prefix": True,
+        "data.val_files": {"a": [1]},
+    }
+    with pytest.raises(ValueError, match=r"unknown key 'rank'; use a recipe key"):
+        parse_overrides("rank=4")

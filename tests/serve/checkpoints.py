@@ -60,22 +60,29 @@ def swiftkv_checkpoint(
     noise: float = 0.0,
     serving: bool = False,
     seed: int = 0,
+    lora_rank: int = 0,
 ) -> Path:
     """``base`` converted to SwiftKV (published recipe init), optionally with the SwiftKV weights perturbed.
 
     The noise makes the SwiftKV projections differ from the teacher's, so a server that used the wrong
-    weights (or the teacher path) would not match.
+    weights (or the teacher path) would not match. ``lora_rank``: with adapters on o_proj and the MLP of layers
+    ``>= l`` (the noise gives them a non-zero update), merged into the weights by a serving export.
     """
     from transformers import AutoTokenizer
 
     from swiftkv_core.convert import convert, export_for_serving, save_checkpoint
 
     model = convert(base, num_key_value_layers, key_value_group_size)
+    if lora_rank:
+        torch.manual_seed(seed)  # the adapters' A: the same in the full checkpoint and its serving export
+        model.add_lora(lora_rank)
     if noise:
         generator = torch.Generator().manual_seed(seed)
         with torch.no_grad():
             for name, param in model.named_parameters():
-                if "swiftkv" in name:
+                if name.endswith("lora_b"):  # zero at the start: a scale of its own
+                    param.add_(noise * 0.1 * torch.randn(param.shape, generator=generator))
+                elif "swiftkv" in name:
                     param.add_(noise * param.abs().mean() * torch.randn(param.shape, generator=generator))
     tokenizer = AutoTokenizer.from_pretrained(base)
     (export_for_serving if serving else save_checkpoint)(model, out_dir, tokenizer=tokenizer)

@@ -94,6 +94,23 @@ def tiny_swiftkv_serving(checkpoints, tiny_llama) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_swiftkv_lora(checkpoints, tiny_llama) -> Path:
+    """8 layers, l=4, g=2, rank-8 adapters on o_proj and the MLP of layers >= 4: the full checkpoint."""
+    return swiftkv_checkpoint(
+        tiny_llama, checkpoints / "tiny-swiftkv-l4-g2-lora", 4, 2, noise=0.5, seed=2, lora_rank=8
+    )
+
+
+@pytest.fixture(scope="session")
+def tiny_swiftkv_lora_serving(checkpoints, tiny_llama) -> Path:
+    """The same, written by export_for_serving: the adapters merged into o_proj and the MLP."""
+    return swiftkv_checkpoint(
+        tiny_llama, checkpoints / "tiny-swiftkv-l4-g2-lora-serving", 4, 2, noise=0.5, seed=2, lora_rank=8,
+        serving=True,
+    )  # fmt: skip
+
+
+@pytest.fixture(scope="session")
 def smollm2() -> Path:
     return smollm2_path()
 

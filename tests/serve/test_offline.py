@@ -117,6 +117,28 @@ def test_serving_export_matches_hf(tiny_swiftkv_serving):
     assert got == hf_greedy(tiny_swiftkv_serving, prompts, MAX_TOKENS)
 
 
+def test_merged_adapters_serve_as_ordinary_weights(tiny_swiftkv_lora_serving, tiny_swiftkv_lora):
+    """A serving export of a model distilled with adapters (lora_rank > 0): merged into o_proj and the MLP, it
+    is the published format, and vLLM's greedy outputs equal HF's on it; HF's logits on the export equal those of
+    the full checkpoint (adapters apart, which vLLM refuses, naming the export) to float rounding (greedy paths of
+    a random tiny model can part on such rounding, so the logits are compared)."""
+    from swiftkv_core.generation import load
+
+    prompts = random_prompts(seed=4)
+    with vllm_engine(tiny_swiftkv_lora_serving) as llm:
+        got = greedy(llm, prompts, MAX_TOKENS)
+    assert got == hf_greedy(tiny_swiftkv_lora_serving, prompts, MAX_TOKENS)
+    (merged, _), (apart, _) = load(tiny_swiftkv_lora_serving), load(tiny_swiftkv_lora)
+    assert merged.config.lora_rank == 0 and apart.config.lora_rank == 8
+    with torch.no_grad():
+        for prompt in prompts:
+            ids = torch.tensor([prompt])
+            torch.testing.assert_close(merged(ids).logits, apart(ids).logits, rtol=1e-4, atol=1e-4)
+    refused = pytest.raises(Exception, match=r"keeps low-rank adapters apart \(lora_rank=8.*serving export")
+    with refused, vllm_engine(tiny_swiftkv_lora):
+        pass
+
+
 def test_default_compilation_mode_matches_hf(tiny_swiftkv):
     """vLLM's default (torch.compile mode, what `vllm serve` runs without --enforce-eager): the SwiftKV model's
     two compile units (self-decoder, cross-decoder) are really compiled, and the outputs still match."""

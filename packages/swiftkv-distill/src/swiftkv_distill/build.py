@@ -44,6 +44,14 @@ def attention_for(device: torch.device | str, requested: str = "auto") -> str:
     return "flash_attention_2" if importlib.util.find_spec("flash_attn") is not None else "flex_attention"
 
 
+def check_lora(lora_rank: int, lora_prefix: bool) -> None:
+    """The adapters' settings (``model.lora_rank`` / ``model.lora_prefix``), checked before any weight is loaded."""
+    if not isinstance(lora_rank, int) or isinstance(lora_rank, bool) or lora_rank < 0:
+        raise ValueError(f"lora_rank must be an integer >= 0 (0: Q/K/V only), got {lora_rank!r}.")
+    if lora_prefix and not lora_rank:
+        raise ValueError("lora_prefix=True needs lora_rank > 0 (the adapters' rank).")
+
+
 def build_swiftkv_model(
     model: str,
     num_key_value_layers: int,
@@ -59,6 +67,7 @@ def build_swiftkv_model(
     on the MLP of layers ``< l``)."""
     from transformers import AutoModelForCausalLM
 
+    check_lora(lora_rank, lora_prefix)
     path, config = check_checkpoint(model, num_key_value_layers, key_value_group_size)
     loaded = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
     if config.model_type in SWIFTKV_FAMILIES:
@@ -72,8 +81,6 @@ def build_swiftkv_model(
             f"(lora_prefix={lora_prefix}) was asked for: set model.lora_rank: {has[0]} and model.lora_prefix: "
             f"{str(has[1]).lower()} to continue training them."
         )
-    if lora_prefix and not lora_rank:
-        raise ValueError("model.lora_prefix: true needs model.lora_rank > 0 (the adapters' rank).")
     if lora_rank and not has[0]:
         train_only_swiftkv(built.add_lora(lora_rank, lora_prefix))
     built.config._attn_implementation = attn_implementation

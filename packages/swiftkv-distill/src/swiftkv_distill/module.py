@@ -21,7 +21,7 @@ from swiftkv_core.kv_init import KVLeastSquares
 from swiftkv_core.runtime import Stopwatch
 from swiftkv_core.weights import cast_frozen
 
-from .build import attention_for, build_swiftkv_model, cpu_precision
+from .build import attention_for, build_swiftkv_model, check_lora, cpu_precision
 from .schedule import FIRST_STEP_FLOOR, lr_factor, run_progress
 from .step import DistillationStep, LossSettings, ValidationMetrics, is_trained_name
 
@@ -74,11 +74,8 @@ class SwiftKVDistillation(L.LightningModule):
             to training), while the K/V of every position still gets gradient as keys and values. 1: all.
         hard_label_weight: weight of an added hard-label term, the student's cross-entropy on the teacher's top-1
             token (loss.py). 0 (default): pure KL (measurements: benchmarks/results/recipe-notes.md).
-        lora_rank: beyond the published recipe: also train rank-``r`` adapters on ``o_proj`` and the MLP of layers
-            ``>= l`` (the teacher runs without them; the full checkpoint keeps them apart, the serving export merges
-            them into ordinary weights). 0 (default): Q/K/V only, the published recipe.
-        lora_prefix: with ``lora_rank``, adapters on the MLP of layers ``< l`` too: the student may change what the
-            single input carries; layers ``< l`` then run twice per step (teacher, and student with gradients).
+        lora_rank: rank of student-only adapters on o_proj and the MLP of layers >= l (0: Q/K/V only).
+        lora_prefix: adapters on the MLP of layers ``< l`` too (the prefix then runs twice per step).
     """
 
     def __init__(
@@ -120,11 +117,8 @@ class SwiftKVDistillation(L.LightningModule):
             )
         if not 0 < position_fraction <= 1:
             raise ValueError(f"position_fraction must be in (0, 1], got {position_fraction}.")
-        if not isinstance(lora_rank, int) or isinstance(lora_rank, bool) or lora_rank < 0:
-            raise ValueError(f"lora_rank must be an integer >= 0 (0: Q/K/V only), got {lora_rank!r}.")
-        if lora_prefix and not lora_rank:
-            raise ValueError("lora_prefix=True needs lora_rank > 0 (the adapters' rank).")
-        attention_for("cpu", attn_implementation)  # an unknown name fails here, before any weight is loaded
+        check_lora(lora_rank, lora_prefix)  # these and an unknown attention fail before any weight is loaded
+        attention_for("cpu", attn_implementation)
         for name, value in (("model_dtype", model_dtype), ("frozen_dtype", frozen_dtype or model_dtype)):
             if value not in _DTYPES:
                 raise ValueError(f"{name} must be one of {sorted(_DTYPES)}, got {value!r}.")

@@ -178,6 +178,46 @@ def _cli(recipe, overrides: dict | None, instantiate: bool):
         ) from error
 
 
+SHORT_KEYS = {  # short names of the recipe keys that benchmarks vary most
+    "lr": "model.learning_rate",
+    "temperature": "model.temperature",
+    "batch_size": "data.batch_size",
+    "position_fraction": "model.position_fraction",
+    "hard_weight": "model.hard_label_weight",
+    "min_lr_ratio": "model.min_lr_ratio",
+    "lora_rank": "model.lora_rank",
+    "lora_prefix": "model.lora_prefix",
+}
+
+
+def parse_overrides(text: str) -> dict:
+    """``"lr=1e-3,lora_rank=16"`` -> ``{"model.learning_rate": 0.001, "model.lora_rank": 16}``: recipe overrides from
+    comma-separated ``key=value`` pairs (a recipe key ``model.X`` / ``data.X`` or a name of ``SHORT_KEYS``; values
+    are JSON lists/objects, true/false, integers, floats or strings). An unknown key raises ``ValueError``."""
+    overrides = {}
+    for item in filter(None, text.replace(" ", "").split(",")):
+        key, _, value = item.partition("=")
+        if key not in SHORT_KEYS and "." not in key:
+            raise ValueError(
+                f"unknown key {key!r}; use a recipe key (model.X, data.X) or one of {sorted(SHORT_KEYS)}."
+            )
+        overrides[SHORT_KEYS.get(key, key)] = _value(value)
+    return overrides
+
+
+def _value(text: str):
+    if text[:1] in "[{" or text in ("true", "false"):
+        return json.loads(text)
+    try:
+        return int(text)  # an integer setting (lora_rank, batch_size) stays one
+    except ValueError:
+        pass
+    try:
+        return float(text)
+    except ValueError:
+        return text
+
+
 def parse(recipe: str | os.PathLike, overrides: dict | None = None):
     """The recipe with ``overrides``, parsed and type-checked (a jsonargparse Namespace); nothing is built."""
     return _cli(recipe, overrides, instantiate=False).config
