@@ -31,13 +31,12 @@ def parse_variant(text: str) -> tuple[dict, int | None]:
     """``"lr=1e-3,steps=200"`` -> ``({"model.learning_rate": 0.001}, 200)``: the recipe overrides and the steps."""
     from swiftkv_distill.recipe import parse_overrides
 
-    items = [item for item in text.replace(" ", "").split(",") if item]
-    steps = [int(float(item.partition("=")[2])) for item in items if item.startswith("steps=")]
     try:
-        overrides = parse_overrides(",".join(item for item in items if not item.startswith("steps=")))
+        overrides = parse_overrides(text, extra=("steps",))
     except ValueError as error:
         raise SystemExit(f"variant {text!r}: {error}") from None
-    return overrides, steps[-1] if steps else None
+    steps = overrides.pop("steps", None)
+    return overrides, None if steps is None else int(steps)
 
 
 def main(

@@ -190,14 +190,15 @@ SHORT_KEYS = {  # short names of the recipe keys that benchmarks vary most
 }
 
 
-def parse_overrides(text: str) -> dict:
+def parse_overrides(text: str, extra: tuple[str, ...] = ()) -> dict:
     """``"lr=1e-3,lora_rank=16"`` -> ``{"model.learning_rate": 0.001, "model.lora_rank": 16}``: recipe overrides from
     comma-separated ``key=value`` pairs (a recipe key ``model.X`` / ``data.X`` or a name of ``SHORT_KEYS``; values
-    are JSON lists/objects, true/false, integers, floats or strings). An unknown key raises ``ValueError``."""
+    are JSON lists/objects, true/false, integers, floats or strings). Keys in ``extra`` are kept as they are (a
+    caller's own settings); any other unknown key raises ``ValueError``."""
     overrides = {}
     for item in filter(None, text.replace(" ", "").split(",")):
         key, _, value = item.partition("=")
-        if key not in SHORT_KEYS and "." not in key:
+        if key not in SHORT_KEYS and "." not in key and key not in extra:
             raise ValueError(
                 f"unknown key {key!r}; use a recipe key (model.X, data.X) or one of {sorted(SHORT_KEYS)}."
             )
