@@ -53,7 +53,9 @@ def test_distilling_a_subset_of_positions_equals_the_full_forward_there(tiny_mod
     assert len(positions) == 4 and torch.equal(positions, module.step_positions(8, "cpu"))  # seeded by step
     mask = batch["loss_mask"][:, positions]
     seen = []
-    hook = model.model.layers[3].mlp.register_forward_hook(lambda m, args, out: seen.append(args[0].shape[1]))
+    hook = model.model.layers[3].mlp.gate_proj.register_forward_hook(
+        lambda m, args, out: seen.append(args[0].shape[1])
+    )
     out = module.step(batch, 1.0 / mask.sum(), positions=positions)
     hook.remove()
     assert seen == [8, 4]  # the teacher's layer 3 saw every position, the student's only the 4 distilled

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 from torch.nn.attention.flex_attention import create_block_mask
+from torch.utils.checkpoint import checkpoint
 from transformers import DynamicCache
 from transformers.masking_utils import (
     and_masks,
@@ -195,20 +196,35 @@ class SwiftKVDecoderLayerMixin:
             add_adapters(self.mlp, MLP_PROJECTIONS, config.lora_rank)
 
     def forward(self, hidden_states, swiftkv_key_value=None, **kwargs):
-        """The HF layer's forward, or the student's with the MLP's adapters where it has them: on a layer ``>= l``
-        when it runs rewired (``swiftkv_key_value`` given), on a layer ``< l`` when the model runs with SwiftKV on."""
+        """The HF layer's forward, or the student's: a layer ``>= l`` when it runs rewired (``swiftkv_key_value``
+        given), a layer ``< l`` with the MLP's adapters when the model runs with SwiftKV on.
+
+        The student's forward is the HF layer's, written out (with the adapters where there are any). With a graph
+        (training) it keeps less for the backward pass: the norms and the MLP's activation keep only their inputs
+        and recompute the rest in the backward (the same values and gradients; an elementwise pass each), where
+        autograd would keep their fp32 intermediates and three MLP-wide tensors: a quarter of the activation memory
+        of every layer ``>= l``, the memory that grows with the tokens of a distillation step."""
         student = swiftkv_key_value is not None if self.swiftkv_layer else self.self_attn.config.swiftkv
-        if not (student and hasattr(self.mlp, "gate_proj" + LORA_SUFFIX)):
-            if swiftkv_key_value is not None:
-                kwargs["swiftkv_key_value"] = swiftkv_key_value
+        if not (student and (swiftkv_key_value is not None or hasattr(self.mlp, "gate_proj" + LORA_SUFFIX))):
             return super().forward(hidden_states, **kwargs)
         attended, _ = self.self_attn(
-            hidden_states=self.input_layernorm(hidden_states), swiftkv_key_value=swiftkv_key_value, **kwargs
+            hidden_states=_recomputed(self.input_layernorm, hidden_states),
+            swiftkv_key_value=swiftkv_key_value,
+            **kwargs,
         )
         hidden_states = hidden_states + attended
-        x, mlp = self.post_attention_layernorm(hidden_states), self.mlp
-        inner = mlp.act_fn(_adapted(mlp, "gate_proj", x)) * _adapted(mlp, "up_proj", x)
+        x, mlp = _recomputed(self.post_attention_layernorm, hidden_states), self.mlp
+        gate, up = _adapted(mlp, "gate_proj", x), _adapted(mlp, "up_proj", x)
+        inner = _recomputed(lambda gate, up: mlp.act_fn(gate) * up, gate, up)
         return hidden_states + _adapted(mlp, "down_proj", inner)
+
+
+def _recomputed(function, *inputs: torch.Tensor) -> torch.Tensor:
+    """``function(*inputs)``; with a graph, only ``inputs`` are kept for the backward pass, which recomputes the
+    rest (activation checkpointing of one cheap elementwise step)."""
+    if not torch.is_grad_enabled():
+        return function(*inputs)
+    return checkpoint(function, *inputs, use_reentrant=False)
 
 
 class SwiftKVModelMixin:
@@ -365,6 +381,11 @@ class SwiftKVModelMixin:
         """
         config = self.config
         swiftkv_input = self.norm_swiftkv(hidden)
+        device = swiftkv_input.device.type
+        if torch.is_autocast_enabled(
+            device
+        ):  # cast once (one copy kept for the backward), not per projection
+            swiftkv_input = swiftkv_input.to(torch.get_autocast_dtype(device))
         key_values = {}
         for j in config.kv_group_leaders:
             key, value = self.layers[j].self_attn.swiftkv_key_value(swiftkv_input, position_embeddings)
