@@ -33,19 +33,16 @@ def main(run: Path, layouts: list[str]) -> None:
 
     from swiftkv.quickstart.frontier import fit_kv_init, held_out_loaders, held_out_metrics
     from swiftkv.quickstart.run import Run, quiet
-    from swiftkv.quickstart.settings import Settings
+    from swiftkv.quickstart.settings import QuickstartError
     from swiftkv_core.atomic import atomic_write_text
     from swiftkv_core.configuration import validate_layers
     from swiftkv_core.convert import convert
 
     quiet()
-    state_file = Path(run) / "state.json"
-    if not state_file.is_file():
-        raise SystemExit(
-            f"--run {run}: no state.json there; give a quickstart run folder (swiftkv quickstart --out)."
-        )
-    state = json.loads(state_file.read_text())
-    quickstart = Run(Path(run), Settings(**state["settings"]), force=False)
+    try:
+        quickstart = Run.open(run, needs=("teacher_answers",))
+    except QuickstartError as error:
+        raise SystemExit(f"--run: {error}") from None
     path = quickstart.settings.model_identity["path"]
     base = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     pairs = [tuple(int(v) for v in layout.split("/")) for layout in layouts]

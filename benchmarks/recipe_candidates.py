@@ -47,34 +47,37 @@ def main(
         tag: results file suffix: recipe-candidates<-tag>.{json,md,png}.
     """
     from swiftkv.quickstart.evaluation import greedy_prefix_agreement
-    from swiftkv.quickstart.run import quiet
+    from swiftkv.quickstart.run import Run, quiet
+    from swiftkv.quickstart.settings import QuickstartError
     from swiftkv_core.atomic import atomic_write_text
     from swiftkv_distill.data import load_records
     from swiftkv_distill.export import export
     from swiftkv_distill.recipe import budgeted_fit, parse_overrides
 
     quiet()  # the quickstart's output: no tips or harmless warnings
-    state = _finished_run(run)
-    settings, results = state["settings"], state["results"]
+    try:
+        quickstart = Run.open(run, needs=("teacher_answers", "frontier", "distill", "evaluate"))
+    except QuickstartError as error:
+        raise SystemExit(f"--run: {error}") from None
+    if not (Path(run) / "chat_heldout.jsonl").is_file():
+        raise SystemExit(
+            f"--run {run}: no held-out chat prompts (chat_heldout.jsonl): run the quickstart with them."
+        )
+    settings, results, l = quickstart.settings, quickstart.results, quickstart.num_key_value_layers
     try:  # every candidate checked before any training
         parsed = [parse_overrides(c) for c in candidates]
     except ValueError as error:
         raise SystemExit(f"--candidates: {error}") from None
-    minutes = minutes or settings["budget_minutes"]
-    l = (
-        results["frontier"]["chosen"]
-        if not isinstance(settings["num_key_value_layers"], int)
-        else settings["num_key_value_layers"]
-    )
-    val_files = {"text": settings["heldout_text"], "chat": [str(run / "chat_heldout.jsonl")]}
+    minutes = minutes or settings.budget_minutes
+    val_files = {"text": settings.heldout_text, "chat": [str(run / "chat_heldout.jsonl")]}
     common = {  # the quickstart's distill stage (swiftkv.quickstart.stages.distill)
         "model.model": str(run / "converted"),
         "model.num_key_value_layers": l,
-        "model.key_value_group_size": settings["key_value_group_size"],
+        "model.key_value_group_size": settings.key_value_group_size,
         "data.train_files": results["teacher_answers"]["train_files"],
         "data.val_files": val_files,
-        "data.max_val_rows": settings["max_eval_rows"],
-        "trainer.accelerator": settings["accelerator"],
+        "data.max_val_rows": settings.max_eval_rows,
+        "trainer.accelerator": settings.accelerator,
         "trainer.devices": 1,
     }
     rows = [_baseline_row(results)]
@@ -82,7 +85,7 @@ def main(
     for index, (text, overrides) in enumerate(zip(candidates, parsed, strict=True)):
         folder = Path(out) / (tag or "run") / f"candidate-{index}"
         started = time.perf_counter()
-        built, summary = budgeted_fit(settings["recipe"], folder, minutes * 60, {**common, **overrides})
+        built, summary = budgeted_fit(settings.recipe, folder, minutes * 60, {**common, **overrides})
         export(built.module, folder / "distilled")
         checkpoints[text] = folder / "distilled"
         after = summary["after"]
@@ -98,7 +101,7 @@ def main(
     for row in rows[1:]:
         row["greedy"] = greedy[row["candidate"]]
     result = {
-        "run": str(run), "l": l, "g": settings["key_value_group_size"], "minutes": minutes,
+        "run": str(run), "l": l, "g": settings.key_value_group_size, "minutes": minutes,
         "greedy_prompts": len(prompts), "converted_greedy": greedy["converted"], "rows": rows,
         "frontier": results["frontier"]["rows"],
         "command": shlex.join([".venv/bin/python", "benchmarks/recipe_candidates.py", *sys.argv[1:]]),
@@ -108,22 +111,6 @@ def main(
     atomic_write_text(RESULTS / f"{name}.md", markdown(result, f"{name}.png"))
     plot(result, RESULTS / f"{name}.png")
     print(markdown(result, f"{name}.png"))
-
-
-def _finished_run(run: Path) -> dict:
-    state_file = Path(run) / "state.json"
-    if not state_file.is_file():
-        raise SystemExit(
-            f"--run {run}: no state.json there; give a quickstart run folder (swiftkv quickstart --out)."
-        )
-    state = json.loads(state_file.read_text())
-    missing = [s for s in ("teacher_answers", "frontier", "distill", "evaluate") if s not in state["results"]]
-    if missing or not (Path(run) / "chat_heldout.jsonl").is_file():
-        raise SystemExit(
-            f"--run {run}: the run has not finished its stages {missing or ['teacher answers (chat)']}: run the "
-            "quickstart to the end first (--serve false is enough), with held-out chat prompts."
-        )
-    return state
 
 
 def _baseline_row(results: dict) -> dict:

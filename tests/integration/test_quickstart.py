@@ -291,3 +291,28 @@ def test_bad_input_fails_before_any_compute(inputs, tmp_path, monkeypatch):
         with pytest.raises(QuickstartError, match="not a quickstart run"):
             run_quickstart(inputs, mine, force=force)
     assert (mine / "thesis.tex").read_text() == "not a run"  # --force deletes only quickstart runs
+
+
+def test_an_earlier_run_opens_read_only_with_its_finished_stages(tmp_path):
+    """Run.open: what benchmarks build on (recipe_candidates.py, group_kv_init.py): settings and results as the run
+    left them, nothing written; a folder that is no run, or a run short of a needed stage, says so."""
+    from dataclasses import asdict
+
+    from swiftkv.quickstart.run import Run
+    from swiftkv.quickstart.settings import QuickstartError, Settings
+
+    settings = Settings(
+        model="m", accelerator="cpu", num_key_value_layers="auto", key_value_group_size=1, budget_minutes=1.0,
+        recipe="smollm2-135m-cpu", train_files=[], heldout_text=[], heldout_chat_prompts="", max_eval_rows=1,
+        prompt_lengths=[256], serve=False, serve_workloads=[], serve_requests=1, serve_compile=False, threshold=0.9,
+    )  # fmt: skip
+    state = tmp_path / "state.json"
+    state.write_text(json.dumps({"settings": asdict(settings), "results": {"frontier": {"chosen": 17}}}))
+    before = state.stat().st_mtime_ns
+    run = Run.open(tmp_path, needs=("frontier",))
+    assert run.settings == settings and run.num_key_value_layers == 17 and run.root == tmp_path
+    assert state.stat().st_mtime_ns == before
+    with pytest.raises(QuickstartError, match=r"not finished its stages \['distill'\]"):
+        Run.open(tmp_path, needs=("frontier", "distill"))
+    with pytest.raises(QuickstartError, match="no state.json"):
+        Run.open(tmp_path / "elsewhere")

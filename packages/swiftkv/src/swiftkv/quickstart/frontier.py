@@ -126,7 +126,7 @@ def measure(run, ls: list[int]) -> list[dict]:
 
 
 def held_out_metrics(model, loaders: dict, device) -> dict:
-    """``{set name: {"agreement", "kl"}}`` of ``model`` (SwiftKV on) against itself off, on ``held_out_loaders``."""
+    """``{set name: {"agreement", "kl"}}`` of ``model`` (SwiftKV on) against itself off, on ``loaders`` (by name)."""
     from swiftkv_distill.step import DistillationStep, ValidationMetrics
 
     step, held_out = DistillationStep(model), {}

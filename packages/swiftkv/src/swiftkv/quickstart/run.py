@@ -51,6 +51,24 @@ class Run:
         root.mkdir(parents=True, exist_ok=True)
         self._save()
 
+    @classmethod
+    def open(cls, root: Path, needs: tuple[str, ...] = ()) -> Run:
+        """An earlier run, read only (for tools that build on its results): ``needs`` names the stages it must have
+        finished. Nothing is written."""
+        state_file = Path(root) / "state.json"
+        if not state_file.is_file():
+            raise QuickstartError(
+                f"{root}: no state.json there; give a quickstart run folder (swiftkv quickstart --out)."
+            )
+        state = json.loads(state_file.read_text())
+        if missing := [name for name in needs if name not in state["results"]]:
+            raise QuickstartError(
+                f"{root}: the run has not finished its stages {missing}: run the quickstart to the end first."
+            )
+        run = cls.__new__(cls)
+        run.root, run.settings, run.results = Path(root), Settings(**state["settings"]), state["results"]
+        return run
+
     def _check_same_run(self, earlier: dict) -> None:
         before, now = earlier["settings"], asdict(self.settings)
         if before.get("model_identity") != now["model_identity"]:
