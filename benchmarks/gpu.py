@@ -19,9 +19,8 @@ distillation batches are real text (Brown prose, the default tokenizer) packed i
   whole student forward on the same weights: tokens/s, peak memory and MFU (the step's FLOPs, counted by torch's
   FlopCounterMode, over the device's dense bf16 peak).
 
-Writes ``benchmarks/results/gpu-<shape>.{json,md}`` (or ``--out``). ``--profile true`` instead prints where a 2k
-prefill spends its time (the CUDA profile off and on, host launch against device time) and the same prefill with
-each decoder layer compiled (``gpu-prefill-profile.md``).
+Writes ``benchmarks/results/gpu-<shape>.{json,md}`` (or ``--out``). Where a 2k prefill spends its time:
+``benchmarks/gpu_profile.py``.
 """
 
 from __future__ import annotations
@@ -30,7 +29,6 @@ import json
 import shlex
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -162,14 +160,16 @@ def distill_rows(
     peak_tflops: float | None,
     frozen: str,
     chunk_size: int,
+    checkpointing: bool = False,
 ) -> list[dict]:
     """Tokens/s, peak memory and MFU of a distillation step: ours (dense-mask sdpa, and the device's packed
-    attention) and a whole teacher + a whole student forward on the same weights (``frozen``: their dtype)."""
+    attention) and a whole teacher + a whole student forward on the same weights (``frozen``: their dtype);
+    ``checkpointing``: also both with activation checkpointing of every layer (``build.checkpoint_activations``)."""
     import torch.nn.functional as F
 
     from swiftkv_core.flops import count_flops
     from swiftkv_core.runtime import PeakMemory, Stopwatch
-    from swiftkv_distill.build import attention_for
+    from swiftkv_distill.build import attention_for, checkpoint_activations
     from swiftkv_distill.step import DistillationStep, LossSettings
 
     device, temperature = model.device, 2.0
@@ -187,15 +187,17 @@ def distill_rows(
         return F.kl_div(F.log_softmax(student, -1), F.log_softmax(teacher, -1), log_target=True,
                         reduction="batchmean") * temperature**2  # fmt: skip
 
-    packed = attention_for(device)  # sdpa on a CPU (PyTorch's flex_attention has no CPU backward)
-    setups = {"ours, dense mask (sdpa)": (ours, "sdpa"), f"ours, packed ({packed})": (ours, packed),
-              "whole teacher + whole student (sdpa)": (whole, "sdpa")}  # fmt: skip
+    # sdpa on a CPU (PyTorch's flex_attention has no CPU backward): one row less there
+    packed = attention_for(device)
+    setups = dict.fromkeys([(ours, "sdpa", 0), (ours, packed, 0), *[(ours, packed, 1)] * checkpointing,
+                            (whole, "sdpa", 0), *[(whole, "sdpa", 1)] * checkpointing])  # fmt: skip
     trainable = [p for p in model.parameters() if p.requires_grad]
     rows = []
-    for name, (loss_fn, attention) in setups.items():
-        if name.startswith("ours, packed") and attention == "sdpa":
-            continue  # the same as the dense-mask row here
+    for loss_fn, attention, every in setups:
+        name = ("ours, " + ("dense mask" if attention == "sdpa" else "packed") if loss_fn is ours else
+                "whole teacher + whole student") + f" ({attention})" + " + activation checkpointing" * every  # fmt: skip
         model.config._attn_implementation = attention
+        checkpoint_activations(model, every)
         optimizer = torch.optim.AdamW(trainable, lr=1e-5)
 
         def one_step(batch, loss_fn=loss_fn, optimizer=optimizer):
@@ -219,7 +221,9 @@ def distill_rows(
         with PeakMemory(device, resident=[*model.parameters(), *model.buffers(), *state]) as meter:
             one_step(batches[warmup + steps])
         peak_gib = meter.peak_bytes / 2**30
-        # FlopCounterMode sees no FLOPs inside a compiled flex_attention, nor in sdpa's GQA path: count eager's
+        # FlopCounterMode sees no FLOPs inside a compiled flex_attention, nor in sdpa's GQA path: count eager's,
+        # without the recomputed layers (the model's FLOPs: what MFU counts)
+        model.gradient_checkpointing_disable()
         model.config._attn_implementation = "eager"
         flops, _ = count_flops(one_step, per_sequence(batches[0]))
         tokens = batches[0]["input_ids"].numel()
@@ -231,51 +235,9 @@ def distill_rows(
         print(json.dumps(rows[-1]), flush=True)
         del optimizer
     model.config._attn_implementation = "sdpa"
-    whole_row = rows[-1]
+    whole_row = next(r for r in rows if r["setup"] == "whole teacher + whole student (sdpa)")
     return [{**r, "speed_vs_whole_x": r["tokens_per_s"] / whole_row["tokens_per_s"],
              "memory_vs_whole_x": r["peak_gib"] / whole_row["peak_gib"]} for r in rows]  # fmt: skip
-
-
-def profile_prefill(model, length: int = 2048) -> None:
-    """Print the CUDA profile of one ``length``-token prefill, SwiftKV off and on, the host's launch time against
-    the device's, then the off/on speed-up with each decoder layer compiled (regional ``torch.compile``)."""
-    from torch.profiler import ProfilerActivity, profile
-
-    from swiftkv_core.generation import time_prefill_off_on
-    from swiftkv_core.kv_cache import make_kv_cache
-
-    ids = torch.randint(100, model.config.vocab_size - 100, (1, length), device=model.device)
-
-    def forward(on: bool):
-        model.swiftkv(on)
-        return model(
-            ids, past_key_values=make_kv_cache(model.config, "auto"), use_cache=True, logits_to_keep=1
-        )
-
-    with torch.inference_mode():
-        for on in (False, True):
-            forward(on)
-            torch.cuda.synchronize()
-            started = time.perf_counter()
-            forward(on)
-            launched = time.perf_counter()
-            torch.cuda.synchronize()
-            print(f"{length} SwiftKV {'on' if on else 'off'}: host launches {1e3 * (launched - started):.1f} ms, "
-                  f"done {1e3 * (time.perf_counter() - started):.1f} ms", flush=True)  # fmt: skip
-            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-                forward(on)
-                torch.cuda.synchronize()
-            print(
-                prof.key_averages().table(sort_by="cuda_time_total", row_limit=18, max_name_column_width=60)
-            )
-    for compiled in (False, True):
-        if compiled:
-            for layer in model.model.layers:
-                layer.compile()
-            time_prefill_off_on(model, ids, 1)  # compiles
-        t = {on: statistics.median(v) for on, v in time_prefill_off_on(model, ids, 7).items()}
-        print(f"{length} {'compiled layers' if compiled else 'as is'}: off {1e3 * t[False]:.1f} ms, on "
-              f"{1e3 * t[True]:.1f} ms, speed-up {t[False] / t[True]:.3f}", flush=True)  # fmt: skip
 
 
 PARTS = ("prefill", "decode", "kv_cache", "distill")
@@ -297,10 +259,11 @@ def main(
     distill_segments: int = 8,
     distill_steps: int = 5,
     logits_chunk_size: int = 2048,
+    frozen: list[str] | None = None,
+    activation_checkpointing: bool = False,
     peak_tflops: float | None = None,
     out: Path | None = None,
-    profile: bool = False,
-) -> dict | None:
+) -> dict:
     """Measure SwiftKV against the original model at a real shape on this machine's GPU.
 
     Args:
@@ -321,9 +284,10 @@ def main(
         distill_segments: documents per row.
         distill_steps: timed distillation steps per setup (after one warm-up; one more measures the memory).
         logits_chunk_size: positions per chunk of the distillation KL's logits (the 8B recipes' 2048).
+        frozen: the frozen weights' dtypes measured (default fp32, bf16: ``frozen_dtype: bfloat16``).
+        activation_checkpointing: also the step with every layer's activations recomputed, ours and the whole.
         peak_tflops: the device's dense bf16 peak for MFU (default: from its name; H100/H200 989).
         out: output prefix (default benchmarks/results/gpu-<shape>).
-        profile: print where a 2k prefill spends its time instead (profile_prefill; writes nothing).
     """
     from swiftkv_core.runtime import device_description, stack_versions
     from swiftkv_core.weights import cast_frozen
@@ -331,8 +295,6 @@ def main(
     parts = list(parts or PARTS)
     if unknown := set(parts) - set(PARTS):
         raise SystemExit(f"--parts: unknown {sorted(unknown)}; choose from {list(PARTS)}.")
-    if (tiny or device != "cuda") and profile:
-        raise SystemExit("--profile true needs a CUDA GPU (the profile is of CUDA kernels).")
     if tiny:
         shape, device = "tiny", "cpu"
         prefill_lengths, packed_prefill, repeats, decode_tokens = [256, 512], (2, 256), 1, 4
@@ -349,8 +311,6 @@ def main(
     name = device_description(device)
     peak = peak_tflops or next((v for k, v in PEAK_BF16_TFLOPS.items() if k in name), None)
     model, l = random_swiftkv_model(shape, num_key_value_layers, device, dtype, 1, num_hidden_layers)
-    if profile:
-        return profile_prefill(model)
     result = {"shape": shape, "num_key_value_layers": l, "num_hidden_layers": model.config.num_hidden_layers,
               "device": name, "peak_bf16_tflops": peak, "versions": stack_versions(),
               "command": shlex.join(["python3", "benchmarks/gpu.py", *sys.argv[1:]])}  # fmt: skip
@@ -370,11 +330,12 @@ def main(
             distill_rows_per_step, distill_row_tokens, distill_segments, distill_steps + 2, device, dataset
         )
         result["distill"] = []
-        for frozen in ("fp32", "bf16"):
+        for frozen_dtype in frozen or ("fp32", "bf16"):
             model, _ = random_swiftkv_model(shape, l, device, torch.float32, 1, num_hidden_layers)
-            if frozen == "bf16":
+            if frozen_dtype == "bf16":
                 cast_frozen(model, torch.bfloat16)
-            rows = distill_rows(model.train(), batches, distill_steps, 1, peak, frozen, logits_chunk_size)
+            rows = distill_rows(model.train(), batches, distill_steps, 1, peak, frozen_dtype, logits_chunk_size,
+                                activation_checkpointing)  # fmt: skip
             result["distill"] += rows
             del model
     out = out or RESULTS / f"gpu-{shape}"

@@ -179,6 +179,35 @@ def test_the_student_layers_keep_less_for_backward_with_the_same_gradients(famil
     assert plain_kept - lean_kept >= 2 * mlp_wide, (lean_kept, plain_kept)
 
 
+def test_hf_gradient_checkpointing_recomputes_the_layers_with_the_same_gradients(family):
+    """HF's ``gradient_checkpointing_enable`` on a SwiftKV model (what distillation's ``activation_checkpointing``
+    sets): the layers keep only their inputs for the backward pass and recompute the rest, the student's lean
+    layers included; the loss and every gradient are exactly those without it, with less memory at the peak."""
+    from swiftkv_core.runtime import PeakMemory
+
+    _, model = swift(family, l=2, g=1)
+    model.train()
+    ids = torch.randint(0, 128, (2, 96))
+
+    def run():
+        model.zero_grad(set_to_none=True)
+        with PeakMemory("cpu") as meter:  # what the step creates: activations, temporaries, gradients
+            loss = model(ids, use_cache=False).logits.float().pow(2).mean()
+            loss.backward()
+        return loss, {n: p.grad for n, p in model.named_parameters() if p.grad is not None}, meter.peak_bytes
+
+    plain_loss, plain_grads, plain_peak = run()
+    model.gradient_checkpointing_enable({"use_reentrant": False})
+    loss, grads, peak = run()
+    assert torch.equal(loss, plain_loss) and grads.keys() == plain_grads.keys() and grads
+    for name, grad in plain_grads.items():
+        assert_close(grads[name], grad, rtol=0, atol=0, msg=name)
+    # the peak (in the backward pass, the weights' gradients growing as the layers' activations are freed) holds at
+    # least the gate and up projections' outputs of one layer (fp32) less
+    mlp_wide = ids.numel() * model.config.intermediate_size * 4
+    assert plain_peak - peak >= 2 * mlp_wide, (plain_peak, peak)
+
+
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
 def test_each_module_is_built_once_and_matches_hf(family, monkeypatch):
     """No stock model, decoder layer or attention is built and then replaced; the result has HF's structure."""

@@ -1,5 +1,6 @@
 """Two CPU processes (gloo), FSDP2 through Lightning's ModelParallelStrategy, launched like a cluster job
-(`fabric run apps/distill.py`): the same losses and the same distilled weights as one unsharded process."""
+(`fabric run apps/distill.py`, `lightning run` before Lightning 2.6), with activation checkpointing: the same
+losses and the same distilled weights as one unsharded process without it."""
 
 import csv
 import os
@@ -16,7 +17,7 @@ from safetensors.torch import load_file
 ROOT = Path(__file__).parents[2]
 
 
-def _config(tmp_path, tiny_model, text_file, name, batch_size, strategy, checkpoint_dir=None):
+def _config(tmp_path, tiny_model, text_file, name, batch_size, strategy, checkpoint_dir=None, recompute=0):
     out = tmp_path / name
     config = {
         "seed_everything": 0,
@@ -70,6 +71,7 @@ def _config(tmp_path, tiny_model, text_file, name, batch_size, strategy, checkpo
             # fitted before step 1 from each rank's share of the rows (FSDP2: into sharded parameters); the
             # summed normal equations must give the single-process weights, or the first losses would differ
             "kv_init": "least_squares",
+            "activation_checkpointing": recompute,  # the sharded runs recompute every layer in the backward
         },
         "data": {
             "train_files": [str(text_file)],
@@ -104,7 +106,7 @@ def test_two_process_fsdp2_matches_single_process(tmp_path, tiny_model, text_fil
     }
     single_cfg, single_out = _config(tmp_path, tiny_model, text_file, "single", batch_size=4, strategy="auto")
     sharded_cfg, sharded_out = _config(
-        tmp_path, tiny_model, text_file, "sharded", batch_size=2, strategy=fsdp2
+        tmp_path, tiny_model, text_file, "sharded", batch_size=2, strategy=fsdp2, recompute=1
     )
     app = str(ROOT / "apps" / "distill.py")
     subprocess.run(
@@ -125,7 +127,9 @@ def test_two_process_fsdp2_matches_single_process(tmp_path, tiny_model, text_fil
 
     # interrupted after 2 steps (sharded checkpoint), resumed to 4: the same weights as the uninterrupted run
     ckpt_dir = tmp_path / "ckpt"
-    part_cfg, part_out = _config(tmp_path, tiny_model, text_file, "part", 2, fsdp2, checkpoint_dir=ckpt_dir)
+    part_cfg, part_out = _config(
+        tmp_path, tiny_model, text_file, "part", 2, fsdp2, checkpoint_dir=ckpt_dir, recompute=1
+    )
     launch = [fabric, "run", "--accelerator", "cpu", "--devices", "2", app, "--config", str(part_cfg)]
     subprocess.run([*launch, "--trainer.max_steps", "2"], check=True, env=env, cwd=tmp_path, timeout=300)
     assert (ckpt_dir / "last.ckpt").is_dir()  # a distributed checkpoint: one shard file per rank

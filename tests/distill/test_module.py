@@ -243,6 +243,42 @@ def test_bad_kv_init_and_position_fraction_are_refused(tiny_model):
         SwiftKVDistillation(str(tiny_model), num_key_value_layers=2, kv_init="random")
     with pytest.raises(ValueError, match="position_fraction must be in"):
         SwiftKVDistillation(str(tiny_model), num_key_value_layers=2, position_fraction=0.0)
+    with pytest.raises(ValueError, match="activation_checkpointing must be an integer >= 0"):
+        SwiftKVDistillation(str(tiny_model), num_key_value_layers=2, activation_checkpointing=True)
+
+
+def test_activation_checkpointing_gives_the_same_step(tiny_model):
+    """activation_checkpointing=1: the student's layers >= l are recomputed in the backward pass (HF's gradient
+    checkpointing), the layers < l still run without a graph; the loss and the gradients are the same."""
+    batch = collate(pack([[5, 17, 300, 42, 9, 8], [77, 1000, 3, 4, 5], [12, 13, 14, 15]], max_length=8), 0, 8)
+    results = []
+    for every in (0, 1):
+        module = SwiftKVDistillation(str(tiny_model), num_key_value_layers=2, activation_checkpointing=every)
+        module.configure_model()
+        model = module.swiftkv_model
+        assert [layer.gradient_checkpointing for layer in model.model.layers] == [bool(every)] * 4
+        torch.manual_seed(0)
+        with torch.no_grad():  # make the student differ from the teacher
+            for name, p in model.named_parameters():
+                if is_swiftkv_parameter(name):
+                    p.add_(0.05 * torch.randn_like(p))
+        recomputed = []
+        model.model.layers[3].mlp.gate_proj.register_forward_hook(lambda *_, seen=recomputed: seen.append(1))
+        prefix_graph = []
+        model.model.layers[1].register_forward_hook(
+            lambda m, a, out, seen=prefix_graph: seen.append(out.requires_grad)
+        )
+        out = module.step(batch, 1.0 / batch["loss_mask"].sum())
+        out["loss"].backward()
+        assert prefix_graph == [False]  # the prefix ran once, without a graph
+        assert len(recomputed) == 2 + every  # teacher, student, and the student's recompute
+        results.append((out["loss"], {n: p.grad for n, p in model.named_parameters() if p.grad is not None}))
+    (plain_loss, plain_grads), (loss, grads) = results
+    assert_close = torch.testing.assert_close
+    assert_close(loss, plain_loss, rtol=0, atol=0)
+    assert grads.keys() == plain_grads.keys() and grads
+    for name, grad in plain_grads.items():
+        assert_close(grads[name], grad, rtol=0, atol=0, msg=name)
 
 
 def test_distillation_step_timer_waits_for_the_device(monkeypatch, tiny_model, text_file, tmp_path):

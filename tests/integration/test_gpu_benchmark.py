@@ -11,6 +11,7 @@ import pytest
 
 ROOT = Path(__file__).parents[2]
 OURS, WHOLE = "ours, dense mask (sdpa)", "whole teacher + whole student (sdpa)"
+AC = " + activation checkpointing"
 
 
 @pytest.fixture(scope="module")
@@ -19,7 +20,7 @@ def tiny_result(tmp_path_factory):
     benchmark = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(benchmark)
     out = tmp_path_factory.mktemp("gpu") / "gpu-tiny-3.1"  # a dot in the name, as in gpu-llama-3.1-8b
-    benchmark.main(tiny=True, out=out)
+    benchmark.main(tiny=True, out=out, activation_checkpointing=True)
     json_path, md_path = out.parent / f"{out.name}.json", out.parent / f"{out.name}.md"
     return json.loads(json_path.read_text()), md_path.read_text()
 
@@ -50,7 +51,7 @@ def test_kv_bytes_are_what_a_real_cache_holds(tiny_result):
 def test_distillation_step_rows_compare_against_the_whole_teacher_and_student(tiny_result):
     result, markdown = tiny_result
     rows = {(r["setup"], r["frozen"]): r for r in result["distill"]}
-    setups = (OURS, WHOLE)  # CPU: no flex_attention backward
+    setups = (OURS, OURS + AC, WHOLE, WHOLE + AC)  # CPU: no flex_attention backward
     assert set(rows) == {(s, f) for s in setups for f in ("fp32", "bf16")}  # teacher weights in fp32, in bf16
     for frozen in ("fp32", "bf16"):
         assert rows[WHOLE, frozen]["speed_vs_whole_x"] == 1
@@ -63,4 +64,7 @@ def test_distillation_step_rows_compare_against_the_whole_teacher_and_student(ti
         whole, ours = rows[WHOLE, frozen]["peak_gib"], rows[OURS, frozen]["peak_gib"]
         assert min(whole, ours) * 2**30 > 512 * 49152 * 4
         assert ours < whole  # chunked logits: never the whole batch's
+        for setup in (OURS, WHOLE):  # the recomputed layers keep less; the model FLOPs (MFU's) exclude them
+            assert rows[setup + AC, frozen]["peak_gib"] < rows[setup, frozen]["peak_gib"]
+            assert rows[setup + AC, frozen]["step_tflop"] == rows[setup, frozen]["step_tflop"]
     assert "## Distillation step" in markdown and result["command"].startswith("python3 benchmarks/gpu.py")

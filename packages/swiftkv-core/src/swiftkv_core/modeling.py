@@ -203,19 +203,21 @@ class SwiftKVDecoderLayerMixin:
         (training) it keeps less for the backward pass: the norms and the MLP's activation keep only their inputs
         and recompute the rest in the backward (the same values and gradients; an elementwise pass each), where
         autograd would keep their fp32 intermediates and three MLP-wide tensors: a quarter of the activation memory
-        of every layer ``>= l``, the memory that grows with the tokens of a distillation step."""
+        of every layer ``>= l``, the memory that grows with the tokens of a distillation step. Under HF's gradient
+        checkpointing the whole layer is recomputed already, and these run plainly."""
         student = swiftkv_key_value is not None if self.swiftkv_layer else self.self_attn.config.swiftkv
         if not (student and (swiftkv_key_value is not None or hasattr(self.mlp, "gate_proj" + LORA_SUFFIX))):
             return super().forward(hidden_states, **kwargs)
+        lean = _called if self.gradient_checkpointing and self.training else _recomputed
         attended, _ = self.self_attn(
-            hidden_states=_recomputed(self.input_layernorm, hidden_states),
+            hidden_states=lean(self.input_layernorm, hidden_states),
             swiftkv_key_value=swiftkv_key_value,
             **kwargs,
         )
         hidden_states = hidden_states + attended
-        x, mlp = _recomputed(self.post_attention_layernorm, hidden_states), self.mlp
+        x, mlp = lean(self.post_attention_layernorm, hidden_states), self.mlp
         gate, up = _adapted(mlp, "gate_proj", x), _adapted(mlp, "up_proj", x)
-        inner = _recomputed(lambda gate, up: mlp.act_fn(gate) * up, gate, up)
+        inner = lean(lambda gate, up: mlp.act_fn(gate) * up, gate, up)
         return hidden_states + _adapted(mlp, "down_proj", inner)
 
 
@@ -225,6 +227,10 @@ def _recomputed(function, *inputs: torch.Tensor) -> torch.Tensor:
     if not torch.is_grad_enabled():
         return function(*inputs)
     return checkpoint(function, *inputs, use_reentrant=False)
+
+
+def _called(function, *inputs: torch.Tensor) -> torch.Tensor:
+    return function(*inputs)
 
 
 class SwiftKVModelMixin:

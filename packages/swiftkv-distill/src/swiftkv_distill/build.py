@@ -44,6 +44,44 @@ def attention_for(device: torch.device | str, requested: str = "auto") -> str:
     return "flash_attention_2" if importlib.util.find_spec("flash_attn") is not None else "flex_attention"
 
 
+def check_frozen_dtype(frozen: str, trainer, sharded: bool) -> None:
+    """Frozen weights in another dtype than the trained ones need autocast (a mixed precision) and one device
+    (``trainer``: the Lightning trainer, or None; ``sharded``: whether the module has an FSDP2 device mesh)."""
+    precision = str(trainer.precision) if trainer is not None else "32-true"
+    if not precision.endswith("-mixed"):
+        raise ValueError(
+            f"frozen_dtype={frozen} needs a mixed precision (trainer.precision bf16-mixed), got {precision}: "
+            f"set trainer.precision: bf16-mixed, or drop model.frozen_dtype."
+        )
+    if sharded or (trainer is not None and trainer.world_size > 1):
+        strategy = trainer.strategy.__class__.__name__ if trainer is not None else "FSDP2"
+        raise ValueError(
+            f"frozen_dtype={frozen} runs on one device (FSDP2 shards parameters of one dtype), got {strategy}: "
+            f"drop model.frozen_dtype, or set model.model_dtype: {frozen}."
+        )
+
+
+def check_activation_checkpointing(every_n_layers: int) -> None:
+    if not isinstance(every_n_layers, int) or isinstance(every_n_layers, bool) or every_n_layers < 0:
+        raise ValueError(
+            f"activation_checkpointing must be an integer >= 0 (0: off, 1: every layer, n: every n-th), got "
+            f"{every_n_layers!r}."
+        )
+
+
+def checkpoint_activations(model, every_n_layers: int) -> None:
+    """Activation checkpointing (HF's gradient checkpointing, non-reentrant) of every ``every_n_layers``-th decoder
+    layer (0: none): a layer run with a graph keeps only its input and recomputes the rest in the backward pass.
+    In a distillation step only the student's layers >= l run with a graph: per token and layer >= l, its
+    activations less (a layer's input kept instead) for one more forward of it."""
+    check_activation_checkpointing(every_n_layers)
+    if every_n_layers:
+        model.gradient_checkpointing_enable({"use_reentrant": False}, every_n_layers=every_n_layers)
+        # HF makes the embeddings' output require grad, for reentrant checkpoints; without it the layers < l keep
+        # running without a graph (nothing there trains; non-reentrant checkpoints need no such input)
+        model.disable_input_require_grads()
+
+
 def check_lora(lora_rank: int, lora_prefix: bool) -> None:
     """The adapters' settings (``model.lora_rank`` / ``model.lora_prefix``), checked before any weight is loaded."""
     if not isinstance(lora_rank, int) or isinstance(lora_rank, bool) or lora_rank < 0:

@@ -21,7 +21,15 @@ from swiftkv_core.kv_init import KVLeastSquares
 from swiftkv_core.runtime import Stopwatch
 from swiftkv_core.weights import cast_frozen
 
-from .build import attention_for, build_swiftkv_model, check_lora, cpu_precision
+from .build import (
+    attention_for,
+    build_swiftkv_model,
+    check_activation_checkpointing,
+    check_frozen_dtype,
+    check_lora,
+    checkpoint_activations,
+    cpu_precision,
+)
 from .schedule import FIRST_STEP_FLOOR, lr_factor, run_progress
 from .step import DistillationStep, LossSettings, ValidationMetrics, is_trained_name
 
@@ -76,6 +84,10 @@ class SwiftKVDistillation(L.LightningModule):
             token (loss.py). 0 (default): pure KL (measurements: benchmarks/results/recipe-notes.md).
         lora_rank: rank of student-only adapters on o_proj and the MLP of layers >= l (0: Q/K/V only).
         lora_prefix: adapters on the MLP of layers ``< l`` too (the prefix then runs twice per step).
+        activation_checkpointing: recompute the activations of every n-th decoder layer in the backward pass
+            instead of keeping them (0: off; 1: every layer). Only the student's layers >= l run with a graph: with
+            1 each keeps its input alone (``build.checkpoint_activations``), for one more forward of those layers
+            per step. For long rows and large models (the 70B recipe); measured in distill-memory-cpu-8b-widths.md.
     """
 
     def __init__(
@@ -107,6 +119,7 @@ class SwiftKVDistillation(L.LightningModule):
         hard_label_weight: float = 0.0,
         lora_rank: int = 0,
         lora_prefix: bool = False,
+        activation_checkpointing: int = 0,
     ):
         super().__init__()
         if kv_init not in _KV_INITS:
@@ -118,6 +131,7 @@ class SwiftKVDistillation(L.LightningModule):
         if not 0 < position_fraction <= 1:
             raise ValueError(f"position_fraction must be in (0, 1], got {position_fraction}.")
         check_lora(lora_rank, lora_prefix)  # these and an unknown attention fail before any weight is loaded
+        check_activation_checkpointing(activation_checkpointing)
         attention_for("cpu", attn_implementation)
         for name, value in (("model_dtype", model_dtype), ("frozen_dtype", frozen_dtype or model_dtype)):
             if value not in _DTYPES:
@@ -162,26 +176,12 @@ class SwiftKVDistillation(L.LightningModule):
             hp.lora_prefix,
         )
         model.train()  # dropout is 0 in these families; train() only matters for the module flags
+        checkpoint_activations(model, hp.activation_checkpointing)
         if hp.frozen_dtype not in (None, hp.model_dtype):
-            self._check_frozen_dtype()
+            check_frozen_dtype(hp.frozen_dtype, self._trainer, self.device_mesh is not None)
             cast_frozen(model, _DTYPES[hp.frozen_dtype])
         head = EarlyExitHead.from_model(model) if hp.early_exit else None
         return DistillationStep(model, self.loss_settings, head)
-
-    def _check_frozen_dtype(self) -> None:
-        """Frozen weights in another dtype than the trained ones need autocast (a mixed precision) and one device."""
-        trainer, frozen = self._trainer, self.hparams.frozen_dtype
-        precision = str(trainer.precision) if trainer is not None else "32-true"
-        if not precision.endswith("-mixed"):
-            raise ValueError(
-                f"frozen_dtype={frozen} needs a mixed precision (trainer.precision bf16-mixed), got {precision}: "
-                f"set trainer.precision: bf16-mixed, or drop model.frozen_dtype."
-            )
-        if self.device_mesh is not None or (trainer is not None and trainer.world_size > 1):
-            raise ValueError(
-                f"frozen_dtype={frozen} runs on one device (FSDP2 shards parameters of one dtype), got "
-                f"{trainer.strategy.__class__.__name__}: drop model.frozen_dtype, or set model.model_dtype: {frozen}."
-            )
 
     def configure_model(self) -> None:
         if self.step is not None:
