@@ -295,6 +295,8 @@ def main(
     parts = list(parts or PARTS)
     if unknown := set(parts) - set(PARTS):
         raise SystemExit(f"--parts: unknown {sorted(unknown)}; choose from {list(PARTS)}.")
+    if unknown := set(frozen or ()) - {"fp32", "bf16"}:
+        raise SystemExit(f"--frozen: unknown {sorted(unknown)}; choose from ['fp32', 'bf16'].")
     if tiny:
         shape, device = "tiny", "cpu"
         prefill_lengths, packed_prefill, repeats, decode_tokens = [256, 512], (2, 256), 1, 4
