@@ -187,15 +187,17 @@ def distill_rows(
         return F.kl_div(F.log_softmax(student, -1), F.log_softmax(teacher, -1), log_target=True,
                         reduction="batchmean") * temperature**2  # fmt: skip
 
-    # sdpa on a CPU (PyTorch's flex_attention has no CPU backward): one row less there
-    packed = attention_for(device)
-    setups = dict.fromkeys([(ours, "sdpa", 0), (ours, packed, 0), *[(ours, packed, 1)] * checkpointing,
-                            (whole, "sdpa", 0), *[(whole, "sdpa", 1)] * checkpointing])  # fmt: skip
+    packed = attention_for(device)  # sdpa on a CPU (PyTorch's flex_attention has no CPU backward)
+    setups = [("ours, dense mask", ours, "sdpa", 0)]
+    if packed != "sdpa":
+        setups.append(("ours, packed", ours, packed, 0))
+    setups.append(("whole teacher + whole student", whole, "sdpa", 0))
+    if checkpointing:  # ours (its fastest attention) and the whole again, every layer recomputed
+        setups += [(label, fn, attention, 1) for label, fn, attention, _ in setups[-2:]]
     trainable = [p for p in model.parameters() if p.requires_grad]
     rows = []
-    for loss_fn, attention, every in setups:
-        name = ("ours, " + ("dense mask" if attention == "sdpa" else "packed") if loss_fn is ours else
-                "whole teacher + whole student") + f" ({attention})" + " + activation checkpointing" * every  # fmt: skip
+    for label, loss_fn, attention, every in setups:
+        name = f"{label} ({attention})" + " + activation checkpointing" * every
         model.config._attn_implementation = attention
         checkpoint_activations(model, every)
         optimizer = torch.optim.AdamW(trainable, lr=1e-5)

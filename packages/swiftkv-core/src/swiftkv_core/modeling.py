@@ -388,9 +388,8 @@ class SwiftKVModelMixin:
         config = self.config
         swiftkv_input = self.norm_swiftkv(hidden)
         device = swiftkv_input.device.type
-        if torch.is_autocast_enabled(
-            device
-        ):  # cast once (one copy kept for the backward), not per projection
+        # under autocast, cast once (one copy kept for the backward), not once per layer's projection
+        if torch.is_autocast_enabled(device):
             swiftkv_input = swiftkv_input.to(torch.get_autocast_dtype(device))
         key_values = {}
         for j in config.kv_group_leaders:
