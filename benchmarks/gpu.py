@@ -10,7 +10,8 @@ distillation batches are real text (Brown prose, the default tokenizer) packed i
 
 - prefill, SwiftKV off vs on (the same weights: ``model.swiftkv(False)`` is the original model), at each prompt
   length and one packed batch of rows: seconds (median, timers synchronised with the device), speed-up, the FLOPs
-  bound (``swiftkv_core.flops``, causal attention), achieved TFLOP/s of each side;
+  bound (``swiftkv_core.flops``, causal attention), achieved TFLOP/s of each side; ``--prefill_compile
+  reduce-overhead``: again with the whole forward compiled (a CUDA graph per prompt shape and side);
 - decode: time per output token after a prefill, off vs on (SwiftKV must not slow decoding);
 - KV cache: bytes per token of the original model and of SwiftKV at g = 1, 2, 4, in bf16 and FP8 (analytic, and
   the bytes a real cache holds after a prefill);
@@ -39,25 +40,57 @@ RESULTS = Path(__file__).parent / "results"
 PEAK_BF16_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0, "L40S": 362.0}  # dense, vendors' datasheets
 
 
-def prefill_rows(model, lengths: list[int], packed: tuple[int, int], repeats: int) -> list[dict]:
+COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+
+
+def prefill_rows(
+    model, lengths: list[int], packed: tuple[int, int], repeats: int, compile_mode: str | None = None
+) -> list[dict]:
+    """The prefill cases, SwiftKV off vs on; with ``compile_mode``, the whole forward ``torch.compile``d in that
+    mode on both sides, one graph per prompt shape and side (``reduce-overhead``: replayed as a CUDA graph), its
+    logits checked against the eager forward's first; three warm-ups (compile, then record the CUDA graph)."""
     from swiftkv_core.flops import ModelShape, prefill_flops_total
     from swiftkv_core.generation import time_prefill_off_on
 
     shape, l = ModelShape.from_config(model.config), model.config.num_key_value_layers
     cases = [(1, n) for n in lengths] + [packed]
+    forward, warmup = None, 1
+    if compile_mode:  # fullgraph: a graph break fails, never splits the forward (and CUDA graph) silently
+        forward, warmup = torch.compile(model, mode=compile_mode, dynamic=False, fullgraph=True), 3
     rows = []
     for batch, length in cases:
         ids = torch.randint(100, model.config.vocab_size - 100, (batch, length), device=model.device)
-        times = {on: statistics.median(t) for on, t in time_prefill_off_on(model, ids, repeats).items()}
+        if forward is not None:
+            check_compiled_prefill(model, forward, ids)
+        with torch._dynamo.config.patch(recompile_limit=64):  # one graph per shape and side, never eager
+            measured = time_prefill_off_on(model, ids, repeats, warmup, forward)
+        times = {on: statistics.median(t) for on, t in measured.items()}
         flops = {on: prefill_flops_total(shape, length, l if on else None, attention="causal", batch_size=batch)
                  for on in (False, True)}  # fmt: skip
         rows.append({
-            "prompt": f"{batch} x {length}" if batch > 1 else str(length), "off_s": times[False], "on_s": times[True],
+            "prompt": f"{batch} x {length}" if batch > 1 else str(length), "forward": compile_mode or "eager",
+            "off_s": times[False], "on_s": times[True],
             "speedup_x": times[False] / times[True], "flops_bound_x": flops[False] / flops[True],
             "off_tflops": flops[False] / times[False] / 1e12, "on_tflops": flops[True] / times[True] / 1e12,
         })  # fmt: skip
         print(json.dumps(rows[-1]), flush=True)
     return rows
+
+
+@torch.inference_mode()
+def check_compiled_prefill(model, forward, ids: torch.Tensor) -> None:
+    """Refuse to time a compiled forward whose last-position logits (SwiftKV off and on) are not the eager ones
+    (called as the timed prefill calls it: the compiled graph is the one timed)."""
+    from swiftkv_core.kv_cache import make_kv_cache
+
+    tolerance = 0.05 if model.dtype == torch.bfloat16 else 1e-3
+    for on in (False, True):
+        model.swiftkv(on)
+        eager, compiled = (f(ids, past_key_values=make_kv_cache(model.config, "auto"), use_cache=True,
+                             logits_to_keep=1).logits.float() for f in (model, forward))  # fmt: skip
+        if not torch.allclose(compiled, eager, atol=tolerance * eager.abs().max().item()):
+            raise SystemExit(f"the compiled forward's logits differ from the eager ones with swiftkv({on}).")
+    model.swiftkv(True)
 
 
 @torch.inference_mode()
@@ -92,13 +125,9 @@ def kv_bytes(
 
     rows = []
     for g in (1, 2, 4):
-        model, _ = (
-            random_swiftkv_model(shape_name, l, device, dtype, g, layers)
-            if ((layers or SHAPES[shape_name]["num_hidden_layers"]) - l) % g == 0
-            else (None, l)
-        )
-        if model is None:
-            continue
+        if ((layers or SHAPES[shape_name]["num_hidden_layers"]) - l) % g:
+            continue  # the layers >= l do not split into groups of g
+        model, _ = random_swiftkv_model(shape_name, l, device, dtype, g, layers)
         shape = ModelShape.from_config(model.config)
         ids = torch.randint(100, model.config.vocab_size - 100, (1, prompt), device=device)
         for cache_dtype in ("auto", "fp8"):
@@ -254,6 +283,7 @@ def main(
     parts: list[str] | None = None,
     prefill_lengths: list[int] | None = None,
     packed_prefill: tuple[int, int] = (8, 2048),
+    prefill_compile: str | None = None,
     repeats: int = 5,
     decode_tokens: int = 64,
     distill_rows_per_step: int = 1,
@@ -279,6 +309,8 @@ def main(
         parts: which measurements (default all): prefill, decode, kv_cache, distill.
         prefill_lengths: prompt lengths (default 2048, 8192, 32768).
         packed_prefill: rows x tokens of the batched prefill.
+        prefill_compile: also the prefill cases with the whole forward torch.compiled in this mode, on both sides
+            (reduce-overhead: a CUDA graph per prompt shape; one compile per shape and side).
         repeats: timed prefills per side and case (the median is reported).
         decode_tokens: one-token decode steps timed per side.
         distill_rows_per_step: rows per distillation step.
@@ -299,9 +331,11 @@ def main(
         raise SystemExit(f"--parts: unknown {sorted(unknown)}; choose from {list(PARTS)}.")
     if unknown := set(frozen or ()) - {"fp32", "bf16"}:
         raise SystemExit(f"--frozen: unknown {sorted(unknown)}; choose from ['fp32', 'bf16'].")
+    if prefill_compile not in (None, *COMPILE_MODES):
+        raise SystemExit(f"--prefill_compile {prefill_compile!r}: choose one of {list(COMPILE_MODES)}.")
     if tiny:
         shape, device = "tiny", "cpu"
-        prefill_lengths, packed_prefill, repeats, decode_tokens = [256, 512], (2, 256), 1, 4
+        prefill_lengths, packed_prefill, repeats, decode_tokens = [256], (2, 256), 1, 4
         distill_rows_per_step, distill_row_tokens, distill_segments, distill_steps = 2, 256, 4, 2
     elif device == "cuda" and not torch.cuda.is_available():
         raise SystemExit(
@@ -321,6 +355,8 @@ def main(
     if "prefill" in parts:
         lengths = prefill_lengths or [2048, 8192, 32768]
         result["prefill"] = prefill_rows(model, lengths, tuple(packed_prefill), repeats)
+        if prefill_compile:
+            result["prefill"] += prefill_rows(model, lengths, tuple(packed_prefill), repeats, prefill_compile)
     if "decode" in parts:
         result["decode"] = decode_tpot(model, prefill_lengths[0] if prefill_lengths else 2048, decode_tokens)
     del model
@@ -369,9 +405,9 @@ def markdown(r: dict) -> str:
         lines += [
             "## Prefill (HF, SwiftKV off vs on, the same weights; median)",
             "",
-            "| prompt | off (ms) | on (ms) | speed-up | FLOPs bound | of the bound | off TFLOP/s | on TFLOP/s |",
-            "|---|---|---|---|---|---|---|---|",
-            *(f"| {p['prompt']} | {1e3 * p['off_s']:.1f} | {1e3 * p['on_s']:.1f} | {p['speedup_x']:.2f}x | "
+            "| prompt | forward | off (ms) | on (ms) | speed-up | FLOPs bound | of the bound | off TFLOP/s | on TFLOP/s |",
+            "|---|---|---|---|---|---|---|---|---|",
+            *(f"| {p['prompt']} | {p['forward']} | {1e3 * p['off_s']:.1f} | {1e3 * p['on_s']:.1f} | {p['speedup_x']:.2f}x | "
               f"{p['flops_bound_x']:.2f}x | {p['speedup_x'] / p['flops_bound_x']:.0%} | {p['off_tflops']:.3g} | "
               f"{p['on_tflops']:.3g} |" for p in r["prefill"]),
             "",

@@ -20,19 +20,25 @@ def tiny_result(tmp_path_factory):
     benchmark = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(benchmark)
     out = tmp_path_factory.mktemp("gpu") / "gpu-tiny-3.1"  # a dot in the name, as in gpu-llama-3.1-8b
-    benchmark.main(tiny=True, out=out, activation_checkpointing=True)
+    benchmark.main(tiny=True, out=out, activation_checkpointing=True, prefill_compile="default")
     json_path, md_path = out.parent / f"{out.name}.json", out.parent / f"{out.name}.md"
     return json.loads(json_path.read_text()), md_path.read_text()
 
 
 def test_prefill_rows_hold_both_sides_and_their_bound(tiny_result):
     result, markdown = tiny_result
-    assert [p["prompt"] for p in result["prefill"]] == ["256", "512", "2 x 256"]
+    cases = [
+        "256",
+        "2 x 256",
+    ]  # eager, then the whole forward compiled (its logits checked against the eager ones)
+    assert [(p["forward"], p["prompt"]) for p in result["prefill"]] == [
+        (f, c) for f in ("eager", "default") for c in cases
+    ]
     for p in result["prefill"]:
         assert p["speedup_x"] == pytest.approx(p["off_s"] / p["on_s"])
         assert 1 < p["flops_bound_x"] < 2  # l = L/2: at most half the prefill FLOPs saved
         assert p["off_tflops"] > 0 and p["on_tflops"] > 0
-        assert f"| {p['prompt']} | {1e3 * p['off_s']:.1f} |" in markdown
+        assert f"| {p['prompt']} | {p['forward']} | {1e3 * p['off_s']:.1f} |" in markdown
     assert result["decode"]["on_over_off"] == pytest.approx(
         result["decode"]["on_s"] / result["decode"]["off_s"]
     )

@@ -54,19 +54,26 @@ def sample_prompt_ids(tokenizer, num_tokens: int) -> torch.Tensor:
 
 @torch.inference_mode()
 def time_prefill(
-    model, input_ids: torch.Tensor, repeats: int = 3, warmup: int = 1, kv_cache_dtype: str = "auto"
+    model,
+    input_ids: torch.Tensor,
+    repeats: int = 3,
+    warmup: int = 1,
+    kv_cache_dtype: str = "auto",
+    forward=None,
 ) -> float:
     """Median seconds of a prefill (with KV cache, last-position logits only, as ``generate`` runs it), the device's
     queued work included (``runtime.timed``).
 
-    ``kv_cache_dtype``: ``"auto"`` (the model's dtype) or ``"fp8"`` (``kv_cache.FP8KVCache``).
+    ``kv_cache_dtype``: ``"auto"`` (the model's dtype) or ``"fp8"`` (``kv_cache.FP8KVCache``). ``forward``: what runs
+    the prefill, default the model itself; e.g. ``torch.compile(model)`` (whose first calls compile: warm it up).
     """
     check_kv_cache_dtype(kv_cache_dtype)
+    forward = model if forward is None else forward
     times = []
     for i in range(warmup + repeats):
         cache = make_kv_cache(model.config, kv_cache_dtype)
         seconds = timed(
-            lambda cache=cache: model(input_ids, past_key_values=cache, use_cache=True, logits_to_keep=1),
+            lambda cache=cache: forward(input_ids, past_key_values=cache, use_cache=True, logits_to_keep=1),
             input_ids.device,
         )
         if i >= warmup:
@@ -74,14 +81,17 @@ def time_prefill(
     return sorted(times)[len(times) // 2]
 
 
-def time_prefill_off_on(model, input_ids: torch.Tensor, repeats: int = 3) -> dict[bool, list[float]]:
-    """Seconds of ``repeats`` prefills of a SwiftKV model with SwiftKV off (``False``) and on (``True``): one
-    warm-up each, then interleaved, so machine noise hits both alike. The model is left with SwiftKV on."""
-    for enabled in (False, True):
-        time_prefill(model.swiftkv(enabled), input_ids, repeats=1, warmup=0)
+def time_prefill_off_on(
+    model, input_ids: torch.Tensor, repeats: int = 3, warmup: int = 1, forward=None
+) -> dict[bool, list[float]]:
+    """Seconds of ``repeats`` prefills of a SwiftKV model with SwiftKV off (``False``) and on (``True``): ``warmup``
+    prefills each, then interleaved, so machine noise hits both alike. ``forward``: as in ``time_prefill``. The
+    model is left with SwiftKV on."""
     times: dict[bool, list[float]] = {False: [], True: []}
-    for _ in range(repeats):
+    for i in range(warmup + repeats):
         for enabled in (False, True):
-            times[enabled].append(time_prefill(model.swiftkv(enabled), input_ids, repeats=1, warmup=0))
+            seconds = time_prefill(model.swiftkv(enabled), input_ids, repeats=1, warmup=0, forward=forward)
+            if i >= warmup:
+                times[enabled].append(seconds)
     model.swiftkv(True)
     return times
