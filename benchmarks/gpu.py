@@ -18,7 +18,8 @@ distillation batches are real text (Brown prose, the default tokenizer) packed i
 - the distillation step: ours (layers < l once, teacher and student suffixes, chunked KL; packed rows through sdpa's
   dense mask and through the device's packed attention, flex_attention or flash-attn) against a whole teacher + a
   whole student forward on the same weights: tokens/s, peak memory and MFU (the step's FLOPs, counted by torch's
-  FlopCounterMode, over the device's dense bf16 peak).
+  FlopCounterMode, over the device's dense bf16 peak), measured by ``swiftkv_distill.bench``;
+  ``--activation_checkpointing true`` / ``--compile_layers true``: both again with every layer recomputed / compiled.
 
 Writes ``benchmarks/results/gpu-<shape>.{json,md}`` (or ``--out``). Where a 2k prefill spends its time:
 ``benchmarks/gpu_profile.py``.
@@ -144,133 +145,6 @@ def kv_bytes(
     return [{**r, "vs_original": r["bytes_per_token"] / base} for r in rows]
 
 
-def packed_batches(
-    rows: int, row_tokens: int, segments: int, count: int, device: str, dataset: str = "brown_train"
-) -> list[dict]:
-    """``count`` batches of ``rows`` rows of ``row_tokens`` tokens, each row ``segments`` documents of real text
-    (an offline data set's records joined, the default tokenizer), positions restarting per document: the recipes'
-    packing."""
-    from transformers import AutoTokenizer
-
-    from swiftkv_core.default_model import default_model_path
-    from swiftkv_distill.corpora import prepare
-    from swiftkv_distill.data import collate, pack
-
-    tokenizer = AutoTokenizer.from_pretrained(default_model_path())
-    document, documents, need = [], [], rows * segments * count
-    for line in prepare(dataset).open():
-        document += tokenizer(json.loads(line)["text"] + "\n\n")["input_ids"]
-        while len(document) >= row_tokens // segments and len(documents) < need:
-            documents.append(document[: row_tokens // segments])
-            document = document[row_tokens // segments :]
-        if len(documents) >= need:
-            break
-    packed = pack(documents, row_tokens)
-    return [{k: v.to(device) for k, v in collate(packed[i * rows : (i + 1) * rows], 0, row_tokens).items()}
-            for i in range(count)]  # fmt: skip
-
-
-def per_sequence(batch: dict) -> dict:
-    """The packed ``batch`` with each of its sequences in a row of its own: the same model FLOPs as attention
-    per packed sequence (what the MFU counts), whatever the attention implementation does with the packing."""
-    starts = (batch["position_ids"] == 0).flatten().nonzero().flatten().tolist()
-    lengths = {b - a for a, b in zip(starts, starts[1:] + [batch["position_ids"].numel()], strict=True)}
-    if len(lengths) != 1:
-        raise ValueError(f"per_sequence needs sequences of one length, got {sorted(lengths)}.")
-    (length,) = lengths
-    return {k: v.reshape(-1, length) for k, v in batch.items()}
-
-
-def distill_rows(
-    model,
-    batches: list[dict],
-    steps: int,
-    warmup: int,
-    peak_tflops: float | None,
-    frozen: str,
-    chunk_size: int,
-    checkpointing: bool = False,
-) -> list[dict]:
-    """Tokens/s, peak memory and MFU of a distillation step: ours (dense-mask sdpa, and the device's packed
-    attention) and a whole teacher + a whole student forward on the same weights (``frozen``: their dtype);
-    ``checkpointing``: also both with activation checkpointing of every layer (``build.checkpoint_activations``)."""
-    import torch.nn.functional as F
-
-    from swiftkv_core.flops import count_flops
-    from swiftkv_core.runtime import PeakMemory, Stopwatch
-    from swiftkv_distill.build import attention_for, checkpoint_activations
-    from swiftkv_distill.step import DistillationStep, LossSettings
-
-    device, temperature = model.device, 2.0
-    step = DistillationStep(model, LossSettings(temperature=temperature, chunk_size=chunk_size))
-
-    def ours(batch):
-        return step(batch, 1.0 / batch["loss_mask"].sum())["loss"]
-
-    def whole(batch):  # the published trainer's structure: two whole forwards, full logits
-        kwargs = dict(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False)
-        mask = batch["loss_mask"]
-        with torch.no_grad(), model.swiftkv_mode(False):
-            teacher = model(**kwargs).logits[mask].float() / temperature
-        student = model(**kwargs).logits[mask].float() / temperature
-        return F.kl_div(F.log_softmax(student, -1), F.log_softmax(teacher, -1), log_target=True,
-                        reduction="batchmean") * temperature**2  # fmt: skip
-
-    packed = attention_for(device)  # sdpa on a CPU (PyTorch's flex_attention has no CPU backward)
-    setups = [("ours, dense mask", ours, "sdpa", 0)]
-    if packed != "sdpa":
-        setups.append(("ours, packed", ours, packed, 0))
-    setups.append(("whole teacher + whole student", whole, "sdpa", 0))
-    if checkpointing:  # ours (its fastest attention) and the whole again, every layer recomputed
-        setups += [(label, fn, attention, 1) for label, fn, attention, _ in setups[-2:]]
-    trainable = [p for p in model.parameters() if p.requires_grad]
-    rows = []
-    for label, loss_fn, attention, every in setups:
-        name = f"{label} ({attention})" + " + activation checkpointing" * every
-        model.config._attn_implementation = attention
-        checkpoint_activations(model, every)
-        optimizer = torch.optim.AdamW(trainable, lr=1e-5)
-
-        def one_step(batch, loss_fn=loss_fn, optimizer=optimizer):
-            with torch.autocast(
-                device.type, dtype=torch.bfloat16, enabled=device.type == "cuda" or frozen != "fp32"
-            ):
-                loss = loss_fn(batch)
-            loss.backward()
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-
-        for batch in batches[:warmup]:
-            one_step(batch)
-        watch = Stopwatch(device).start()
-        for batch in batches[warmup : warmup + steps]:
-            one_step(batch)
-        seconds = watch.stop() / steps
-        # one more step, untimed (a CPU's meter follows every tensor), for the peak tensor memory: weights, optimizer
-        # state, the step's activations, gradients and temporaries
-        state = [t for s in optimizer.state.values() for t in s.values() if torch.is_tensor(t)]
-        with PeakMemory(device, resident=[*model.parameters(), *model.buffers(), *state]) as meter:
-            one_step(batches[warmup + steps])
-        peak_gib = meter.peak_bytes / 2**30
-        # FlopCounterMode sees no FLOPs inside a compiled flex_attention, nor in sdpa's GQA path: count eager's,
-        # without the recomputed layers (the model's FLOPs: what MFU counts)
-        model.gradient_checkpointing_disable()
-        model.config._attn_implementation = "eager"
-        flops, _ = count_flops(one_step, per_sequence(batches[0]))
-        tokens = batches[0]["input_ids"].numel()
-        rows.append({
-            "setup": name, "frozen": frozen, "tokens_per_s": tokens / seconds, "step_s": seconds, "step_tflop": flops / 1e12,
-            "peak_gib": peak_gib,
-            "mfu": flops / seconds / (peak_tflops * 1e12) if peak_tflops else None,
-        })  # fmt: skip
-        print(json.dumps(rows[-1]), flush=True)
-        del optimizer
-    model.config._attn_implementation = "sdpa"
-    whole_row = next(r for r in rows if r["setup"] == "whole teacher + whole student (sdpa)")
-    return [{**r, "speed_vs_whole_x": r["tokens_per_s"] / whole_row["tokens_per_s"],
-             "memory_vs_whole_x": r["peak_gib"] / whole_row["peak_gib"]} for r in rows]  # fmt: skip
-
-
 PARTS = ("prefill", "decode", "kv_cache", "distill")
 
 
@@ -293,6 +167,7 @@ def main(
     logits_chunk_size: int = 2048,
     frozen: list[str] | None = None,
     activation_checkpointing: bool = False,
+    compile_layers: bool = False,
     peak_tflops: float | None = None,
     out: Path | None = None,
 ) -> dict:
@@ -320,11 +195,13 @@ def main(
         logits_chunk_size: positions per chunk of the distillation KL's logits (the 8B recipes' 2048).
         frozen: the frozen weights' dtypes measured (default fp32, bf16: ``frozen_dtype: bfloat16``).
         activation_checkpointing: also the step with every layer's activations recomputed, ours and the whole.
+        compile_layers: also the step with every decoder layer torch.compiled, ours and the whole.
         peak_tflops: the device's dense bf16 peak for MFU (default: from its name; H100/H200 989).
         out: output prefix (default benchmarks/results/gpu-<shape>).
     """
     from swiftkv_core.runtime import device_description, stack_versions
     from swiftkv_core.weights import cast_frozen
+    from swiftkv_distill.bench import packed_batches, step_rows
 
     parts = list(parts or PARTS)
     if unknown := set(parts) - set(PARTS):
@@ -374,8 +251,8 @@ def main(
             model, _ = random_swiftkv_model(shape, l, device, torch.float32, 1, num_hidden_layers)
             if frozen_dtype == "bf16":
                 cast_frozen(model, torch.bfloat16)
-            rows = distill_rows(model.train(), batches, distill_steps, 1, peak, frozen_dtype, logits_chunk_size,
-                                activation_checkpointing)  # fmt: skip
+            rows = step_rows(model.train(), batches, distill_steps, 1, peak, frozen_dtype, logits_chunk_size,
+                             activation_checkpointing, compile_layers)  # fmt: skip
             result["distill"] += rows
             del model
     out = out or RESULTS / f"gpu-{shape}"

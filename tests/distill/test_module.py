@@ -297,3 +297,35 @@ def test_distillation_step_timer_waits_for_the_device(monkeypatch, tiny_model, t
     data = DistillDataModule(str(tiny_model), [str(text_file)], max_length=32, batch_size=2, max_train_rows=4)
     quiet_trainer(tmp_path, max_steps=2, limit_val_batches=0).fit(module, data)
     assert events.count("cpu") >= 4  # the start and the end of each step
+
+
+def test_compiled_layers_train_as_the_eager_ones(tiny_model, text_file, tmp_path):
+    """compile_layers=True: a real fit (the least-squares K/V init through its hooks, eager; then training and the
+    final evaluation with every decoder layer torch.compiled) ends with the eager run's weights and metrics."""
+    runs = []
+    for compiled in (False, True):
+        torch.manual_seed(0)
+        module = SwiftKVDistillation(str(tiny_model), num_key_value_layers=2, compile_layers=compiled)
+        data = DistillDataModule(
+            str(tiny_model),
+            [str(text_file)],
+            max_length=32,
+            batch_size=2,
+            max_train_rows=8,
+            val_fraction=0.25,
+        )
+        quiet_trainer(tmp_path / str(compiled), max_steps=3).fit(module, data)
+        layers = module.swiftkv_model.model.layers
+        assert [layer._compiled_call_impl is not None for layer in layers] == [compiled] * len(layers)
+        trained = {
+            n: p.detach().clone() for n, p in module.swiftkv_model.named_parameters() if p.requires_grad
+        }
+        runs.append((module.kv_init_report, module.last_val_metrics, trained))
+    (eager_init, eager_val, eager_weights), (init, val, weights) = runs
+    assert init.keys() == eager_init.keys() and init["tokens"] == eager_init["tokens"] > 0
+    assert val.keys() == eager_val.keys() and val
+    for name, value in eager_val.items():
+        assert val[name] == pytest.approx(value, rel=1e-4, abs=1e-6), name
+    assert weights.keys() == eager_weights.keys() and weights
+    for name, weight in eager_weights.items():
+        torch.testing.assert_close(weights[name], weight, rtol=1e-4, atol=1e-6, msg=name)

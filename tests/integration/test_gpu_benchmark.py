@@ -11,7 +11,7 @@ import pytest
 
 ROOT = Path(__file__).parents[2]
 OURS, WHOLE = "ours, dense mask (sdpa)", "whole teacher + whole student (sdpa)"
-AC = " + activation checkpointing"
+AC, COMPILED = " + activation checkpointing", " + compiled layers"
 
 
 @pytest.fixture(scope="module")
@@ -20,7 +20,9 @@ def tiny_result(tmp_path_factory):
     benchmark = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(benchmark)
     out = tmp_path_factory.mktemp("gpu") / "gpu-tiny-3.1"  # a dot in the name, as in gpu-llama-3.1-8b
-    benchmark.main(tiny=True, out=out, activation_checkpointing=True, prefill_compile="default")
+    benchmark.main(
+        tiny=True, out=out, activation_checkpointing=True, compile_layers=True, prefill_compile="default"
+    )
     json_path, md_path = out.parent / f"{out.name}.json", out.parent / f"{out.name}.md"
     return json.loads(json_path.read_text()), md_path.read_text()
 
@@ -57,7 +59,7 @@ def test_kv_bytes_are_what_a_real_cache_holds(tiny_result):
 def test_distillation_step_rows_compare_against_the_whole_teacher_and_student(tiny_result):
     result, markdown = tiny_result
     rows = {(r["setup"], r["frozen"]): r for r in result["distill"]}
-    setups = (OURS, OURS + AC, WHOLE, WHOLE + AC)  # CPU: no flex_attention backward
+    setups = (OURS, OURS + AC, OURS + COMPILED, WHOLE, WHOLE + AC, WHOLE + COMPILED)  # CPU: no flex backward
     assert set(rows) == {(s, f) for s in setups for f in ("fp32", "bf16")}  # teacher weights in fp32, in bf16
     for frozen in ("fp32", "bf16"):
         assert rows[WHOLE, frozen]["speed_vs_whole_x"] == 1
@@ -73,4 +75,5 @@ def test_distillation_step_rows_compare_against_the_whole_teacher_and_student(ti
         for setup in (OURS, WHOLE):  # the recomputed layers keep less; the model FLOPs (MFU's) exclude them
             assert rows[setup + AC, frozen]["peak_gib"] < rows[setup, frozen]["peak_gib"]
             assert rows[setup + AC, frozen]["step_tflop"] == rows[setup, frozen]["step_tflop"]
+            assert rows[setup + COMPILED, frozen]["step_tflop"] == rows[setup, frozen]["step_tflop"]
     assert "## Distillation step" in markdown and result["command"].startswith("python3 benchmarks/gpu.py")

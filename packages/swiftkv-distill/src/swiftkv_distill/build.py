@@ -4,6 +4,7 @@ precision a CPU can run fast."""
 from __future__ import annotations
 
 import importlib.util
+import warnings
 
 import torch
 
@@ -25,6 +26,15 @@ def cpu_precision(precision: str) -> str:
     """The training precision to use on this CPU for a recipe's ``precision``: a bf16 one where the CPU has no
     native bf16 becomes ``32-true`` (the same numbers to within rounding, at the faster speed there)."""
     return "32-true" if str(precision).startswith("bf16") and not cpu_has_fast_bf16() else str(precision)
+
+
+def warn_if_bf16_emulated(device: torch.device, precision: str) -> None:
+    if device.type == "cpu" and cpu_precision(precision) != precision:
+        warnings.warn(
+            f"trainer.precision={precision} on a CPU without native bf16 (AVX512-BF16 or AMX): bf16 is emulated "
+            "here and slower than fp32; set --trainer.precision 32-true.",
+            stacklevel=2,
+        )
 
 
 ATTENTION = ("auto", "sdpa", "eager", "flex_attention", "flash_attention_2")
@@ -80,6 +90,19 @@ def checkpoint_activations(model, every_n_layers: int) -> None:
         # HF makes the embeddings' output require grad, for reentrant checkpoints; without it the layers < l keep
         # running without a graph (nothing there trains; non-reentrant checkpoints need no such input)
         model.disable_input_require_grads()
+
+
+def compile_layers(model, enabled: bool = True) -> None:
+    """``torch.compile`` each decoder layer (regional compilation, as torchtitan does): the norms, RoPE, the MLP's
+    activation and the casts around them fuse into a few kernels. One compile serves every layer alike; a handful
+    of variants in all (a layer < l, the teacher's and the student's layers >= l, with and without a graph).
+    Weights and state-dict names stay as they are. Compiling needs a C++ compiler on a CPU, Triton on a GPU."""
+    if not enabled:
+        return
+    # each variant is a recompile of the one layer forward: room for all of them, never a silent eager fallback
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 32)
+    for layer in model.model.layers:
+        layer.compile()
 
 
 def check_lora(lora_rank: int, lora_prefix: bool) -> None:

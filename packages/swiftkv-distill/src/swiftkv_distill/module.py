@@ -7,8 +7,6 @@ schedule in schedule.py and the HF export in export.py; this file wires them int
 
 from __future__ import annotations
 
-import warnings
-
 import lightning as L
 import torch
 from torch import nn
@@ -28,7 +26,8 @@ from .build import (
     check_frozen_dtype,
     check_lora,
     checkpoint_activations,
-    cpu_precision,
+    compile_layers,
+    warn_if_bf16_emulated,
 )
 from .schedule import FIRST_STEP_FLOOR, lr_factor, run_progress
 from .step import DistillationStep, LossSettings, ValidationMetrics, is_trained_name
@@ -88,6 +87,8 @@ class SwiftKVDistillation(L.LightningModule):
             instead of keeping them (0: off; 1: every layer). Only the student's layers >= l run with a graph: with
             1 each keeps its input alone (``build.checkpoint_activations``), for one more forward of those layers
             per step. For long rows and large models (the 70B recipe); measured in distill-memory-cpu-8b-widths.md.
+        compile_layers: ``torch.compile`` each decoder layer at the start of training (``build.compile_layers``:
+            fused elementwise work; the first steps compile). Measured in distill-compile.md.
     """
 
     def __init__(
@@ -120,6 +121,7 @@ class SwiftKVDistillation(L.LightningModule):
         lora_rank: int = 0,
         lora_prefix: bool = False,
         activation_checkpointing: int = 0,
+        compile_layers: bool = False,
     ):
         super().__init__()
         if kv_init not in _KV_INITS:
@@ -339,20 +341,17 @@ class SwiftKVDistillation(L.LightningModule):
         return datamodule.val_dataloader() if datamodule is not None else self.trainer.val_dataloaders
 
     def on_fit_start(self) -> None:
-        precision = str(self.trainer.precision)
-        if self.device.type == "cpu" and cpu_precision(precision) != precision:
-            warnings.warn(
-                f"trainer.precision={precision} on a CPU without native bf16 (AVX512-BF16 or AMX): bf16 is emulated "
-                "here and slower than fp32; set --trainer.precision 32-true.",
-                stacklevel=1,
-            )
+        warn_if_bf16_emulated(self.device, str(self.trainer.precision))
 
     def on_train_start(self) -> None:
-        """A fresh run: measure the converted model (``before/*``), fit the K/V init, measure again (``init/*``).
+        """A fresh run: measure the converted model (``before/*``), fit the K/V init, measure again (``init/*``); a
+        resumed run's checkpoint holds the trained weights and these metrics. Then ``compile_layers``, after the
+        fit (its hooks observe eager layers)."""
+        if self.global_step == 0:
+            self._measure_and_init_kv()
+        compile_layers(self.swiftkv_model, self.hparams.compile_layers)
 
-        A resumed run skips all of it: its checkpoint holds the trained weights and these metrics."""
-        if self.global_step > 0:
-            return
+    def _measure_and_init_kv(self) -> None:
         hp = self.hparams
         # not when continuing from a SwiftKV checkpoint: its K/V projections are already initialised or trained
         fresh = self.model_config.model_type not in SWIFTKV_FAMILIES

@@ -1,0 +1,152 @@
+"""Measuring a distillation step: ours (layers < l once, the teacher's and the student's suffixes, the chunked KL)
+against a whole teacher + a whole student forward on the same weights (the published trainer's structure): tokens/s,
+peak tensor memory and model FLOPs (for MFU), on documents of real text packed into rows. ``benchmarks/gpu.py``
+runs it at the public models' shapes, on a GPU or a CPU.
+"""
+
+from __future__ import annotations
+
+import json
+
+import torch
+
+
+def packed_batches(
+    rows: int, row_tokens: int, segments: int, count: int, device: str, dataset: str = "brown_train"
+) -> list[dict]:
+    """``count`` batches of ``rows`` rows of ``row_tokens`` tokens, each row ``segments`` documents of real text
+    (an offline data set's records joined, the default tokenizer), positions restarting per document: the recipes'
+    packing."""
+    from transformers import AutoTokenizer
+
+    from swiftkv_core.default_model import default_model_path
+
+    from .corpora import prepare
+    from .data import collate, pack
+
+    tokenizer = AutoTokenizer.from_pretrained(default_model_path())
+    document, documents, need = [], [], rows * segments * count
+    for line in prepare(dataset).open():
+        document += tokenizer(json.loads(line)["text"] + "\n\n")["input_ids"]
+        while len(document) >= row_tokens // segments and len(documents) < need:
+            documents.append(document[: row_tokens // segments])
+            document = document[row_tokens // segments :]
+        if len(documents) >= need:
+            break
+    packed = pack(documents, row_tokens)
+    return [{k: v.to(device) for k, v in collate(packed[i * rows : (i + 1) * rows], 0, row_tokens).items()}
+            for i in range(count)]  # fmt: skip
+
+
+def per_sequence(batch: dict) -> dict:
+    """The packed ``batch`` with each of its sequences in a row of its own: the same model FLOPs as attention
+    per packed sequence (what the MFU counts), whatever the attention implementation does with the packing."""
+    starts = (batch["position_ids"] == 0).flatten().nonzero().flatten().tolist()
+    lengths = {b - a for a, b in zip(starts, starts[1:] + [batch["position_ids"].numel()], strict=True)}
+    if len(lengths) != 1:
+        raise ValueError(f"per_sequence needs sequences of one length, got {sorted(lengths)}.")
+    (length,) = lengths
+    return {k: v.reshape(-1, length) for k, v in batch.items()}
+
+
+def step_rows(
+    model,
+    batches: list[dict],
+    steps: int,
+    warmup: int,
+    peak_tflops: float | None,
+    frozen: str,
+    chunk_size: int,
+    checkpointing: bool = False,
+    compiled: bool = False,
+) -> list[dict]:
+    """Tokens/s, peak memory and MFU of a distillation step: ours (dense-mask sdpa, and the device's packed
+    attention) and a whole teacher + a whole student forward on the same weights (``frozen``: their dtype);
+    ``checkpointing``: also both with activation checkpointing of every layer (``build.checkpoint_activations``);
+    ``compiled``: then both with every decoder layer compiled (``build.compile_layers``; the last rows, as a
+    compiled layer stays compiled)."""
+    import torch.nn.functional as F
+
+    from swiftkv_core.flops import count_flops
+    from swiftkv_core.runtime import PeakMemory, Stopwatch
+
+    from .build import attention_for, checkpoint_activations, compile_layers
+    from .step import DistillationStep, LossSettings
+
+    device, temperature = model.device, 2.0
+    step = DistillationStep(model, LossSettings(temperature=temperature, chunk_size=chunk_size))
+
+    def ours(batch):
+        return step(batch, 1.0 / batch["loss_mask"].sum())["loss"]
+
+    def whole(batch):  # the published trainer's structure: two whole forwards, full logits
+        kwargs = dict(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False)
+        mask = batch["loss_mask"]
+        with torch.no_grad(), model.swiftkv_mode(False):
+            teacher = model(**kwargs).logits[mask].float() / temperature
+        student = model(**kwargs).logits[mask].float() / temperature
+        return F.kl_div(F.log_softmax(student, -1), F.log_softmax(teacher, -1), log_target=True,
+                        reduction="batchmean") * temperature**2  # fmt: skip
+
+    packed = attention_for(device)  # sdpa on a CPU (PyTorch's flex_attention has no CPU backward)
+    setups = [("ours, dense mask", ours, "sdpa", 0, False)]
+    if packed != "sdpa":
+        setups.append(("ours, packed", ours, packed, 0, False))
+    setups.append(("whole teacher + whole student", whole, "sdpa", 0, False))
+    base = setups[-2:]  # ours with its fastest attention, and the whole
+    if checkpointing:  # both again, every layer recomputed
+        setups += [(label, fn, attention, 1, False) for label, fn, attention, *_ in base]
+    if compiled:  # both again, every layer compiled
+        setups += [(label, fn, attention, 0, True) for label, fn, attention, *_ in base]
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    rows = []
+    for label, loss_fn, attention, every, compile_now in setups:
+        name = (
+            f"{label} ({attention})"
+            + " + activation checkpointing" * every
+            + " + compiled layers" * compile_now
+        )
+        model.config._attn_implementation = attention
+        checkpoint_activations(model, every)
+        compile_layers(model, compile_now)
+        optimizer = torch.optim.AdamW(trainable, lr=1e-5)
+
+        def one_step(batch, loss_fn=loss_fn, optimizer=optimizer):
+            with torch.autocast(
+                device.type, dtype=torch.bfloat16, enabled=device.type == "cuda" or frozen != "fp32"
+            ):
+                loss = loss_fn(batch)
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+
+        for batch in batches[:warmup]:
+            one_step(batch)
+        watch = Stopwatch(device).start()
+        for batch in batches[warmup : warmup + steps]:
+            one_step(batch)
+        seconds = watch.stop() / steps
+        # one more step, untimed (a CPU's meter follows every tensor), for the peak tensor memory: weights, optimizer
+        # state, the step's activations, gradients and temporaries
+        state = [t for s in optimizer.state.values() for t in s.values() if torch.is_tensor(t)]
+        with PeakMemory(device, resident=[*model.parameters(), *model.buffers(), *state]) as meter:
+            one_step(batches[warmup + steps])
+        peak_gib = meter.peak_bytes / 2**30
+        # FlopCounterMode sees no FLOPs inside a compiled flex_attention, nor in sdpa's GQA path: count eager's,
+        # without the recomputed layers (the model's FLOPs: what MFU counts)
+        model.gradient_checkpointing_disable()
+        model.config._attn_implementation = "eager"
+        with torch.compiler.set_stance("force_eager"):
+            flops, _ = count_flops(one_step, per_sequence(batches[0]))
+        tokens = batches[0]["input_ids"].numel()
+        rows.append({
+            "setup": name, "frozen": frozen, "tokens_per_s": tokens / seconds, "step_s": seconds, "step_tflop": flops / 1e12,
+            "peak_gib": peak_gib,
+            "mfu": flops / seconds / (peak_tflops * 1e12) if peak_tflops else None,
+        })  # fmt: skip
+        print(json.dumps(rows[-1]), flush=True)
+        del optimizer
+    model.config._attn_implementation = "sdpa"
+    whole_row = next(r for r in rows if r["setup"] == "whole teacher + whole student (sdpa)")
+    return [{**r, "speed_vs_whole_x": r["tokens_per_s"] / whole_row["tokens_per_s"],
+             "memory_vs_whole_x": r["peak_gib"] / whole_row["peak_gib"]} for r in rows]  # fmt: skip
