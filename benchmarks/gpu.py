@@ -174,7 +174,7 @@ def main(
     """Measure SwiftKV against the original model at a real shape on this machine's GPU.
 
     Args:
-        shape: one of SHAPES (llama-3.1-8b, qwen2.5-7b).
+        shape: one of SHAPES (llama-3.1-8b, qwen2.5-7b; smollm2-135m, the quickstart's model, for CPU runs).
         num_key_value_layers: l (default L/2).
         tiny: a tiny shape on the CPU with small sizes (what the test suite runs).
         device: cuda, or cpu: the same measurements on the CPU (its memory figures count what a GPU's allocator

@@ -77,6 +77,25 @@ def test_packed_rows_through_flex_attention_give_the_dense_gradients_on_gpu():
     torch.testing.assert_close(flex["loss"], dense["loss"], atol=1e-6, rtol=1e-5)
 
 
+@pytest.mark.gpu
+def test_compiled_layers_with_flex_attention_give_the_eager_step_on_gpu():
+    """``compile_layers`` (``build.compile_layers``) with packed rows through flex_attention, what a GPU run uses:
+    the loss and gradients of the eager layers."""
+    from swiftkv_distill.build import compile_layers
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    model = convert(tiny_base("llama"), 2, 1).cuda()
+    batch = packed_batch("cuda")
+    eager = step_results(model, batch, "flex_attention", backward=True)
+    compile_layers(model)
+    compiled = step_results(model, batch, "flex_attention", backward=True)
+    assert all(layer._compiled_call_impl is not None for layer in model.model.layers)
+    assert eager["grads"] and set(compiled["grads"]) == set(eager["grads"])
+    for name, grad in eager["grads"].items():
+        torch.testing.assert_close(compiled["grads"][name], grad, atol=1e-5, rtol=1e-3, msg=name)
+    torch.testing.assert_close(compiled["loss"], eager["loss"], atol=1e-6, rtol=1e-5)
+
+
 def test_the_run_picks_fast_packed_attention_for_its_device():
     assert attention_for("cpu") == "sdpa"  # fastest on a CPU; packed rows get a dense mask there
     assert attention_for("cuda") in (

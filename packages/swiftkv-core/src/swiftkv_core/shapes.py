@@ -14,6 +14,8 @@ SHAPES = {  # the public configs' shapes (config.json of each model); "tiny" is 
                          num_attention_heads=32, num_key_value_heads=8, vocab_size=128256, rope_theta=500000.0),
     "qwen2.5-7b": dict(family="qwen2", hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
                        num_attention_heads=28, num_key_value_heads=4, vocab_size=152064, rope_theta=1000000.0),
+    "smollm2-135m": dict(family="llama", hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                         num_attention_heads=9, num_key_value_heads=3, vocab_size=49152, rope_theta=100000.0),
     "tiny": dict(family="llama", hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
                  num_key_value_heads=2, vocab_size=49152, rope_theta=10000.0),
 }  # fmt: skip
