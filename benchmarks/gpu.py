@@ -50,6 +50,8 @@ def prefill_rows(
     """The prefill cases, SwiftKV off vs on; with ``compile_mode``, the whole forward ``torch.compile``d in that
     mode on both sides, one graph per prompt shape and side (``reduce-overhead``: replayed as a CUDA graph), its
     logits checked against the eager forward's first; three warm-ups (compile, then record the CUDA graph)."""
+    from torch._dynamo.utils import counters
+
     from swiftkv_core.flops import ModelShape, prefill_flops_total
     from swiftkv_core.generation import time_prefill_off_on
 
@@ -61,15 +63,22 @@ def prefill_rows(
     rows = []
     for batch, length in cases:
         ids = torch.randint(100, model.config.vocab_size - 100, (batch, length), device=model.device)
+        skipped = counters["inductor"][
+            "cudagraph_skips"
+        ]  # graphs reduce-overhead could not capture (a CPU's)
         if forward is not None:
             check_compiled_prefill(model, forward, ids)
         with torch._dynamo.config.patch(recompile_limit=64):  # one graph per shape and side, never eager
             measured = time_prefill_off_on(model, ids, repeats, warmup, forward)
+        skipped = counters["inductor"]["cudagraph_skips"] - skipped
+        name = compile_mode or "eager"
+        if skipped and compile_mode in ("reduce-overhead", "max-autotune"):
+            name += f" ({skipped} graphs without CUDA graphs)"
         times = {on: statistics.median(t) for on, t in measured.items()}
         flops = {on: prefill_flops_total(shape, length, l if on else None, attention="causal", batch_size=batch)
                  for on in (False, True)}  # fmt: skip
         rows.append({
-            "prompt": f"{batch} x {length}" if batch > 1 else str(length), "forward": compile_mode or "eager",
+            "prompt": f"{batch} x {length}" if batch > 1 else str(length), "forward": name,
             "off_s": times[False], "on_s": times[True],
             "speedup_x": times[False] / times[True], "flops_bound_x": flops[False] / flops[True],
             "off_tflops": flops[False] / times[False] / 1e12, "on_tflops": flops[True] / times[True] / 1e12,
