@@ -11,7 +11,7 @@ import pytest
 
 ROOT = Path(__file__).parents[2]
 OURS, WHOLE = "ours, dense mask (sdpa)", "whole teacher + whole student (sdpa)"
-AC, COMPILED = " + activation checkpointing", " + compiled layers"
+AC = " + activation checkpointing"
 
 
 @pytest.fixture(scope="module")
@@ -20,22 +20,16 @@ def tiny_result(tmp_path_factory):
     benchmark = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(benchmark)
     out = tmp_path_factory.mktemp("gpu") / "gpu-tiny-3.1"  # a dot in the name, as in gpu-llama-3.1-8b
-    benchmark.main(
-        tiny=True, out=out, activation_checkpointing=True, compile_layers=True, prefill_compile="default"
-    )
+    benchmark.main(tiny=True, out=out, activation_checkpointing=True, prefill_compile="default")
     json_path, md_path = out.parent / f"{out.name}.json", out.parent / f"{out.name}.md"
     return json.loads(json_path.read_text()), md_path.read_text()
 
 
 def test_prefill_rows_hold_both_sides_and_their_bound(tiny_result):
     result, markdown = tiny_result
-    cases = [
-        "256",
-        "2 x 256",
-    ]  # eager, then the whole forward compiled (its logits checked against the eager ones)
-    assert [(p["forward"], p["prompt"]) for p in result["prefill"]] == [
-        (f, c) for f in ("eager", "default") for c in cases
-    ]
+    # eager, then the whole forward compiled (its logits checked against the eager ones; the batched case only)
+    cases = [("eager", "256"), ("eager", "2 x 256"), ("default", "2 x 256")]
+    assert [(p["forward"], p["prompt"]) for p in result["prefill"]] == cases
     for p in result["prefill"]:
         assert p["speedup_x"] == pytest.approx(p["off_s"] / p["on_s"])
         assert 1 < p["flops_bound_x"] < 2  # l = L/2: at most half the prefill FLOPs saved
@@ -59,7 +53,7 @@ def test_kv_bytes_are_what_a_real_cache_holds(tiny_result):
 def test_distillation_step_rows_compare_against_the_whole_teacher_and_student(tiny_result):
     result, markdown = tiny_result
     rows = {(r["setup"], r["frozen"]): r for r in result["distill"]}
-    setups = (OURS, OURS + AC, OURS + COMPILED, WHOLE, WHOLE + AC, WHOLE + COMPILED)  # CPU: no flex backward
+    setups = (OURS, OURS + AC, WHOLE, WHOLE + AC)  # CPU: no flex_attention backward
     assert set(rows) == {(s, f) for s in setups for f in ("fp32", "bf16")}  # teacher weights in fp32, in bf16
     for frozen in ("fp32", "bf16"):
         assert rows[WHOLE, frozen]["speed_vs_whole_x"] == 1
@@ -75,5 +69,4 @@ def test_distillation_step_rows_compare_against_the_whole_teacher_and_student(ti
         for setup in (OURS, WHOLE):  # the recomputed layers keep less; the model FLOPs (MFU's) exclude them
             assert rows[setup + AC, frozen]["peak_gib"] < rows[setup, frozen]["peak_gib"]
             assert rows[setup + AC, frozen]["step_tflop"] == rows[setup, frozen]["step_tflop"]
-            assert rows[setup + COMPILED, frozen]["step_tflop"] == rows[setup, frozen]["step_tflop"]
     assert "## Distillation step" in markdown and result["command"].startswith("python3 benchmarks/gpu.py")
