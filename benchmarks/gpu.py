@@ -63,9 +63,8 @@ def prefill_rows(
     rows = []
     for batch, length in cases:
         ids = torch.randint(100, model.config.vocab_size - 100, (batch, length), device=model.device)
-        skipped = counters["inductor"][
-            "cudagraph_skips"
-        ]  # graphs reduce-overhead could not capture (a CPU's)
+        # graphs reduce-overhead could not capture as CUDA graphs (all of them on a CPU)
+        skipped = counters["inductor"]["cudagraph_skips"]
         if forward is not None:
             check_compiled_prefill(model, forward, ids)
         with torch._dynamo.config.patch(recompile_limit=64):  # one graph per shape and side, never eager

@@ -7,6 +7,7 @@ import torch
 
 from swiftkv_core.weights import is_swiftkv_parameter, swiftkv_parameter_names
 from swiftkv_distill import DistillDataModule, LossSettings, SwiftKVDistillation
+from swiftkv_distill.build import compile_layers
 from swiftkv_distill.data import collate, pack
 from swiftkv_distill.loss import distillation_kl
 from tests.distill.conftest import quiet_trainer
@@ -317,6 +318,9 @@ def test_compiled_layers_train_as_the_eager_ones(tiny_model, text_file, tmp_path
         quiet_trainer(tmp_path / str(compiled), max_steps=3).fit(module, data)
         layers = module.swiftkv_model.model.layers
         assert [layer._compiled_call_impl is not None for layer in layers] == [compiled] * len(layers)
+        wrappers = [layer._compiled_call_impl for layer in layers]
+        compile_layers(module.swiftkv_model, compiled)  # a second call leaves compiled layers as they are
+        assert [layer._compiled_call_impl for layer in layers] == wrappers
         trained = {
             n: p.detach().clone() for n, p in module.swiftkv_model.named_parameters() if p.requires_grad
         }

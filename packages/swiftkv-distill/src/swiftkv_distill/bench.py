@@ -63,7 +63,7 @@ def step_rows(
     """Tokens/s, peak memory and MFU of a distillation step: ours (dense-mask sdpa, and the device's packed
     attention) and a whole teacher + a whole student forward on the same weights (``frozen``: their dtype);
     ``checkpointing``: also both with activation checkpointing of every layer (``build.checkpoint_activations``);
-    ``compiled``: then both with every decoder layer compiled (``build.compile_layers``; the last rows, as a
+    ``compiled``: then both with every decoder layer compiled (``build.compile_layers``, once; the last rows, as a
     compiled layer stays compiled)."""
     import torch.nn.functional as F
 

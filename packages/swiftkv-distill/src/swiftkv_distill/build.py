@@ -96,13 +96,15 @@ def compile_layers(model, enabled: bool = True) -> None:
     """``torch.compile`` each decoder layer (regional compilation, as torchtitan does): the norms, RoPE, the MLP's
     activation and the casts around them fuse into a few kernels. One compile serves every layer alike; a handful
     of variants in all (a layer < l, the teacher's and the student's layers >= l, with and without a graph).
-    Weights and state-dict names stay as they are. Compiling needs a C++ compiler on a CPU, Triton on a GPU."""
+    Weights and state-dict names stay as they are. A layer already compiled is left as it is (a second fit of the
+    same module reuses its compiled code). Compiling needs a C++ compiler on a CPU, Triton on a GPU."""
     if not enabled:
         return
     # each variant is a recompile of the one layer forward: room for all of them, never a silent eager fallback
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 32)
     for layer in model.model.layers:
-        layer.compile()
+        if layer._compiled_call_impl is None:  # nn.Module.compile()'s wrapper, set once
+            layer.compile()
 
 
 def check_lora(lora_rank: int, lora_prefix: bool) -> None:
