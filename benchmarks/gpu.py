@@ -65,8 +65,7 @@ def prefill_rows(
         ids = torch.randint(100, model.config.vocab_size - 100, (batch, length), device=model.device)
         # graphs reduce-overhead could not capture as CUDA graphs (all of them on a CPU)
         skipped = counters["inductor"]["cudagraph_skips"]
-        if forward is not None:
-            check_compiled_prefill(model, forward, ids)
+        error = None if forward is None else check_compiled_prefill(model, forward, ids)
         with torch._dynamo.config.patch(recompile_limit=64):  # one graph per shape and side, never eager
             measured = time_prefill_off_on(model, ids, repeats, warmup, forward)
         skipped = counters["inductor"]["cudagraph_skips"] - skipped
@@ -81,25 +80,39 @@ def prefill_rows(
             "off_s": times[False], "on_s": times[True],
             "speedup_x": times[False] / times[True], "flops_bound_x": flops[False] / flops[True],
             "off_tflops": flops[False] / times[False] / 1e12, "on_tflops": flops[True] / times[True] / 1e12,
+            "logits_error_vs_eager": error,
         })  # fmt: skip
         print(json.dumps(rows[-1]), flush=True)
     return rows
 
 
 @torch.inference_mode()
-def check_compiled_prefill(model, forward, ids: torch.Tensor) -> None:
-    """Refuse to time a compiled forward whose last-position logits (SwiftKV off and on) are not the eager ones
-    (called as the timed prefill calls it: the compiled graph is the one timed)."""
+def check_compiled_prefill(model, forward, ids: torch.Tensor) -> float:
+    """Refuse to time a compiled forward whose last-position logits (SwiftKV off and on) are not the eager ones up
+    to the dtype's rounding (called as the timed prefill calls it: the compiled graph is the one timed); returns
+    the larger relative error, ||compiled - eager|| / ||eager||.
+
+    In bf16 that rounding is large at a real depth: on the H200 at the Llama-3.1-8B shape (random weights, l = 16,
+    256 positions) the eager bf16 logits had a cosine of 0.9977 with an fp32 copy of the model's (about 7% relative
+    error), the compiled ones 0.9985 (about 6%), compiled and eager 0.9977 with each other, their largest
+    difference 8% of the largest logit (gpu-llama-3.1-8b-compiled-prefill.md): compiled is no further from fp32 than
+    eager. A wrong graph (a layer skipped, the other side's forward, stale positions) is off by the logits' size."""
     from swiftkv_core.kv_cache import make_kv_cache
 
-    tolerance = 0.05 if model.dtype == torch.bfloat16 else 1e-3
+    tolerance = 0.15 if model.dtype == torch.bfloat16 else 1e-3
+    errors = []
     for on in (False, True):
         model.swiftkv(on)
         eager, compiled = (f(ids, past_key_values=make_kv_cache(model.config, "auto"), use_cache=True,
                              logits_to_keep=1).logits.float() for f in (model, forward))  # fmt: skip
-        if not torch.allclose(compiled, eager, atol=tolerance * eager.abs().max().item()):
-            raise SystemExit(f"the compiled forward's logits differ from the eager ones with swiftkv({on}).")
+        errors.append(((compiled - eager).norm() / eager.norm()).item())
+        if not errors[-1] <= tolerance:  # NaN fails too
+            raise SystemExit(
+                f"the compiled forward's logits are {errors[-1]:.2%} (relative) from the eager ones with "
+                f"swiftkv({on}), over the {tolerance:.2%} that {model.dtype}'s rounding explains: not timing it."
+            )
     model.swiftkv(True)
+    return max(errors)
 
 
 @torch.inference_mode()

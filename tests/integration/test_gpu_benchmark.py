@@ -35,6 +35,10 @@ def test_prefill_rows_hold_both_sides_and_their_bound(tiny_result):
         assert 1 < p["flops_bound_x"] < 2  # l = L/2: at most half the prefill FLOPs saved
         assert p["off_tflops"] > 0 and p["on_tflops"] > 0
         assert f"| {p['prompt']} | {p['forward']} | {1e3 * p['off_s']:.1f} |" in markdown
+        if p["forward"] == "eager":
+            assert p["logits_error_vs_eager"] is None
+        else:  # checked before timing: fp32 on a CPU, so within 1e-3 (relative)
+            assert 0 <= p["logits_error_vs_eager"] <= 1e-3
     assert result["decode"]["on_over_off"] == pytest.approx(
         result["decode"]["on_s"] / result["decode"]["off_s"]
     )
