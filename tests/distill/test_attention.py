@@ -83,12 +83,16 @@ def test_compiled_layers_with_flex_attention_give_the_eager_step_on_gpu():
     the loss and gradients of the eager layers."""
     from swiftkv_distill.build import compile_layers
 
-    torch.backends.cuda.matmul.allow_tf32 = False
     model = convert(tiny_base("llama"), 2, 1).cuda()
     batch = packed_batch("cuda")
-    eager = step_results(model, batch, "flex_attention", backward=True)
-    compile_layers(model)
-    compiled = step_results(model, batch, "flex_attention", backward=True)
+    tf32 = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False  # fp32 matmuls on both sides (restored for the tests after)
+    try:
+        eager = step_results(model, batch, "flex_attention", backward=True)
+        compile_layers(model)
+        compiled = step_results(model, batch, "flex_attention", backward=True)
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = tf32
     assert all(layer._compiled_call_impl is not None for layer in model.model.layers)
     assert eager["grads"] and set(compiled["grads"]) == set(eager["grads"])
     for name, grad in eager["grads"].items():
