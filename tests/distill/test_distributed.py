@@ -1,6 +1,6 @@
 """Two CPU processes (gloo), FSDP2 through Lightning's ModelParallelStrategy, launched like a cluster job
-(`fabric run apps/distill.py`, `lightning run` before Lightning 2.6), with activation checkpointing: the same
-losses and the same distilled weights as one unsharded process without it."""
+(`fabric run apps/distill.py`, `lightning run` before Lightning 2.6), with activation checkpointing and compiled
+layers (``compile_layers``): the same losses and the same distilled weights as one unsharded eager process."""
 
 import csv
 import os
@@ -72,6 +72,7 @@ def _config(tmp_path, tiny_model, text_file, name, batch_size, strategy, checkpo
             # summed normal equations must give the single-process weights, or the first losses would differ
             "kv_init": "least_squares",
             "activation_checkpointing": recompute,  # the sharded runs recompute every layer in the backward
+            "compile_layers": strategy != "auto",  # the sharded runs compile each layer, the single run not
         },
         "data": {
             "train_files": [str(text_file)],
@@ -99,7 +100,13 @@ def _trained(out):
 
 @pytest.mark.distributed
 def test_two_process_fsdp2_matches_single_process(tmp_path, tiny_model, text_file):
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    inductor = tmp_path / "inductor"  # where the compiled layers' generated code is written
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "PYTHONPATH": str(ROOT),
+        "TORCHINDUCTOR_CACHE_DIR": str(inductor),
+    }
     fsdp2 = {
         "class_path": "lightning.pytorch.strategies.ModelParallelStrategy",
         "init_args": {"data_parallel_size": 2, "tensor_parallel_size": 1},
@@ -124,6 +131,9 @@ def test_two_process_fsdp2_matches_single_process(tmp_path, tiny_model, text_fil
         cwd=tmp_path,
         timeout=300,
     )
+    # compile_layers ran under FSDP2 (its hooks stay eager): inductor wrote code for the layers' MLP
+    generated = [p.read_text() for p in inductor.rglob("*.py")]
+    assert any("def call(" in code and "silu" in code for code in generated), "no decoder layer was compiled"
 
     # interrupted after 2 steps (sharded checkpoint), resumed to 4: the same weights as the uninterrupted run
     ckpt_dir = tmp_path / "ckpt"
