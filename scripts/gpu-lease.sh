@@ -1,0 +1,137 @@
+#!/usr/bin/env bash
+# The checks a lent GPU (the `device` tool, ../shared/notes/device-howto.md) is spent on, prepared so a 15-minute lease
+# measures instead of setting up. Two halves:
+#
+#   here:   scripts/gpu-lease.sh prepare           fills the git-ignored .gpu/ (about 25 MiB): the wheels the GPU
+#                                                  image lacks (versions from .venv, i.e. uv.lock), the default
+#                                                  model's tokenizer and config, the Brown data the distillation
+#                                                  batches read
+#   there:  bash scripts/gpu-lease.sh run STEP...  (the run tool with carry [".gpu"]) runs each STEP under its own
+#                                                  time limit, its whole log in $OUT/STEP.log, one summary line each
+# Steps (minutes on an H200 in brackets; pick steps to fit one call's 10 minutes):
+#   attention   the flex_attention gpu tests, compiled layers among them (1.5)
+#   tests       the other gpu tests of swiftkv-core and swiftkv-distill, and gpu.py --tiny (2)
+#   prefill     benchmarks/gpu.py: the 2k prefill eager and compiled with CUDA graphs, against the FLOPs bound (4)
+#   quickstart  the main job on the GPU (`--accelerator gpu`, short settings, no serving: vLLM cannot run there)
+#               with RANDOM weights of the default model's shape (the real weights exceed what a call carries):
+#               it checks that every stage runs on the GPU, not the quality figures (4); GPU_LEASE_ACCELERATOR=cpu
+#               runs the same on a CPU (a dry run of the script here)
+set -uo pipefail
+cd "$(dirname "$0")/.."
+
+prepare() {
+    set -e
+    grep -qx "/.gpu/" .git/info/exclude 2>/dev/null || echo "/.gpu/" >>.git/info/exclude
+    [[ -x .venv/bin/python ]] || scripts/setup.sh
+    local py=.venv/bin/python pins=() name
+    # what the GPU image lacks or has at another version (device-howto.md); huggingface-hub stays the image's own
+    for name in transformers tokenizers omegaconf datasets dill multiprocess jsonargparse docstring-parser \
+        typeshed-client gguf; do
+        pins+=("$name==$($py -c "import importlib.metadata as m, sys; print(m.version(sys.argv[1]))" "$name")")
+    done
+    rm -rf .gpu/whl && mkdir -p .gpu/whl
+    python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+        --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+        -d .gpu/whl "${pins[@]}"
+    # the default model's tokenizer and config, and the Brown text, from this machine's cache (made if missing)
+    local files
+    files=$($py -c "
+from swiftkv_core.default_model import default_model_path
+from swiftkv_distill.corpora import prepare
+print(default_model_path(), prepare('brown_train'))")
+    read -r model brown <<<"$files"
+    local target=.gpu/cache/models/SmolLM2-135M-Instruct
+    mkdir -p "$target" .gpu/cache/data/distill
+    cp "$model"/{config.json,generation_config.json,tokenizer.json,tokenizer_config.json,chat_template.jinja} "$target/"
+    : >"$target/model.safetensors" # a placeholder that marks the folder complete: tests build their own weights
+    cp "$brown" .gpu/cache/data/distill/
+    echo "gpu-lease: .gpu/ ready ($(du -sh .gpu | cut -f1)); on the device: bash scripts/gpu-lease.sh run STEP..."
+}
+
+random_default_model() {
+    # the default model's architecture and tokenizer with random weights (seeded), built on the GPU where there is one
+    local target=$1
+    python3 - "$target" <<'EOF'
+import shutil, sys
+from pathlib import Path
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from swiftkv_core.default_model import default_model_path
+
+source, target = default_model_path(materialise=False), Path(sys.argv[1])
+torch.manual_seed(0)
+with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
+    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(source), dtype=torch.bfloat16)
+model.save_pretrained(target)
+for f in source.iterdir():
+    if f.name.startswith(("tokenizer", "chat_template")):
+        shutil.copy(f, target / f.name)
+print(f"random weights of {source.name}'s shape in {target}")
+EOF
+}
+
+run_step() {
+    local step=$1 limit command
+    case $step in
+    attention)
+        limit=240
+        command="python3 -m pytest -m gpu tests/distill/test_attention.py -q -p no:cacheprovider --tb=short" ;;
+    tests)
+        limit=300
+        command="python3 -m pytest -m gpu tests/core/test_gpu.py tests/core/test_runtime.py tests/distill/test_gpu.py \
+tests/integration/test_gpu_benchmark.py -q -p no:cacheprovider --tb=short" ;;
+    prefill)
+        limit=420
+        command="python3 benchmarks/gpu.py --parts '[prefill]' --prefill_lengths '[2048]' --prefill_compile reduce-overhead \
+--out $OUT/gpu-prefill-2k" ;;
+    quickstart)
+        limit=420
+        command="random_default_model /tmp/smollm2-random && python3 -m swiftkv.cli quickstart --model /tmp/smollm2-random \
+--accelerator ${GPU_LEASE_ACCELERATOR:-gpu} --out /tmp/quickstart-gpu --budget_minutes 2 --serve false --train_files '[dataset:brown_train]' \
+--heldout_chat_prompts '' --max_eval_rows 16 --prompt_lengths '[512,2048]' && cp /tmp/quickstart-gpu/report.md \
+$OUT/quickstart-report.md" ;;
+    esac
+    local started=$SECONDS rc
+    echo "[gpu-lease] $step: $command"
+    # each step under its own limit, so a hung step leaves the others, and the call, their time: SIGKILL to the
+    # step's whole process group (Lightning catches SIGTERM and would train on beside the next step)
+    timeout --signal KILL "$limit" bash -c "$command" >"$OUT/$step.log" 2>&1
+    rc=$?
+    echo "[gpu-lease] $step: exit $rc in $((SECONDS - started)) s$([[ $rc == 137 ]] && echo " (killed at its ${limit}-s limit?)"); \
+last lines of $step.log:"
+    tail -n 8 "$OUT/$step.log" | sed 's/^/    /'
+    return $rc
+}
+
+run() {
+    [[ $# -gt 0 ]] || { echo "usage: bash scripts/gpu-lease.sh run STEP... (attention tests prefill quickstart)" >&2; exit 2; }
+    [[ -d .gpu/whl ]] || { echo "gpu-lease: no .gpu/ here: run scripts/gpu-lease.sh prepare first, carry [\".gpu\"]" >&2; exit 2; }
+    local step
+    for step in "$@"; do # every name checked before any device time is spent
+        [[ " attention tests prefill quickstart " == *" $step "* ]] \
+            || { echo "gpu-lease: unknown step '$step': choose from attention, tests, prefill, quickstart" >&2; exit 2; }
+    done
+    OUT=${OUT:-/tmp/gpu-lease-out}
+    mkdir -p "$OUT"
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .gpu/whl/*.whl \
+        || exit 1
+    export OUT SWIFTKV_CACHE_DIR=$PWD/.gpu/cache PYTHONUNBUFFERED=1 \
+        PYTHONPATH=/tmp/site:$PWD/packages/swiftkv-core/src:$PWD/packages/swiftkv-distill/src:$PWD/packages/swiftkv-serve/src:$PWD/packages/swiftkv/src:$PWD
+    export -f random_default_model
+    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null | sed 's/^/[gpu-lease] /'
+    python3 -c "import torch, transformers; print(f'[gpu-lease] torch {torch.__version__}, transformers {transformers.__version__}')"
+    local failed=0
+    for step in "$@"; do
+        run_step "$step" || failed=$((failed + 1))
+    done
+    echo "[gpu-lease] $# steps, $failed failed; logs in \$OUT"
+    return $((failed > 0))
+}
+
+case ${1:-} in
+prepare) prepare ;;
+run) shift; run "$@" ;;
+*) sed -n '2,18p' "$0"; exit 2 ;;
+esac
