@@ -8,7 +8,7 @@
 #                                                  batches read
 #   there:  bash scripts/gpu-lease.sh run STEP...  (the run tool with carry [".gpu"]) runs each STEP under its own
 #                                                  time limit, its whole log in $OUT/STEP.log, one summary line each
-# Steps (minutes on an H200 in brackets; pick steps to fit one call's 10 minutes):
+# Steps (expected minutes on an H200, from earlier leases or estimated; pick steps to fit a call's 10 minutes):
 #   attention   the flex_attention gpu tests, compiled layers among them (1.5)
 #   tests       the other gpu tests of swiftkv-core and swiftkv-distill, and gpu.py --tiny (2)
 #   prefill     benchmarks/gpu.py: the 2k prefill eager and compiled with CUDA graphs, against the FLOPs bound (4)
