@@ -10,7 +10,7 @@
 #                                                  time limit, its whole log in $OUT/STEP.log, one summary line each
 # Steps (expected minutes on an H200, from earlier leases or estimated; pick steps to fit a call's 10 minutes):
 #   attention   the flex_attention gpu tests, compiled layers among them (1.5)
-#   tests       the other gpu tests of swiftkv-core and swiftkv-distill, and gpu.py --tiny (2)
+#   tests       the other gpu tests of swiftkv-core and swiftkv-distill (2)
 #   prefill     benchmarks/gpu.py: the 2k prefill eager and compiled with CUDA graphs, against the FLOPs bound (4)
 #   quickstart  the main job on the GPU (`--accelerator gpu`, short settings, no serving: vLLM cannot run there)
 #               with RANDOM weights of the default model's shape (the real weights exceed what a call carries):
@@ -81,7 +81,7 @@ run_step() {
     tests)
         limit=300
         command="python3 -m pytest -m gpu tests/core/test_gpu.py tests/core/test_runtime.py tests/distill/test_gpu.py \
-tests/integration/test_gpu_benchmark.py -q -p no:cacheprovider --tb=short" ;;
+-q -p no:cacheprovider --tb=short" ;;
     prefill)
         limit=420
         command="python3 benchmarks/gpu.py --parts '[prefill]' --prefill_lengths '[2048]' --prefill_compile reduce-overhead \
