@@ -76,6 +76,8 @@ def numbers(text: str) -> list[float]:
 def test_quickstart_report_is_complete_and_consistent(inputs, tmp_path, capsys):
     report = run_quickstart(inputs, tmp_path / "run")
     printed = capsys.readouterr().out
+    # the start line says where the run goes and what --accelerator auto chose
+    assert re.search(r"on .+ \(--accelerator auto -> (cpu|gpu), recipe ", printed)
     root = report.parent
     data = json.loads((root / "report.json").read_text())
     head, results = data["headline"], data["results"]

@@ -100,9 +100,10 @@ def main(
         serve_requests, serve_compile, threshold, eval_tasks, min_agreement,
     )  # fmt: skip
     run = Run(run_dir, settings, force)
+    chosen = f"{accelerator} -> {settings.accelerator}" if accelerator == "auto" else accelerator
     print(f"swiftkv quickstart: {settings.model} -> SwiftKV l={settings.num_key_value_layers}, "
           f"g={settings.key_value_group_size}, on {run.device_description()} (--accelerator "
-          f"{settings.accelerator}, recipe {settings.recipe}); output in {run_dir}", flush=True)  # fmt: skip
+          f"{chosen}, recipe {settings.recipe}); output in {run_dir}", flush=True)  # fmt: skip
     run.run_stages(STAGES)
     minutes = (time.perf_counter() - started) / 60
     report = run_dir / "report.md"
