@@ -11,7 +11,7 @@
 # Steps (expected minutes on an H200, from earlier leases or estimated; pick steps to fit a call's 10 minutes):
 #   attention   the flex_attention gpu tests, compiled layers among them (1.5)
 #   tests       the other gpu tests of swiftkv-core and swiftkv-distill (2)
-#   prefill     benchmarks/gpu.py: the 2k prefill eager and compiled with CUDA graphs, against the FLOPs bound (4)
+#   prefill     benchmarks/gpu.py: the 2k and 8k prefills, eager and compiled with CUDA graphs, against the FLOPs bound (5)
 #   quickstart  the main job on the GPU (`--accelerator gpu`, short settings, no serving: vLLM cannot run there)
 #               with RANDOM weights of the default model's shape (the real weights exceed what a call carries):
 #               it checks that every stage runs on the GPU, not the quality figures (4); GPU_LEASE_ACCELERATOR=cpu
@@ -83,9 +83,9 @@ run_step() {
         command="python3 -m pytest -m gpu tests/core/test_gpu.py tests/core/test_runtime.py tests/distill/test_gpu.py \
 -q -p no:cacheprovider --tb=short" ;;
     prefill)
-        limit=420
-        command="python3 benchmarks/gpu.py --parts '[prefill]' --prefill_lengths '[2048]' --prefill_compile reduce-overhead \
---out $OUT/gpu-prefill-2k" ;;
+        limit=480
+        command="python3 benchmarks/gpu.py --parts '[prefill]' --prefill_lengths '[2048,8192]' --prefill_compile reduce-overhead \
+--out $OUT/gpu-prefill" ;;
     quickstart)
         limit=420
         command="random_default_model /tmp/smollm2-random && python3 -m swiftkv.cli quickstart --model /tmp/smollm2-random \

@@ -97,3 +97,41 @@ def test_any_kept_positions_with_a_cache_match_sdpa(swift, implementation):
         assert rows == {len(keep)}
     swift.config._attn_implementation = "sdpa"
     torch.testing.assert_close(out[implementation], out["sdpa"], atol=2e-5, rtol=0)
+
+
+def test_a_plain_causal_prompt_gives_sdpa_no_mask_even_where_transformers_would_build_one(monkeypatch):
+    """Under torch.compile with torch < 2.13, transformers builds the causal mask for every prompt (dynamo folds
+    ``torch.compiler.is_exporting()`` to True), and sdpa then leaves its flash kernels. The SwiftKV model passes
+    no mask wherever ``is_causal`` is the whole mask, whatever transformers decides: emulated here by making
+    transformers' check answer as it does under that compile."""
+    import transformers.masking_utils
+
+    model = convert(tiny_base("llama"), 2, 1).eval()
+    model.config._attn_implementation = "sdpa"
+    ids = torch.randint(1, 100, (2, 24))
+    masks = []
+    model.model.layers[0].register_forward_pre_hook(
+        lambda _m, _args, kwargs: masks.append(kwargs["attention_mask"]), with_kwargs=True
+    )
+    with torch.no_grad():
+        expected = {on: model.swiftkv(on)(ids, logits_to_keep=1).logits for on in (False, True)}
+        monkeypatch.setattr(transformers.masking_utils, "is_torchdynamo_exporting", lambda: True)
+        # transformers alone now builds a mask: a prompt given with its (all-ones) attention mask gets one
+        model(ids, attention_mask=torch.ones_like(ids))
+        assert masks.pop() is not None
+        for on in (False, True):
+            masks.clear()
+            torch.testing.assert_close(
+                model.swiftkv(on)(ids, logits_to_keep=1).logits, expected[on], rtol=0, atol=0
+            )
+            assert masks == [None]  # sdpa's is_causal, the flash kernels' case
+        # where a mask is needed it is still built: padding, a cache holding earlier tokens, packed positions
+        padded = torch.ones_like(ids)
+        padded[0, :3] = 0
+        cache = model(ids[:, :8], use_cache=True).past_key_values
+        packed = torch.cat([torch.arange(12), torch.arange(12)])[None].expand(2, -1)
+        masks.clear()
+        model(ids, attention_mask=padded)
+        model(ids[:, 8:], past_key_values=cache, use_cache=True)
+        model(ids, position_ids=packed)
+        assert all(mask is not None for mask in masks) and len(masks) == 3

@@ -315,8 +315,9 @@ class SwiftKVModelMixin:
             inputs_embeds = self.embed_tokens(input_ids)
         if use_cache and past_key_values is None:
             past_key_values = DynamicCache(config=config)
+        past_seen = past_key_values.get_seq_length() if past_key_values is not None else 0
+        plain_causal = _plain_causal(config, attention_mask, position_ids, past_seen)
         if position_ids is None:
-            past_seen = past_key_values.get_seq_length() if past_key_values is not None else 0
             position_ids = torch.arange(inputs_embeds.shape[1], device=inputs_embeds.device)[None] + past_seen
 
         keep = _keep_index(keep_positions, inputs_embeds.shape[1])
@@ -327,7 +328,7 @@ class SwiftKVModelMixin:
             past_key_values=past_key_values,
             position_ids=position_ids,
         )
-        causal_mask = create_causal_mask(**mask_kwargs)
+        causal_mask = None if plain_causal else create_causal_mask(**mask_kwargs)
         subset = config.swiftkv and keep is not None
         subset_mask = _kept_rows_mask(mask_kwargs, causal_mask, keep) if subset else None
         context = LayerContext(
@@ -423,6 +424,19 @@ class LayerContext:
             use_cache=self.use_cache,
             **self.kwargs,
         )
+
+
+def _plain_causal(config, attention_mask, position_ids, past_seen: int) -> bool:
+    """Whether sdpa's ``is_causal`` is the whole mask (no mask tensor, so sdpa keeps its flash kernels): no padding
+    mask, positions made here (so no packed sequences), nothing cached. transformers decides the same in eager
+    mode, but under ``torch.compile`` with torch < 2.13 it always builds the mask (dynamo folds
+    ``torch.compiler.is_exporting()`` to True), and a compiled forward's attention leaves the flash kernels."""
+    return (
+        config._attn_implementation == "sdpa"
+        and attention_mask is None
+        and position_ids is None
+        and past_seen == 0
+    )
 
 
 NO_SUBSET = object()  # ``_kept_rows_mask``: the attention implementation cannot run the kept rows alone
