@@ -99,39 +99,45 @@ def test_any_kept_positions_with_a_cache_match_sdpa(swift, implementation):
     torch.testing.assert_close(out[implementation], out["sdpa"], atol=2e-5, rtol=0)
 
 
-def test_a_plain_causal_prompt_gives_sdpa_no_mask_even_where_transformers_would_build_one(monkeypatch):
-    """Under torch.compile with torch < 2.13, transformers builds the causal mask for every prompt (dynamo folds
-    ``torch.compiler.is_exporting()`` to True), and sdpa then leaves its flash kernels. The SwiftKV model passes
-    no mask wherever ``is_causal`` is the whole mask, whatever transformers decides: emulated here by making
-    transformers' check answer as it does under that compile."""
+def test_a_plain_prompt_gives_sdpa_no_mask_and_the_kept_rows_only_theirs(monkeypatch):
+    """A prompt without padding or given positions: sdpa's ``is_causal`` for layers < l, and for the kept rows of
+    layers >= l a mask of those rows alone (the full one is prompt length squared: 16 GiB at 128k tokens), with the
+    logits of the full-mask path. Under torch.compile with torch < 2.13, transformers builds the causal mask for
+    every prompt (dynamo folds ``torch.compiler.is_exporting()`` to True), and sdpa then leaves its flash kernels:
+    emulated here by making transformers' check answer as it does under that compile."""
     import transformers.masking_utils
 
     model = convert(tiny_base("llama"), 2, 1).eval()
     model.config._attn_implementation = "sdpa"
+    l = model.config.num_key_value_layers
     ids = torch.randint(1, 100, (2, 24))
-    masks = []
-    model.model.layers[0].register_forward_pre_hook(
-        lambda _m, _args, kwargs: masks.append(kwargs["attention_mask"]), with_kwargs=True
-    )
+    masks = {0: [], l: []}
+    for j, seen in masks.items():
+        model.model.layers[j].register_forward_pre_hook(
+            lambda _m, _args, kwargs, seen=seen: seen.append(kwargs["attention_mask"]), with_kwargs=True
+        )
+    monkeypatch.setattr(transformers.masking_utils, "is_torchdynamo_exporting", lambda: True)
+    ones = torch.ones_like(ids)
     with torch.no_grad():
-        expected = {on: model.swiftkv(on)(ids, logits_to_keep=1).logits for on in (False, True)}
-        monkeypatch.setattr(transformers.masking_utils, "is_torchdynamo_exporting", lambda: True)
-        # transformers alone now builds a mask: a prompt given with its (all-ones) attention mask gets one
-        model(ids, attention_mask=torch.ones_like(ids))
-        assert masks.pop() is not None
-        for on in (False, True):
-            masks.clear()
-            torch.testing.assert_close(
-                model.swiftkv(on)(ids, logits_to_keep=1).logits, expected[on], rtol=0, atol=0
-            )
-            assert masks == [None]  # sdpa's is_causal, the flash kernels' case
-        # where a mask is needed it is still built: padding, a cache holding earlier tokens, packed positions
-        padded = torch.ones_like(ids)
+        model(ids, attention_mask=ones)  # transformers alone now builds a mask, even for an all-ones one
+        assert masks[0].pop() is not None
+        for keep in (1, 3, torch.tensor([2, 9, 23])):
+            full = model(ids, attention_mask=ones, logits_to_keep=keep).logits  # the full mask's kept rows
+            masks[0].clear(), masks[l].clear()
+            plain = model(ids, logits_to_keep=keep).logits
+            torch.testing.assert_close(plain, full, atol=1e-6, rtol=0)
+            (below,), (kept,) = masks[0], masks[l]
+            rows = keep if isinstance(keep, int) else len(keep)
+            assert below is None  # is_causal: the flash kernels' case
+            assert kept.shape[-2:] == (rows, 24) and kept.untyped_storage().nbytes() == rows * 24
+        # where a mask is needed for layers < l it is still built: padding, a cache holding earlier tokens, packed
+        # positions
+        padded = ones.clone()
         padded[0, :3] = 0
         cache = model(ids[:, :8], use_cache=True).past_key_values
         packed = torch.cat([torch.arange(12), torch.arange(12)])[None].expand(2, -1)
-        masks.clear()
+        masks[0].clear()
         model(ids, attention_mask=padded)
         model(ids[:, 8:], past_key_values=cache, use_cache=True)
         model(ids, position_ids=packed)
-        assert all(mask is not None for mask in masks) and len(masks) == 3
+        assert len(masks[0]) == 3 and all(mask is not None for mask in masks[0])

@@ -316,7 +316,8 @@ class SwiftKVModelMixin:
         if use_cache and past_key_values is None:
             past_key_values = DynamicCache(config=config)
         past_seen = past_key_values.get_seq_length() if past_key_values is not None else 0
-        plain_causal = _plain_causal(config, attention_mask, position_ids, past_seen)
+        # no padding and positions made here (so no packed sequences): causal masks follow from the positions
+        plain = attention_mask is None and position_ids is None
         if position_ids is None:
             position_ids = torch.arange(inputs_embeds.shape[1], device=inputs_embeds.device)[None] + past_seen
 
@@ -328,9 +329,13 @@ class SwiftKVModelMixin:
             past_key_values=past_key_values,
             position_ids=position_ids,
         )
-        causal_mask = None if plain_causal else create_causal_mask(**mask_kwargs)
+        # sdpa's is_causal is then the whole mask: none is passed, as transformers does in eager mode (under
+        # torch.compile with torch < 2.13 transformers builds the mask for every prompt, since dynamo folds
+        # torch.compiler.is_exporting() to True there, and the compiled sdpa leaves its flash kernels)
+        sdpa_causal = plain and past_seen == 0 and config._attn_implementation == "sdpa"
+        causal_mask = None if sdpa_causal else create_causal_mask(**mask_kwargs)
         subset = config.swiftkv and keep is not None
-        subset_mask = _kept_rows_mask(mask_kwargs, causal_mask, keep) if subset else None
+        subset_mask = _kept_rows_mask(mask_kwargs, causal_mask, keep, plain) if subset else None
         context = LayerContext(
             attention_mask=causal_mask,
             position_embeddings=self.rotary_emb(inputs_embeds, position_ids=position_ids),
@@ -426,35 +431,29 @@ class LayerContext:
         )
 
 
-def _plain_causal(config, attention_mask, position_ids, past_seen: int) -> bool:
-    """Whether sdpa's ``is_causal`` is the whole mask (no mask tensor, so sdpa keeps its flash kernels): no padding
-    mask, positions made here (so no packed sequences), nothing cached. transformers decides the same in eager
-    mode, but under ``torch.compile`` with torch < 2.13 it always builds the mask (dynamo folds
-    ``torch.compiler.is_exporting()`` to True), and a compiled forward's attention leaves the flash kernels."""
-    return (
-        config._attn_implementation == "sdpa"
-        and attention_mask is None
-        and position_ids is None
-        and past_seen == 0
-    )
-
-
 NO_SUBSET = object()  # ``_kept_rows_mask``: the attention implementation cannot run the kept rows alone
 
 
-def _kept_rows_mask(mask_kwargs: dict, causal_mask, keep):
+def _kept_rows_mask(mask_kwargs: dict, causal_mask, keep, plain: bool):
     """The attention mask of layers ``>= l`` when they run for the kept query positions only, for the model's
     attention implementation; ``NO_SUBSET`` where it cannot express one (those layers then run for every position,
-    with the same outputs and no saving).
+    with the same outputs and no saving). ``plain``: no padding mask, positions made by the model.
 
     - eager / sdpa: the full mask's kept rows, always explicit (sdpa's ``is_causal`` aligns the upper-left corner,
-      which is wrong for a subset of the rows);
+      which is wrong for a subset of the rows); for sdpa and a ``plain`` prompt, only those rows are built (the
+      full mask is prompt length squared: 1 GiB at 32k tokens, 16 GiB at 128k);
     - flex_attention: a block mask of the kept rows (blocks a kept row cannot see are skipped);
     - flash_attention_*: flash-attn aligns its causal mask to the bottom-right corner, which is what the LAST rows
       need (``logits_to_keep=N``, what ``generate`` asks for); its mask is the padding mask as it is. Other row
       subsets, and packed sequences, have no flash-attn form here.
     """
     implementation = mask_kwargs["config"]._attn_implementation
+    if implementation == "sdpa" and plain:
+        embeds, cache = mask_kwargs["inputs_embeds"], mask_kwargs["past_key_values"]
+        past = cache.get_seq_length() if cache is not None else 0
+        keys = torch.arange(past + embeds.shape[1], device=embeds.device)
+        # kept row i sees the keys up to its own position
+        return (keys[None, :] <= keys[past:][keep, None])[None, None]
     if implementation in ("sdpa", "eager"):
         return create_causal_mask(**mask_kwargs, allow_is_causal_skip=False)[:, :, keep]
     if implementation == "flex_attention":
