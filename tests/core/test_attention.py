@@ -100,15 +100,15 @@ def test_any_kept_positions_with_a_cache_match_sdpa(swift, implementation):
 
 
 def test_a_plain_prompt_gives_sdpa_no_mask_and_the_kept_rows_only_theirs(monkeypatch):
-    """A prompt without padding or given positions: sdpa's ``is_causal`` for layers < l, and for the kept rows of
-    layers >= l a mask of those rows alone (the full one is prompt length squared: 16 GiB at 128k tokens), with the
-    logits of the full-mask path. Under torch.compile with torch < 2.13, transformers builds the causal mask for
-    every prompt (dynamo folds ``torch.compiler.is_exporting()`` to True), and sdpa then leaves its flash kernels:
-    emulated here by making transformers' check answer as it does under that compile."""
+    """A prompt without padding whose positions count on from the cache (given or not, as ``generate`` gives
+    them): sdpa's ``is_causal`` for layers < l, and for the kept rows of layers >= l a mask of those rows alone (the
+    full one is prompt length squared: 16 GiB at 128k tokens), with the logits of eager attention's full masks.
+    Under torch.compile with torch < 2.13, transformers builds the causal mask for every prompt (dynamo folds
+    ``torch.compiler.is_exporting()`` to True), and sdpa then leaves its flash kernels: emulated here by making
+    transformers' check answer as it does under that compile."""
     import transformers.masking_utils
 
     model = convert(tiny_base("llama"), 2, 1).eval()
-    model.config._attn_implementation = "sdpa"
     l = model.config.num_key_value_layers
     ids = torch.randint(1, 100, (2, 24))
     masks = {0: [], l: []}
@@ -117,27 +117,31 @@ def test_a_plain_prompt_gives_sdpa_no_mask_and_the_kept_rows_only_theirs(monkeyp
             lambda _m, _args, kwargs, seen=seen: seen.append(kwargs["attention_mask"]), with_kwargs=True
         )
     monkeypatch.setattr(transformers.masking_utils, "is_torchdynamo_exporting", lambda: True)
-    ones = torch.ones_like(ids)
+    ones, counting = torch.ones_like(ids), torch.arange(24)[None]
     with torch.no_grad():
-        model(ids, attention_mask=ones)  # transformers alone now builds a mask, even for an all-ones one
-        assert masks[0].pop() is not None
         for keep in (1, 3, torch.tensor([2, 9, 23])):
-            full = model(ids, attention_mask=ones, logits_to_keep=keep).logits  # the full mask's kept rows
-            masks[0].clear(), masks[l].clear()
-            plain = model(ids, logits_to_keep=keep).logits
-            torch.testing.assert_close(plain, full, atol=1e-6, rtol=0)
-            (below,), (kept,) = masks[0], masks[l]
+            model.config._attn_implementation = "eager"
+            expected = model(ids, logits_to_keep=keep).logits
+            model.config._attn_implementation = "sdpa"
             rows = keep if isinstance(keep, int) else len(keep)
-            assert below is None  # is_causal: the flash kernels' case
-            assert kept.shape[-2:] == (rows, 24) and kept.untyped_storage().nbytes() == rows * 24
-        # where a mask is needed for layers < l it is still built: padding, a cache holding earlier tokens, packed
-        # positions
+            for given in ({}, {"attention_mask": ones, "position_ids": counting}):
+                masks[0].clear(), masks[l].clear()
+                logits = model(ids, logits_to_keep=keep, **given).logits
+                torch.testing.assert_close(logits, expected, atol=2e-5, rtol=0)
+                (below,), (kept,) = masks[0], masks[l]
+                assert below is None  # is_causal: the flash kernels' case
+                assert kept.shape[-2:] == (rows, 24) and kept.untyped_storage().nbytes() == rows * 24
+        # where the positions alone do not give the mask, transformers' masks: padding, packed positions, a 4-D
+        # mask of the caller's own (and with earlier tokens cached, layers < l need a mask too)
         padded = ones.clone()
         padded[0, :3] = 0
-        cache = model(ids[:, :8], use_cache=True).past_key_values
         packed = torch.cat([torch.arange(12), torch.arange(12)])[None].expand(2, -1)
+        custom = torch.ones(2, 1, 24, 24, dtype=torch.bool)
+        cache = model(ids[:, :8], use_cache=True).past_key_values
         masks[0].clear()
-        model(ids, attention_mask=padded)
+        for given in ({"attention_mask": padded}, {"position_ids": packed}, {"attention_mask": custom}):
+            masks[l].clear()
+            model(ids, logits_to_keep=1, **given)
+            assert masks[l][0].untyped_storage().nbytes() >= 24 * 24
         model(ids[:, 8:], past_key_values=cache, use_cache=True)
-        model(ids, position_ids=packed)
-        assert len(masks[0]) == 3 and all(mask is not None for mask in masks[0])
+        assert len(masks[0]) == 4 and all(mask is not None for mask in masks[0])

@@ -316,12 +316,16 @@ class SwiftKVModelMixin:
         if use_cache and past_key_values is None:
             past_key_values = DynamicCache(config=config)
         past_seen = past_key_values.get_seq_length() if past_key_values is not None else 0
-        # no padding and positions made here (so no packed sequences): causal masks follow from the positions
-        plain = attention_mask is None and position_ids is None
+        length = inputs_embeds.shape[1]
+        plain = (
+            config._attn_implementation == "sdpa"
+            and length > 1
+            and _plain_prompt(attention_mask, position_ids, past_seen, length)
+        )
         if position_ids is None:
-            position_ids = torch.arange(inputs_embeds.shape[1], device=inputs_embeds.device)[None] + past_seen
+            position_ids = torch.arange(length, device=inputs_embeds.device)[None] + past_seen
 
-        keep = _keep_index(keep_positions, inputs_embeds.shape[1])
+        keep = _keep_index(keep_positions, length)
         mask_kwargs = dict(
             config=config,
             inputs_embeds=inputs_embeds,
@@ -329,11 +333,11 @@ class SwiftKVModelMixin:
             past_key_values=past_key_values,
             position_ids=position_ids,
         )
-        # sdpa's is_causal is then the whole mask: none is passed, as transformers does in eager mode (under
-        # torch.compile with torch < 2.13 transformers builds the mask for every prompt, since dynamo folds
-        # torch.compiler.is_exporting() to True there, and the compiled sdpa leaves its flash kernels)
-        sdpa_causal = plain and past_seen == 0 and config._attn_implementation == "sdpa"
-        causal_mask = None if sdpa_causal else create_causal_mask(**mask_kwargs)
+        # a plain prompt with nothing cached: sdpa's is_causal is the whole mask, so none is passed, as transformers
+        # does in eager mode (under torch.compile with torch < 2.13 transformers builds the mask for every prompt,
+        # since dynamo folds torch.compiler.is_exporting() to True there, and the compiled sdpa leaves its flash
+        # kernels)
+        causal_mask = None if plain and past_seen == 0 else create_causal_mask(**mask_kwargs)
         subset = config.swiftkv and keep is not None
         subset_mask = _kept_rows_mask(mask_kwargs, causal_mask, keep, plain) if subset else None
         context = LayerContext(
@@ -431,24 +435,41 @@ class LayerContext:
         )
 
 
+def _plain_prompt(attention_mask, position_ids, past_seen: int, length: int) -> bool:
+    """Whether the causal mask follows from the positions alone: no padding, and positions counting on from the
+    cache (so no packed sequences). Given masks and positions are read as transformers reads them in eager mode;
+    under ``torch.compile`` only a prompt given without either counts."""
+    if attention_mask is None and position_ids is None:
+        return True
+    if torch.compiler.is_compiling():
+        return False
+    if attention_mask is not None and not (attention_mask.dim() == 2 and bool(attention_mask.all())):
+        return False  # padding, or a 4-D mask of the caller's own
+    if position_ids is None:
+        return True
+    counting = torch.arange(past_seen, past_seen + length, device=position_ids.device)
+    return bool((position_ids == counting).all())
+
+
 NO_SUBSET = object()  # ``_kept_rows_mask``: the attention implementation cannot run the kept rows alone
 
 
 def _kept_rows_mask(mask_kwargs: dict, causal_mask, keep, plain: bool):
     """The attention mask of layers ``>= l`` when they run for the kept query positions only, for the model's
     attention implementation; ``NO_SUBSET`` where it cannot express one (those layers then run for every position,
-    with the same outputs and no saving). ``plain``: no padding mask, positions made by the model.
+    with the same outputs and no saving). ``plain``: an sdpa prompt whose mask follows from its positions
+    (``_plain_prompt``).
 
     - eager / sdpa: the full mask's kept rows, always explicit (sdpa's ``is_causal`` aligns the upper-left corner,
-      which is wrong for a subset of the rows); for sdpa and a ``plain`` prompt, only those rows are built (the
-      full mask is prompt length squared: 1 GiB at 32k tokens, 16 GiB at 128k);
+      which is wrong for a subset of the rows); for a ``plain`` prompt, only those rows are built (the full mask
+      is prompt length squared: 1 GiB at 32k tokens, 16 GiB at 128k);
     - flex_attention: a block mask of the kept rows (blocks a kept row cannot see are skipped);
     - flash_attention_*: flash-attn aligns its causal mask to the bottom-right corner, which is what the LAST rows
       need (``logits_to_keep=N``, what ``generate`` asks for); its mask is the padding mask as it is. Other row
       subsets, and packed sequences, have no flash-attn form here.
     """
     implementation = mask_kwargs["config"]._attn_implementation
-    if implementation == "sdpa" and plain:
+    if plain:
         embeds, cache = mask_kwargs["inputs_embeds"], mask_kwargs["past_key_values"]
         past = cache.get_seq_length() if cache is not None else 0
         keys = torch.arange(past + embeds.shape[1], device=embeds.device)
