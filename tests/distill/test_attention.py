@@ -77,10 +77,20 @@ def test_packed_rows_through_flex_attention_give_the_dense_gradients_on_gpu():
     torch.testing.assert_close(flex["loss"], dense["loss"], atol=1e-6, rtol=1e-5)
 
 
+def gradient_differences(got: dict, want: dict) -> str:
+    """Each gradient's largest difference beside its largest value: a failure shows how far off, and where."""
+    return "; ".join(
+        f"{name}: max |diff| {(got[name] - g).abs().max():.2e} of max |grad| {g.abs().max():.2e}"
+        for name, g in want.items()
+    )
+
+
 @pytest.mark.gpu
-def test_compiled_layers_with_flex_attention_give_the_eager_step_on_gpu():
-    """``compile_layers`` (``build.compile_layers``) with packed rows through flex_attention, what a GPU run uses:
-    the loss and gradients of the eager layers."""
+@pytest.mark.parametrize("implementation", ["sdpa", "flex_attention"])
+def test_compiled_layers_give_the_eager_step_on_gpu(implementation):
+    """``compile_layers`` (``build.compile_layers``) with packed rows, what a GPU run uses (flex_attention; sdpa
+    beside it, which tells a fault of the compiled layer from one of the attention): the loss and gradients of the
+    eager layers."""
     from swiftkv_distill.build import compile_layers
 
     model = convert(tiny_base("llama"), 2, 1).cuda()
@@ -88,16 +98,22 @@ def test_compiled_layers_with_flex_attention_give_the_eager_step_on_gpu():
     tf32 = torch.backends.cuda.matmul.allow_tf32
     torch.backends.cuda.matmul.allow_tf32 = False  # fp32 matmuls on both sides (restored for the tests after)
     try:
-        eager = step_results(model, batch, "flex_attention", backward=True)
+        eager = step_results(model, batch, implementation, backward=True)
         compile_layers(model)
-        compiled = step_results(model, batch, "flex_attention", backward=True)
+        compiled = step_results(model, batch, implementation, backward=True)
     finally:
         torch.backends.cuda.matmul.allow_tf32 = tf32
     assert all(layer._compiled_call_impl is not None for layer in model.model.layers)
     assert eager["grads"] and set(compiled["grads"]) == set(eager["grads"])
-    for name, grad in eager["grads"].items():
-        torch.testing.assert_close(compiled["grads"][name], grad, atol=1e-5, rtol=1e-3, msg=name)
     torch.testing.assert_close(compiled["loss"], eager["loss"], atol=1e-6, rtol=1e-5)
+    for name, grad in eager["grads"].items():
+        torch.testing.assert_close(
+            compiled["grads"][name],
+            grad,
+            atol=1e-5,
+            rtol=1e-3,
+            msg=lambda m: f"{m}\nall: {gradient_differences(compiled['grads'], eager['grads'])}",
+        )
 
 
 def test_the_run_picks_fast_packed_attention_for_its_device():
