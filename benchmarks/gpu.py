@@ -53,22 +53,21 @@ def prefill_rows(
     from torch._dynamo.utils import counters
 
     from swiftkv_core.flops import ModelShape, prefill_flops_total
-    from swiftkv_core.generation import time_prefill_off_on
+    from swiftkv_core.generation import check_compiled_prefill, compile_prefill, time_prefill_off_on
 
     shape, l = ModelShape.from_config(model.config), model.config.num_key_value_layers
     cases = [(1, n) for n in lengths] + [packed]
     forward, warmup = None, 1
-    if compile_mode:  # fullgraph: a graph break fails, never splits the forward (and CUDA graph) silently
-        forward, warmup = torch.compile(model, mode=compile_mode, dynamic=False, fullgraph=True), 3
+    if compile_mode:
+        forward, warmup = compile_prefill(model, compile_mode), 3
     rows = []
     for batch, length in cases:
         ids = torch.randint(100, model.config.vocab_size - 100, (batch, length), device=model.device)
         # graphs reduce-overhead could not capture as CUDA graphs (all of them on a CPU)
         skipped = counters["inductor"]["cudagraph_skips"]
-        with torch._dynamo.config.patch(recompile_limit=64):  # one graph per shape and side, never eager
-            error = None if forward is None else check_compiled_prefill(model, forward, ids)
-            graphs = counters["stats"]["unique_graphs"]
-            measured = time_prefill_off_on(model, ids, repeats, warmup, forward)
+        error = None if forward is None else check_compiled_prefill(model, forward, ids)
+        graphs = counters["stats"]["unique_graphs"]
+        measured = time_prefill_off_on(model, ids, repeats, warmup, forward)
         if counters["stats"]["unique_graphs"] != graphs:
             raise SystemExit("the timing compiled graphs that the logits check did not run: not reported.")
         skipped = counters["inductor"]["cudagraph_skips"] - skipped
@@ -87,40 +86,6 @@ def prefill_rows(
         })  # fmt: skip
         print(json.dumps(rows[-1]), flush=True)
     return rows
-
-
-@torch.inference_mode()
-def check_compiled_prefill(model, forward, ids: torch.Tensor) -> float:
-    """Refuse to time a compiled forward whose last-position logits (SwiftKV off and on) are not the eager ones up
-    to the dtype's rounding, or that compiled one graph for both sides of a new prompt shape (a missed guard on the
-    SwiftKV switch: one side would run the other's forward). Called as the timed prefill calls it: the compiled
-    graphs are the ones timed (``prefill_rows`` checks that the timing compiled none). Returns the larger relative
-    error, ||compiled - eager|| / ||eager||.
-
-    The bf16 tolerance is above that dtype's rounding at a real depth, where eager bf16 itself is several percent
-    from an fp32 copy (gpu-llama-3.1-8b-compiled-prefill.md). It catches a broken graph, not the other side's: with
-    random weights the two sides' logits are too close to tell apart, hence the graph count."""
-    from torch._dynamo.utils import counters
-
-    from swiftkv_core.kv_cache import make_kv_cache
-
-    tolerance = 0.15 if model.dtype == torch.bfloat16 else 1e-3
-    errors, graphs = [], counters["stats"]["unique_graphs"]
-    for on in (False, True):
-        model.swiftkv(on)
-        eager, compiled = (f(ids, past_key_values=make_kv_cache(model.config, "auto"), use_cache=True,
-                             logits_to_keep=1).logits.float() for f in (model, forward))  # fmt: skip
-        errors.append(((compiled - eager).norm() / eager.norm()).item())
-        if not errors[-1] <= tolerance:  # NaN fails too
-            raise SystemExit(
-                f"the compiled forward's logits are {errors[-1]:.2%} (relative) from the eager ones with "
-                f"swiftkv({on}), over the {tolerance:.2%} that {model.dtype}'s rounding explains: not timing it."
-            )
-    model.swiftkv(True)
-    graphs = counters["stats"]["unique_graphs"] - graphs
-    if graphs not in (0, 2):  # 0: this shape was compiled (and checked) before
-        raise SystemExit(f"a new prompt shape compiled {graphs} graph(s), not one per side: not timing it.")
-    return max(errors)
 
 
 @torch.inference_mode()

@@ -1,4 +1,5 @@
-"""Loading a model by name or path, and timing a prefill: shared by the CLI and the benchmarks."""
+"""Loading a model by name or path, and timing a prefill (eager or compiled): shared by the CLI, the main job and the
+benchmarks."""
 
 from __future__ import annotations
 
@@ -95,3 +96,50 @@ def time_prefill_off_on(
                 times[enabled].append(seconds)
     model.swiftkv(True)
     return times
+
+
+def compile_prefill(model, mode: str = "reduce-overhead"):
+    """The whole forward ``torch.compile``d, for ``time_prefill``'s ``forward``: one graph per prompt shape and
+    SwiftKV side (``dynamic=False``; room for 64 of them, never a silent eager fallback), ``fullgraph`` (a graph
+    break fails, never splits the forward or its CUDA graph silently). ``reduce-overhead`` replays each graph as a
+    CUDA graph: on a GPU, a small model's eager prefill is bound by kernel launches, not by the FLOPs SwiftKV saves.
+    Warm it up with three calls per shape and side (compile, record, replay); check it with
+    ``check_compiled_prefill`` before timing it."""
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+    return torch.compile(model, mode=mode, dynamic=False, fullgraph=True)
+
+
+@torch.inference_mode()
+def check_compiled_prefill(model, forward, ids: torch.Tensor) -> float:
+    """Refuse (``RuntimeError``) to time a compiled forward whose last-position logits (SwiftKV off and on) are not
+    the eager ones up to the dtype's rounding, or that compiled one graph for both sides of a new prompt shape (a
+    missed guard on the SwiftKV switch: one side would run the other's forward). Call it as the timed prefill runs,
+    so the graphs it compiles are the ones timed. Returns the larger relative error, ||compiled - eager|| / ||eager||.
+
+    The bf16 tolerance is above that dtype's rounding at a real depth, where eager bf16 itself is several percent
+    from an fp32 copy (benchmarks/results/gpu-llama-3.1-8b-compiled-prefill.md). It catches a broken graph, not the
+    other side's: with random weights the two sides' logits are too close to tell apart, hence the graph count."""
+    from torch._dynamo.utils import counters
+
+    tolerance = 0.15 if model.dtype == torch.bfloat16 else 1e-3
+    errors, graphs = [], counters["stats"]["unique_graphs"]
+    for on in (False, True):
+        model.swiftkv(on)
+        eager, compiled = (
+            f(
+                ids, past_key_values=make_kv_cache(model.config, "auto"), use_cache=True, logits_to_keep=1
+            ).logits.float()
+            for f in (model, forward)
+        )
+        errors.append(((compiled - eager).norm() / eager.norm()).item())
+        if not errors[-1] <= tolerance:  # NaN fails too
+            model.swiftkv(True)
+            raise RuntimeError(
+                f"the compiled forward's logits are {errors[-1]:.2%} (relative) from the eager ones with "
+                f"swiftkv({on}), over the {tolerance:.2%} that {model.dtype}'s rounding explains: not timing it."
+            )
+    model.swiftkv(True)
+    graphs = counters["stats"]["unique_graphs"] - graphs
+    if graphs not in (0, 2):  # 0: this shape was compiled (and checked) before
+        raise RuntimeError(f"a new prompt shape compiled {graphs} graph(s), not one per side: not timing it.")
+    return max(errors)

@@ -21,6 +21,7 @@ def headline(settings: dict, results: dict) -> dict:
     if rows:
         longest = rows[-1]
         out["prefill"] = {k: longest[k] for k in ("prompt_tokens", "speedup_x", "flops_bound_x")}
+        out["prefill"]["forward"] = longest.get("forward", "eager")  # results of runs before it was recorded
     metrics = results["distill"]["metrics"]
     out["quality"] = {
         key: {"kl": value["kl"], "agreement": value["agreement"]} for key, value in sorted(metrics.items())
@@ -77,7 +78,8 @@ def _markdown(root: Path, settings: dict, results: dict, versions: dict, head: d
     if "prefill" in head:
         p = head["prefill"]
         lines.append(
-            f"- **Prefill (HF, {p['prompt_tokens']} tokens): {p['speedup_x']:.2f}x faster** with SwiftKV on than off "
+            f"- **Prefill (HF, {p['prompt_tokens']} tokens, {p['forward']}): {p['speedup_x']:.2f}x faster** with "
+            "SwiftKV on than off "
             f"(same weights; FLOPs bound {p['flops_bound_x']:.2f}x)."
         )
     for workload, r in head.get("serving", {}).items():
@@ -139,13 +141,13 @@ def _markdown(root: Path, settings: dict, results: dict, versions: dict, head: d
         "",
         f"## Prefill latency (HF transformers, SwiftKV off vs on, median of 3; {results['prefill'].get('device', '')})",
         "",
-        "| prompt tokens | SwiftKV off (ms) | SwiftKV on (ms) | speed-up | FLOPs bound |",
-        "|---|---|---|---|---|",
+        "| prompt tokens | forward | SwiftKV off (ms) | SwiftKV on (ms) | speed-up | FLOPs bound |",
+        "|---|---|---|---|---|---|",
     ]
     for r in results["prefill"]["rows"]:
         lines.append(
-            f"| {r['prompt_tokens']} | {r['off_s'] * 1e3:.0f} | {r['on_s'] * 1e3:.0f} | {r['speedup_x']:.2f}x | "
-            f"{r['flops_bound_x']:.2f}x |"
+            f"| {r['prompt_tokens']} | {r.get('forward', 'eager')} | {r['off_s'] * 1e3:.1f} | {r['on_s'] * 1e3:.1f} | "
+            f"{r['speedup_x']:.2f}x | {r['flops_bound_x']:.2f}x |"
         )
     lines += ["", "![prefill latency](prefill.png)", ""]
     serve = results.get("serve", {})
