@@ -8,13 +8,16 @@
 #                                                  batches read
 #   there:  bash scripts/gpu-lease.sh run STEP...  (the run tool with carry [".gpu"]) runs each STEP under its own
 #                                                  time limit, its whole log in $OUT/STEP.log, one summary line each
-# Steps (expected minutes on an H200, from earlier leases or estimated; pick steps to fit a call's 10 minutes):
-#   attention   the flex_attention gpu tests, compiled layers among them (1.5)
+# Steps (minutes on the H100 of 2026-11-26, or estimated; pick steps to fit a call's 10 minutes and the 15-minute
+# lease, whose start takes about half a minute):
+#   attention   the flex_attention gpu tests, compiled layers (flex_attention and sdpa) among them (2)
 #   tests       the other gpu tests of swiftkv-core and swiftkv-distill (2)
-#   prefill     benchmarks/gpu.py: the 2k and 8k prefills, eager and compiled with CUDA graphs, against the FLOPs bound (5)
+#   prefill     benchmarks/gpu.py: the 2k and 8k prefills, eager and compiled with CUDA graphs, against the FLOPs bound (4)
+#   distill     benchmarks/gpu.py: the 8B distillation step, eager, compiled layers, activation checkpointing (est. 6)
 #   quickstart  the main job on the GPU (`--accelerator gpu`, short settings, no serving: vLLM cannot run there)
 #               with RANDOM weights of the default model's shape (the real weights exceed what a call carries):
-#               it checks that every stage runs on the GPU, not the quality figures (4); GPU_LEASE_ACCELERATOR=cpu
+#               it checks that every stage runs on the GPU, not the quality figures (4; more now that its prefill
+#               compiles a CUDA graph per length and side); GPU_LEASE_ACCELERATOR=cpu
 #               runs the same on a CPU (a dry run of the script here)
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -86,6 +89,10 @@ run_step() {
         limit=480
         command="python3 benchmarks/gpu.py --parts '[prefill]' --prefill_lengths '[2048,8192]' --prefill_compile reduce-overhead \
 --out $OUT/gpu-prefill" ;;
+    distill)
+        limit=540
+        command="python3 benchmarks/gpu.py --parts '[distill]' --frozen '[bf16]' --activation_checkpointing true \
+--compile_layers true --out $OUT/gpu-distill" ;;
     quickstart)
         limit=420
         command="random_default_model /tmp/smollm2-random && python3 -m swiftkv.cli quickstart --model /tmp/smollm2-random \
@@ -106,12 +113,12 @@ last lines of $step.log:"
 }
 
 run() {
-    [[ $# -gt 0 ]] || { echo "usage: bash scripts/gpu-lease.sh run STEP... (attention tests prefill quickstart)" >&2; exit 2; }
+    [[ $# -gt 0 ]] || { echo "usage: bash scripts/gpu-lease.sh run STEP... (attention tests prefill distill quickstart)" >&2; exit 2; }
     [[ -d .gpu/whl ]] || { echo "gpu-lease: no .gpu/ here: run scripts/gpu-lease.sh prepare first, carry [\".gpu\"]" >&2; exit 2; }
     local step
     for step in "$@"; do # every name checked before any device time is spent
-        [[ " attention tests prefill quickstart " == *" $step "* ]] \
-            || { echo "gpu-lease: unknown step '$step': choose from attention, tests, prefill, quickstart" >&2; exit 2; }
+        [[ " attention tests prefill distill quickstart " == *" $step "* ]] \
+            || { echo "gpu-lease: unknown step '$step': choose from attention, tests, prefill, distill, quickstart" >&2; exit 2; }
     done
     OUT=${OUT:-/tmp/gpu-lease-out}
     mkdir -p "$OUT"
