@@ -12,7 +12,8 @@
 # lease, whose start takes about half a minute):
 #   attention   the flex_attention gpu tests, compiled layers (flex_attention and sdpa) among them (2)
 #   tests       the other gpu tests of swiftkv-core and swiftkv-distill (2)
-#   prefill     benchmarks/gpu.py: the 2k and 8k prefills, eager and compiled with CUDA graphs, against the FLOPs bound (4)
+#   prefill     benchmarks/gpu.py: the 2k and 8k prefills, eager and compiled with CUDA graphs, against the FLOPs bound,
+#               and the decode TPOT after 2k, off vs on (4)
 #   distill     benchmarks/gpu.py: the 8B distillation step, eager, compiled layers, activation checkpointing (est. 6)
 #   quickstart  the main job on the GPU (`--accelerator gpu`, short settings, no serving: vLLM cannot run there)
 #               with RANDOM weights of the default model's shape (the real weights exceed what a call carries):
@@ -87,7 +88,7 @@ run_step() {
 -q -p no:cacheprovider --tb=short" ;;
     prefill)
         limit=480
-        command="python3 benchmarks/gpu.py --parts '[prefill]' --prefill_lengths '[2048,8192]' --prefill_compile reduce-overhead \
+        command="python3 benchmarks/gpu.py --parts '[prefill,decode]' --prefill_lengths '[2048,8192]' --prefill_compile reduce-overhead \
 --out $OUT/gpu-prefill" ;;
     distill)
         limit=540

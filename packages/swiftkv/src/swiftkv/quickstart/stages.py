@@ -237,6 +237,8 @@ def prefill(run: Run) -> dict:
         rows.append({"prompt_tokens": length, "off_s": times[False], "on_s": times[True],
                      "speedup_x": times[False] / times[True], "flops_bound_x": bound,
                      "forward": "compiled, CUDA graphs" if forward is not None else "eager"})  # fmt: skip
+    if run.device.type == "cuda":
+        torch._dynamo.reset()  # the compiled graphs, and their CUDA graphs' memory, end with the stage
     for r in rows:
         print(f"   {r['prompt_tokens']:>5} tokens: {r['off_s'] * 1e3:7.1f} -> {r['on_s'] * 1e3:7.1f} ms, "
               f"{r['speedup_x']:.2f}x (FLOPs bound {r['flops_bound_x']:.2f}x; {r['forward']})")  # fmt: skip
