@@ -1,9 +1,12 @@
-"""The SwiftKV prefill with each attention implementation that runs here: layers >= l run for the kept rows only
-(what makes prefill cheaper), and the logits equal sdpa's. flex_attention compiles its kernels on first use (about
-ten seconds a shape on a CPU); flash-attn, where installed with a GPU, is checked the same way."""
+"""The SwiftKV prefill with each attention implementation: layers >= l run for the kept rows only (what makes
+prefill cheaper), and the logits equal sdpa's. flex_attention compiles its kernels on first use (about ten seconds
+a shape on a CPU). flash_attention_2 runs flash-attn where it is installed with a GPU; elsewhere transformers' flash
+path runs on the CPU with flash-attn's kernels written in plain PyTorch (``tests/flash_reference.py``), which a
+``gpu`` test compares with flash-attn."""
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 
 import pytest
@@ -11,10 +14,10 @@ import torch
 
 from swiftkv_core.convert import convert
 from tests.conftest import tiny_base
+from tests.flash_reference import flash_attention_2_on_the_reference
 
-IMPLEMENTATIONS = ["eager", "sdpa", "flex_attention"]
-if importlib.util.find_spec("flash_attn") is not None and torch.cuda.is_available():
-    IMPLEMENTATIONS.append("flash_attention_2")
+IMPLEMENTATIONS = ["eager", "sdpa", "flex_attention", "flash_attention_2"]
+FLASH_ATTN = importlib.util.find_spec("flash_attn") is not None and torch.cuda.is_available()
 
 
 @pytest.fixture(autouse=True)
@@ -53,12 +56,14 @@ def swift():
 @pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
 @pytest.mark.parametrize("keep", [1, 3], ids=lambda k: f"last{k}")
 def test_kept_rows_only_and_the_same_logits_as_sdpa(swift, implementation, keep):
-    device = "cuda" if implementation.startswith("flash") else "cpu"
+    flash = implementation.startswith("flash")
+    device = "cuda" if flash and FLASH_ATTN else "cpu"
     model = swift.to(device)
     ids = torch.randint(1, 128, (2, 40), device=device)
     mask = torch.ones_like(ids)
     mask[0, :6] = 0  # a left-padded row, as generate() batches prompts
-    with torch.no_grad():
+    kernels = flash_attention_2_on_the_reference() if flash and not FLASH_ATTN else contextlib.nullcontext()
+    with torch.no_grad(), kernels:
         model.config._attn_implementation = "sdpa"
         reference = model(ids, attention_mask=mask, logits_to_keep=keep).logits
         model.config._attn_implementation = implementation
@@ -145,3 +150,32 @@ def test_a_plain_prompt_gives_sdpa_no_mask_and_the_kept_rows_only_theirs(monkeyp
             assert masks[l][0].untyped_storage().nbytes() >= 24 * 24
         model(ids[:, 8:], past_key_values=cache, use_cache=True)
         assert len(masks[0]) == 4 and all(mask is not None for mask in masks[0])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not FLASH_ATTN, reason="flash-attn is not installed")
+def test_the_flash_reference_computes_what_flash_attn_does():
+    """``tests/flash_reference.py`` (what the CPU tests run for flash-attn) against flash-attn itself: grouped heads,
+    a bottom-right causal mask with fewer queries than keys, and variable-length sequences."""
+    import flash_attn
+
+    from tests import flash_reference
+
+    torch.manual_seed(0)
+    q = torch.randn(2, 5, 8, 64, device="cuda", dtype=torch.bfloat16)
+    k, v = (torch.randn(2, 19, 2, 64, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    for causal in (False, True):
+        torch.testing.assert_close(
+            flash_reference.flash_attn_func(q, k, v, causal=causal),
+            flash_attn.flash_attn_func(q, k, v, causal=causal),
+            atol=2e-2,
+            rtol=0,
+        )
+    cu = torch.tensor([0, 7, 19, 38], device="cuda", dtype=torch.int32)
+    q, k, v = (torch.randn(38, heads, 64, device="cuda", dtype=torch.bfloat16) for heads in (8, 2, 2))
+    torch.testing.assert_close(
+        flash_reference.flash_attn_varlen_func(q, k, v, cu, cu, 19, 19, causal=True),
+        flash_attn.flash_attn_varlen_func(q, k, v, cu, cu, 19, 19, causal=True),
+        atol=2e-2,
+        rtol=0,
+    )

@@ -1,6 +1,7 @@
-"""Packed rows through flex_attention (a block mask of the packed sequences, the GPU recipe's attention) give the
-numbers of the dense mask that sdpa gets: the distillation loss, the held-out statistics and, where flex_attention
-has a backward (CUDA; PyTorch's CPU flex_attention is forward-only), the gradients of the SwiftKV parameters."""
+"""Packed rows through flex_attention (a block mask of the packed sequences, the GPU recipe's attention) and through
+transformers' flash-attn path (variable-length kernels) give the numbers of the dense mask that sdpa gets: the
+distillation loss, the held-out statistics and the gradients of the SwiftKV parameters (flex_attention's on CUDA
+only: PyTorch's CPU flex_attention is forward-only; flash-attn's path on the CPU through ``tests/flash_reference``)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from swiftkv_distill.build import attention_for
 from swiftkv_distill.data import collate, pack
 from swiftkv_distill.step import DistillationStep
 from tests.conftest import tiny_base
+from tests.flash_reference import flash_attention_2_on_the_reference
 
 
 @pytest.fixture(autouse=True)
@@ -63,6 +65,37 @@ def test_packed_rows_through_flex_attention_equal_the_dense_mask_on_cpu():
     torch.testing.assert_close(flex["kl"], dense["kl"], atol=1e-6, rtol=1e-5)
     assert torch.equal(flex["agree"], dense["agree"])
     torch.testing.assert_close(flex_kept["loss"], dense_kept["loss"], atol=1e-6, rtol=1e-5)
+
+
+def test_packed_rows_through_the_flash_attention_path_give_the_dense_step():
+    """Several rows of packed sequences (the GPU recipes' batches): transformers' flash path finds packed sequences
+    from the positions in a one-row batch only, so SwiftKV hands it the variable-length arguments of the flattened
+    batch; without them the rows attended across their packed sequences (loss off by ~1 here). flash-attn's kernels
+    are the plain-PyTorch reference (no flash-attn on a CPU); the rest is transformers' flash path as it runs."""
+    model = convert(tiny_base("llama"), 2, 1)
+    batch = packed_batch()
+    assert batch["input_ids"].shape[0] > 1
+    dense = step_results(model, batch, "sdpa", backward=True)
+    kept = torch.tensor([3, 10, 30, 47])
+    with torch.no_grad():
+        dense_kept = step_results(model, batch, "sdpa", kept)
+    with flash_attention_2_on_the_reference():
+        flash = step_results(model, batch, "flash_attention_2", backward=True)
+        with torch.no_grad():
+            flash_kept = step_results(model, batch, "flash_attention_2", kept)
+    torch.testing.assert_close(flash["loss"], dense["loss"], atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(flash["kl"], dense["kl"], atol=1e-6, rtol=1e-5)
+    assert torch.equal(flash["agree"], dense["agree"])
+    torch.testing.assert_close(flash_kept["loss"], dense_kept["loss"], atol=1e-6, rtol=1e-5)
+    assert dense["grads"] and set(flash["grads"]) == set(dense["grads"])
+    for name, grad in dense["grads"].items():
+        torch.testing.assert_close(
+            flash["grads"][name],
+            grad,
+            atol=1e-6,
+            rtol=1e-4,
+            msg=lambda m: f"{m}\nall: {gradient_differences(flash['grads'], dense['grads'])}",
+        )
 
 
 @pytest.mark.gpu

@@ -357,6 +357,8 @@ class SwiftKVModelMixin:
         # since dynamo folds torch.compiler.is_exporting() to True there, and the compiled sdpa leaves its flash
         # kernels)
         causal_mask = None if plain and past_seen == 0 else create_causal_mask(**mask_kwargs)
+        if config._attn_implementation.startswith("flash_attention"):
+            kwargs = {**_flash_varlen_kwargs(mask_kwargs), **kwargs}  # the caller's own win
         subset = config.swiftkv and keep is not None
         subset_mask = _kept_rows_mask(mask_kwargs, causal_mask, keep, plain) if subset else None
         context = LayerContext(
@@ -509,6 +511,25 @@ def _packed_sequences(mask_kwargs: dict) -> torch.Tensor | None:
     if mask_kwargs["attention_mask"] is not None or mask_kwargs["past_key_values"] is not None:
         return None
     return find_packed_sequence_indices(mask_kwargs["position_ids"])
+
+
+def _flash_varlen_kwargs(mask_kwargs: dict) -> dict:
+    """flash-attn's variable-length arguments for packed rows: every packed sequence of every row as one sequence
+    of the flattened batch. transformers finds packed sequences from ``position_ids`` itself only in a batch of
+    ONE row; with more rows its flash path would attend across the packed sequences. Not inside a compiled graph
+    (the number of sequences is data): a whole compiled forward keeps transformers' own handling."""
+    packed = None if torch.compiler.is_compiling() else _packed_sequences(mask_kwargs)
+    if packed is None:
+        return {}
+    packed = packed.expand(mask_kwargs["inputs_embeds"].shape[0], -1)
+    starts = torch.ones_like(packed, dtype=torch.bool)
+    starts[:, 1:] = packed[:, 1:] != packed[:, :-1]  # each row starts a sequence too
+    total = torch.tensor([packed.numel()], device=packed.device)
+    cu_seq_lens = torch.cat([starts.flatten().nonzero().flatten(), total]).to(torch.int32)
+    longest = int(cu_seq_lens.diff().max())
+    return dict(
+        cu_seq_lens_q=cu_seq_lens, cu_seq_lens_k=cu_seq_lens, max_length_q=longest, max_length_k=longest
+    )
 
 
 def _kept_rows_block_mask(mask_kwargs: dict, keep):
