@@ -3,8 +3,8 @@ transformers' flash-attn path (its padding, variable-length and packed-sequence 
 run on a CPU, where flash-attn cannot be installed. Semantics as flash-attn 2.x documents them: tensors are
 (tokens, heads, dim), grouped K/V heads are shared by consecutive query heads, and the causal mask is aligned to
 the BOTTOM-RIGHT corner (query ``i`` of ``q_len`` sees key ``j`` iff ``j <= i + k_len - q_len``; a row that sees
-no key gives 0). Only what the project's models use: no dropout in the forward taken, no sliding window, no
-softcap, no ALiBi. Where flash-attn is installed on a GPU, the tests also compare it with this."""
+no key gives 0). Only what the project's models use: no dropout, sliding window, softcap or ALiBi. Where
+flash-attn is installed on a GPU, a test compares it with this."""
 
 from __future__ import annotations
 
