@@ -7,6 +7,7 @@ path runs on the CPU with flash-attn's kernels written in plain PyTorch (``tests
 from __future__ import annotations
 
 import contextlib
+import copy
 import importlib.util
 
 import pytest
@@ -53,16 +54,24 @@ def swift():
     return convert(tiny_base("llama"), 2, 1)
 
 
+def model_and_kernels(swift, implementation: str):
+    """The model to run ``implementation`` on and the kernels' context: for flash_attention_2 a bf16 copy on the GPU
+    (flash-attn takes no fp32) where flash-attn is installed, else the CPU model on the reference kernels."""
+    if not implementation.startswith("flash"):
+        return swift, contextlib.nullcontext()
+    if FLASH_ATTN:
+        return copy.deepcopy(swift).to("cuda", torch.bfloat16), contextlib.nullcontext()
+    return swift, flash_attention_2_on_the_reference()
+
+
 @pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
 @pytest.mark.parametrize("keep", [1, 3], ids=lambda k: f"last{k}")
 def test_kept_rows_only_and_the_same_logits_as_sdpa(swift, implementation, keep):
-    flash = implementation.startswith("flash")
-    device = "cuda" if flash and FLASH_ATTN else "cpu"
-    model = swift.to(device)
+    model, kernels = model_and_kernels(swift, implementation)
+    device = model.device.type
     ids = torch.randint(1, 128, (2, 40), device=device)
     mask = torch.ones_like(ids)
     mask[0, :6] = 0  # a left-padded row, as generate() batches prompts
-    kernels = flash_attention_2_on_the_reference() if flash and not FLASH_ATTN else contextlib.nullcontext()
     with torch.no_grad(), kernels:
         model.config._attn_implementation = "sdpa"
         reference = model(ids, attention_mask=mask, logits_to_keep=keep).logits
@@ -74,6 +83,35 @@ def test_kept_rows_only_and_the_same_logits_as_sdpa(swift, implementation, keep)
     model.config._attn_implementation = "sdpa"
     assert rows == {keep}  # layers >= l ran for the kept rows only
     torch.testing.assert_close(out["logits"], reference, atol=2e-5 if device == "cpu" else 2e-2, rtol=0)
+
+
+def test_generate_through_the_flash_attention_path_matches_sdpa(swift):
+    """``generate`` on a left-padded batch: the prompt's kept row, then decode steps against the cache (transformers
+    unpads them for flash-attn's variable-length kernel), the same tokens and scores as sdpa."""
+    model, kernels = model_and_kernels(swift, "flash_attention_2")
+    device = model.device.type
+    ids = torch.randint(1, 128, (2, 20), device=device)
+    mask = torch.ones_like(ids)
+    mask[0, :5] = 0
+    out = {}
+    with kernels:
+        for implementation in ("sdpa", "flash_attention_2"):
+            model.config._attn_implementation = implementation
+            out[implementation] = model.generate(
+                ids,
+                attention_mask=mask,
+                max_new_tokens=8,
+                do_sample=False,
+                output_scores=True,
+                return_dict_in_generate=True,
+            )
+    model.config._attn_implementation = "sdpa"
+    if device == "cpu":
+        assert torch.equal(out["flash_attention_2"].sequences, out["sdpa"].sequences)
+    # in bf16 (a GPU) a near-tie may pick another token later on: the first step's scores only there
+    steps = len(out["sdpa"].scores) if device == "cpu" else 1
+    for flash, sdpa in zip(out["flash_attention_2"].scores[:steps], out["sdpa"].scores[:steps], strict=True):
+        torch.testing.assert_close(flash, sdpa, atol=2e-5 if device == "cpu" else 2e-2, rtol=0)
 
 
 @pytest.mark.parametrize("implementation", ["eager", "flex_attention"])
