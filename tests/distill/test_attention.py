@@ -52,6 +52,22 @@ def step_results(model, batch, implementation: str, positions=None, backward: bo
     }
 
 
+def assert_same_gradients(got: dict, want: dict, atol: float, rtol: float) -> None:
+    """The same parameters have gradients, each close to ``want``'s; a failure lists every gradient's largest
+    difference beside its largest value (how far off, and where)."""
+    assert want and set(got) == set(want)
+
+    def all_differences(message: str) -> str:
+        each = (
+            f"{name}: max |diff| {(got[name] - g).abs().max():.2e} of max |grad| {g.abs().max():.2e}"
+            for name, g in want.items()
+        )
+        return f"{message}\nall: {'; '.join(each)}"
+
+    for name, grad in want.items():
+        torch.testing.assert_close(got[name], grad, atol=atol, rtol=rtol, msg=all_differences)
+
+
 def test_packed_rows_through_flex_attention_equal_the_dense_mask_on_cpu():
     model = convert(tiny_base("llama"), 2, 1)
     batch = packed_batch()
@@ -87,15 +103,7 @@ def test_packed_rows_through_the_flash_attention_path_give_the_dense_step():
     torch.testing.assert_close(flash["kl"], dense["kl"], atol=1e-6, rtol=1e-5)
     assert torch.equal(flash["agree"], dense["agree"])
     torch.testing.assert_close(flash_kept["loss"], dense_kept["loss"], atol=1e-6, rtol=1e-5)
-    assert dense["grads"] and set(flash["grads"]) == set(dense["grads"])
-    for name, grad in dense["grads"].items():
-        torch.testing.assert_close(
-            flash["grads"][name],
-            grad,
-            atol=1e-6,
-            rtol=1e-4,
-            msg=lambda m: f"{m}\nall: {gradient_differences(flash['grads'], dense['grads'])}",
-        )
+    assert_same_gradients(flash["grads"], dense["grads"], atol=1e-6, rtol=1e-4)
 
 
 @pytest.mark.gpu
@@ -104,18 +112,8 @@ def test_packed_rows_through_flex_attention_give_the_dense_gradients_on_gpu():
     batch = packed_batch("cuda")
     dense = step_results(model, batch, "sdpa", backward=True)
     flex = step_results(model, batch, "flex_attention", backward=True)
-    assert dense["grads"] and set(flex["grads"]) == set(dense["grads"])
-    for name, grad in dense["grads"].items():
-        torch.testing.assert_close(flex["grads"][name], grad, atol=1e-5, rtol=1e-3, msg=name)
+    assert_same_gradients(flex["grads"], dense["grads"], atol=1e-5, rtol=1e-3)
     torch.testing.assert_close(flex["loss"], dense["loss"], atol=1e-6, rtol=1e-5)
-
-
-def gradient_differences(got: dict, want: dict) -> str:
-    """Each gradient's largest difference beside its largest value: a failure shows how far off, and where."""
-    return "; ".join(
-        f"{name}: max |diff| {(got[name] - g).abs().max():.2e} of max |grad| {g.abs().max():.2e}"
-        for name, g in want.items()
-    )
 
 
 @pytest.mark.gpu
@@ -137,16 +135,8 @@ def test_compiled_layers_give_the_eager_step_on_gpu(implementation):
     finally:
         torch.backends.cuda.matmul.allow_tf32 = tf32
     assert all(layer._compiled_call_impl is not None for layer in model.model.layers)
-    assert eager["grads"] and set(compiled["grads"]) == set(eager["grads"])
-    torch.testing.assert_close(compiled["loss"], eager["loss"], atol=1e-6, rtol=1e-5)
-    for name, grad in eager["grads"].items():
-        torch.testing.assert_close(
-            compiled["grads"][name],
-            grad,
-            atol=1e-5,
-            rtol=1e-3,
-            msg=lambda m: f"{m}\nall: {gradient_differences(compiled['grads'], eager['grads'])}",
-        )
+    torch.testing.assert_close(compiled["loss"], eager["loss"], atol=1e-6, rtol=1e-5)  # the loss first
+    assert_same_gradients(compiled["grads"], eager["grads"], atol=1e-5, rtol=1e-3)
 
 
 def test_the_run_picks_fast_packed_attention_for_its_device():
