@@ -13,7 +13,9 @@ from swiftkv_core.runtime import PeakMemory
 tokens = int(sys.argv[1])
 torch.manual_seed(0)
 shape = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2)
-base = LlamaForCausalLM(LlamaConfig(vocab_size=128, num_hidden_layers=4, max_position_embeddings=tokens, **shape))
+base = LlamaForCausalLM(
+    LlamaConfig(vocab_size=128, num_hidden_layers=4, max_position_embeddings=tokens, **shape)
+)
 model = convert(base.eval(), 2, 1)
 model.config._attn_implementation = "sdpa"
 ids = torch.randint(1, 100, (1, tokens))

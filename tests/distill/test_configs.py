@@ -103,7 +103,9 @@ def test_gpu_recipe_strategy_is_fsdp2():
     assert raw["trainer"]["precision"] == "bf16-mixed" and raw["model"]["num_key_value_layers"] == 16
 
 
-def test_cli_fit_writes_logs_plot_summary_and_exports(tmp_path, tiny_model, text_file, chat_file):
+def test_cli_fit_writes_logs_plot_summary_and_exports(
+    tmp_path, tiny_model, text_file, chat_file, recwarn, caplog
+):
     from swiftkv_distill.cli import main
 
     out = tmp_path / "run"
@@ -126,6 +128,10 @@ def test_cli_fit_writes_logs_plot_summary_and_exports(tmp_path, tiny_model, text
             "2",
             "--trainer.max_steps",
             "3",
+            "--trainer.precision",
+            "bf16-mixed",
+            "--trainer.log_every_n_steps",
+            "1",
             "--trainer.enable_progress_bar",
             "false",
             "--trainer.logger+=lightning.pytorch.loggers.CSVLogger",
@@ -138,6 +144,12 @@ def test_cli_fit_writes_logs_plot_summary_and_exports(tmp_path, tiny_model, text
             f"--trainer.default_root_dir={out}",
         ]
     )
+    # the output is what a user can act on: no warning Python shows by default (deprecations inside the libraries
+    # are hidden outside __main__), no advertisement
+    hidden = (DeprecationWarning, PendingDeprecationWarning, ImportWarning, ResourceWarning)
+    shown = [f"{w.category.__name__}: {w.message}" for w in recwarn if not issubclass(w.category, hidden)]
+    assert not shown, shown
+    assert "Tip" not in caplog.text and "GPU available" in caplog.text
     (log_dir,) = [p.parent for p in out.rglob("metrics.csv")]
     summary = json.loads((log_dir / "summary.json").read_text())
     assert {"kl", "agreement", "student_ppl", "teacher_ppl", "early_exit_agreement"} <= summary[

@@ -78,6 +78,8 @@ def test_quickstart_report_is_complete_and_consistent(inputs, tmp_path, capsys):
     printed = capsys.readouterr().out
     # the start line says where the run goes and what --accelerator auto chose
     assert re.search(r"on .+ \(--accelerator auto -> (cpu|gpu), recipe ", printed)
+    # a stage left out says why and how to have it, under its header
+    assert "== 9/10 task accuracy\n   skipped: no --eval_tasks (offline: --eval_tasks '[" in printed
     root = report.parent
     data = json.loads((root / "report.json").read_text())
     head, results = data["headline"], data["results"]

@@ -18,6 +18,7 @@ from pathlib import Path
 from jsonargparse import set_parsing_settings
 from lightning.pytorch.cli import LightningCLI
 
+from .console import quiet_lightning
 from .datamodule import DistillDataModule
 from .module import SwiftKVDistillation
 
@@ -96,6 +97,7 @@ def make_cli(args=None, run: bool = True, cli_class: type[LightningCLI] = Distil
     args = with_recipe_paths(sys.argv[1:] if args is None else list(args))
     for config in _config_files(args):
         _check_yaml(config)
+    quiet_lightning()
     with warnings.catch_warnings():
         # Lightning warns when ``args`` are given while the process has command-line arguments of its own: here
         # they are given on purpose (a recipe name resolved, or a caller such as the main job building a run).

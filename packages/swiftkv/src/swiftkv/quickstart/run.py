@@ -131,6 +131,8 @@ class Run:
             started = time.perf_counter()
             result = stage.run(self)
             result["seconds"] = time.perf_counter() - started
+            if "skipped" in result:
+                print(f"   skipped: {result['skipped']}", flush=True)
             self.results[stage.name] = result
             self._save()
 

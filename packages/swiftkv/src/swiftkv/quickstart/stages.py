@@ -272,7 +272,7 @@ def task_accuracy(run: Run) -> dict:
     """lm-evaluation-harness on the teacher and the distilled model (``swiftkv eval``), with --eval_tasks."""
     s = run.settings
     if not s.eval_tasks:
-        return {"skipped": "no --eval_tasks"}
+        return {"skipped": "no --eval_tasks (offline: --eval_tasks '[swiftkv_capitals, swiftkv_arithmetic]')"}
     from ..evaluate import main as evaluate
 
     markdown = evaluate(run.path("distilled"), s.eval_tasks, device=run.device.type, out=run.path("eval"))
