@@ -106,3 +106,33 @@ def test_cli_convert_with_least_squares_kv_init(tmp_path, capsys):
     torch.testing.assert_close(attn.k_proj_swiftkv.weight, attn.k_proj.weight, atol=2e-3, rtol=0)
     layer3 = layers[3].self_attn
     assert not torch.allclose(layer3.k_proj_swiftkv.weight, layer3.k_proj.weight, atol=1e-2)
+
+
+def test_cli_commands_run_where_and_in_the_dtype_asked(tmp_path, capsys):
+    """``--device`` / ``--dtype``: each command says where it runs; ``convert`` writes the dtype it computed in (an
+    8B model in bf16 is 16 GB, not fp32's 32); ``generate`` and ``analyze`` run in that dtype."""
+    import inspect
+
+    from safetensors.torch import load_file
+
+    from tests.distill.conftest import tiny_llama
+
+    base = tiny_llama(tmp_path / "base")
+    text = tmp_path / "docs.txt"
+    text.write_text(inspect.getdoc(json))
+    out = tmp_path / "swift"
+    main(["convert", "--model", str(base), "--out_dir", str(out), "--num_key_value_layers", "2",
+          "--kv_init_text_files", f"[{text}]", "--device", "cpu", "--dtype", "bfloat16"])  # fmt: skip
+    printed = capsys.readouterr().out
+    assert "swiftkv convert: on CPU (" in printed and "bfloat16 (--device cpu -> cpu)" in printed
+    assert json.loads((out / "config.json").read_text())["dtype"] == "bfloat16"
+    assert {t.dtype for t in load_file(out / "model.safetensors").values()} == {torch.bfloat16}
+
+    main(["generate", "--model", str(out), "--max_new_tokens", "3", "--dtype", "bfloat16"])
+    printed = capsys.readouterr().out
+    auto = "cuda" if torch.cuda.is_available() else "cpu"
+    assert f"bfloat16 (--device auto -> {auto})" in printed and "SwiftKV l=2/4" in printed
+    main(["analyze", "--model", str(base), "--out_dir", str(tmp_path / "analyze"), "--device", "cpu"])
+    printed = capsys.readouterr().out
+    assert "swiftkv analyze: on CPU (" in printed and "float32 (--device cpu -> cpu)" in printed
+    assert (tmp_path / "analyze" / "similarity.png").is_file()

@@ -18,3 +18,27 @@ def test_swiftkv_on_cuda_bf16_matches_cpu():
     torch.testing.assert_close(got, expected, atol=0.1, rtol=0.05)
     out = gpu.generate(ids.cuda(), max_new_tokens=4, do_sample=False)
     assert out.shape == (2, 68)
+
+
+@pytest.mark.gpu
+def test_commands_take_the_gpu_in_bf16_by_default(tmp_path, capsys):
+    """``swiftkv convert`` (with the least-squares K/V fit), ``generate`` and ``analyze`` with no ``--device``:
+    on the GPU, in bf16, and say so; the converted checkpoint is written in bf16."""
+    import inspect
+    import json
+
+    from swiftkv.cli import main
+    from tests.distill.conftest import tiny_llama
+
+    base = tiny_llama(tmp_path / "base")
+    text = tmp_path / "docs.txt"
+    text.write_text(inspect.getdoc(json))
+    out = tmp_path / "swift"
+    main(["convert", "--model", str(base), "--out_dir", str(out), "--num_key_value_layers", "2",
+          "--kv_init_text_files", f"[{text}]"])  # fmt: skip
+    assert "bfloat16 (--device auto -> cuda)" in capsys.readouterr().out
+    assert json.loads((out / "config.json").read_text())["dtype"] == "bfloat16"
+    main(["generate", "--model", str(out), "--max_new_tokens", "3"])
+    assert "bfloat16 (--device auto -> cuda)" in capsys.readouterr().out
+    main(["analyze", "--model", str(base), "--out_dir", str(tmp_path / "analyze")])
+    assert "bfloat16 (--device auto -> cuda)" in capsys.readouterr().out

@@ -110,3 +110,21 @@ def test_peak_memory_on_a_gpu_is_the_allocators():
     with runtime.PeakMemory("cuda") as meter:
         y = torch.ones(32 * MIB, dtype=torch.uint8, device="cuda")
     assert meter.resident_bytes >= x.numel() and meter.peak_bytes >= x.numel() + y.numel()
+
+
+def test_device_and_dtype_choice():
+    """``--device`` / ``--dtype`` of the commands: auto takes the GPU where one is visible, in bf16; the CPU in fp32."""
+    gpu = torch.cuda.is_available()
+    assert runtime.choose_device("auto").type == ("cuda" if gpu else "cpu")
+    assert runtime.choose_device("cpu") == torch.device("cpu")
+    assert runtime.choose_dtype("auto", torch.device("cpu")) == torch.float32
+    assert runtime.choose_dtype("auto", torch.device("cuda")) == torch.bfloat16
+    assert runtime.choose_dtype("float16", torch.device("cpu")) == torch.float16
+    for bad in ("gpu", "tpu", "mps", "cuda:x"):
+        with pytest.raises(ValueError, match=f"--device '{bad}': choose 'auto'"):
+            runtime.choose_device(bad)
+    with pytest.raises(ValueError, match="--dtype 'fp8': choose 'auto' or one of"):
+        runtime.choose_dtype("fp8", torch.device("cpu"))
+    with pytest.raises(ValueError, match="no CUDA GPU is visible" if not gpu else "numbered from 0"):
+        runtime.choose_device("cuda:64")
+

@@ -17,6 +17,8 @@ def convert(
     serving: bool = False,
     kv_init_text_files: list[Path] | None = None,
     kv_init_tokens: int = 32768,
+    device: str = "auto",
+    dtype: str = "auto",
 ) -> None:
     """Convert a Llama / Mistral / Qwen2 checkpoint to SwiftKV (not yet distilled).
 
@@ -29,6 +31,9 @@ def convert(
         kv_init_text_files: Text files to fit k/v_proj_swiftkv on by least squares (swiftkv_core/kv_init.py), a far
             better start than the published init (default, without files).
         kv_init_tokens: Tokens of those files the fit reads at most.
+        device: 'auto' (the GPU where one is visible), 'cpu', 'cuda' or 'cuda:N': where the K/V fit runs.
+        dtype: The weights' dtype, also as written: 'auto' (bfloat16 on a GPU, float32 on a CPU), 'float32',
+            'bfloat16' or 'float16'.
     """
     from .checkpoints import check_checkpoint, read_config
     from .convert import convert as convert_model
@@ -40,13 +45,15 @@ def convert(
     check_checkpoint(model, l, key_value_group_size, kind="base")  # before any weight is read
     _existing_files(kv_init_text_files, "--kv_init_text_files")
     _positive(kv_init_tokens=kv_init_tokens)
-    base, tokenizer = load(model, need_tokenizer=bool(kv_init_text_files))
+    device, dtype = _placement("convert", device, dtype)
+    base, tokenizer = load(model, dtype=dtype, need_tokenizer=bool(kv_init_text_files), device=device)
     swift = convert_model(base, l, key_value_group_size)
     if kv_init_text_files:
         from .kv_init import fit_kv_projections, text_batches
 
         texts = (Path(f).read_text() for f in kv_init_text_files)
-        report = fit_kv_projections(swift, text_batches(tokenizer, texts), max_tokens=kv_init_tokens)
+        batches = text_batches(tokenizer, texts, device=device)
+        report = fit_kv_projections(swift, batches, max_tokens=kv_init_tokens)
         print(
             f"least-squares K/V init on {int(report['tokens'])} tokens: teacher K/V energy explained "
             f"{report['explained_mean']:.3f} on average, {report['explained_min']:.3f} at worst"
@@ -54,7 +61,7 @@ def convert(
     save_checkpoint(swift, out_dir, tokenizer=tokenizer, serving=serving)
     print(
         f"wrote {out_dir} ({type(swift).__name__}, num_key_value_layers={l}, "
-        f"key_value_group_size={key_value_group_size}, serving_only={serving})"
+        f"key_value_group_size={key_value_group_size}, serving_only={serving}, {str(dtype).removeprefix('torch.')})"
     )
 
 
@@ -65,6 +72,8 @@ def analyze(
     text_files: list[Path] | None = None,
     threshold: float = 0.9,
     max_length: int = 512,
+    device: str = "auto",
+    dtype: str = "auto",
 ) -> None:
     """Per-layer input similarity (paper Eq. 1); recommends num_key_value_layers; writes JSON and a PNG.
 
@@ -75,6 +84,8 @@ def analyze(
         text_files: Text files to analyse (one text per file). Without texts or files, a built-in sample.
         threshold: Recommend the smallest l whose similarity reaches this.
         max_length: Tokens per text at most.
+        device: 'auto' (the GPU where one is visible), 'cpu', 'cuda' or 'cuda:N'.
+        dtype: The weights' dtype: 'auto' (bfloat16 on a GPU, float32 on a CPU), 'float32', 'bfloat16' or 'float16'.
     """
     from .analysis import layer_input_similarity, write_similarity_report
     from .checkpoints import read_config
@@ -89,7 +100,8 @@ def analyze(
     texts = list(texts or []) + [Path(f).read_text() for f in text_files or []]
     if not texts:
         texts = _sample_texts()
-    base, tokenizer = load(model)
+    device, dtype = _placement("analyze", device, dtype)
+    base, tokenizer = load(model, dtype=dtype, device=device)
     similarity = layer_input_similarity(base, tokenizer, texts, max_length=max_length)
     result = write_similarity_report(
         similarity, threshold, out_dir, title=f"{resolve_model_path(model).name}: layer input similarity"
@@ -106,6 +118,8 @@ def generate(
     max_new_tokens: int = 64,
     chat: bool = True,
     kv_cache_dtype: str = "auto",
+    device: str = "auto",
+    dtype: str = "auto",
 ) -> None:
     """Greedy generation; prints the text, the prefill time and the KV cache's bytes.
 
@@ -117,6 +131,8 @@ def generate(
         max_new_tokens: Tokens to generate.
         chat: Apply the tokenizer's chat template.
         kv_cache_dtype: 'auto' (the model's dtype) or 'fp8' (e4m3 with a float32 scale per token and KV head).
+        device: 'auto' (the GPU where one is visible), 'cpu', 'cuda' or 'cuda:N'.
+        dtype: The weights' dtype: 'auto' (bfloat16 on a GPU, float32 on a CPU), 'float32', 'bfloat16' or 'float16'.
     """
     from .chat import chat_prompt_batch
     from .checkpoints import check_checkpoint
@@ -128,13 +144,15 @@ def generate(
     check_kv_cache_dtype(kv_cache_dtype)
     _positive(max_new_tokens=max_new_tokens)
     check_checkpoint(model, num_key_value_layers, key_value_group_size)  # family, and l / g when given
-    lm, tokenizer = load(model)
+    device, dtype = _placement("generate", device, dtype)
+    lm, tokenizer = load(model, dtype=dtype, device=device)
     if num_key_value_layers is not None and not hasattr(lm, "swiftkv"):
         lm = convert_model(lm, num_key_value_layers, key_value_group_size)
     if chat and tokenizer.chat_template:
         inputs = chat_prompt_batch(tokenizer, [prompt])
     else:
         inputs = tokenizer(prompt, return_tensors="pt")
+    inputs = {name: tensor.to(device) for name, tensor in inputs.items()}
     prefill_s = time_prefill(lm, inputs["input_ids"], repeats=1, kv_cache_dtype=kv_cache_dtype)
     cache = make_kv_cache(lm.config, kv_cache_dtype)
     watch = Stopwatch(lm.device).start()
@@ -211,6 +229,20 @@ def flops(
         f"({kv_base / kv_swift:.2f}x more tokens in the same memory; "
         f"{1 - kv_swift / kv_bf16:.1%} less than the original model in bf16)"
     )
+
+
+def _placement(command: str, device: str, dtype: str) -> tuple[torch.device, torch.dtype]:
+    """``--device`` and ``--dtype`` checked and resolved before any weight is read, and said."""
+    from .runtime import choose_device, choose_dtype, device_description
+
+    chosen = choose_device(device)
+    chosen_dtype = choose_dtype(dtype, chosen)
+    print(
+        f"swiftkv {command}: on {device_description(chosen)}, {str(chosen_dtype).removeprefix('torch.')} "
+        f"(--device {device} -> {chosen})",
+        flush=True,
+    )
+    return chosen, chosen_dtype
 
 
 def _positive(**values: int) -> None:

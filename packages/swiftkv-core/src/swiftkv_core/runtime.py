@@ -48,6 +48,44 @@ def device_description(device: torch.device | str | None = None) -> str:
     return f"CPU ({platform.machine()}, {os.cpu_count()} cores)"
 
 
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def choose_device(requested: str = "auto") -> torch.device:
+    """The device a command runs on, from its ``--device``: ``auto`` is the GPU where torch sees one, else the CPU;
+    ``cpu``, ``cuda`` or ``cuda:N`` as given. A GPU asked for where none is visible is refused, saying why."""
+    if requested == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(requested)
+    except RuntimeError:
+        device = None
+    if device is None or device.type not in ("cpu", "cuda"):
+        raise ValueError(
+            f"--device {requested!r}: choose 'auto' (the GPU where one is visible), 'cpu' or 'cuda'."
+        )
+    if device.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if count == 0:
+            raise ValueError(
+                f"--device {requested}: no CUDA GPU is visible here (no GPU, no driver, or a CPU build of torch); "
+                "use --device cpu or auto."
+            )
+        if device.index is not None and device.index >= count:
+            raise ValueError(f"--device {requested}: {count} CUDA GPU(s) visible here, numbered from 0.")
+    return device
+
+
+def choose_dtype(requested: str, device: torch.device) -> torch.dtype:
+    """The weights' dtype from ``--dtype``: ``auto`` is bfloat16 on a GPU (tensor cores, half the memory) and
+    float32 on a CPU (bf16 matmuls are fast there only with AVX512-BF16 or AMX); else one of ``DTYPES``."""
+    if requested == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if requested not in DTYPES:
+        raise ValueError(f"--dtype {requested!r}: choose 'auto' or one of {list(DTYPES)}.")
+    return DTYPES[requested]
+
+
 def synchronize(device: torch.device | str) -> None:
     """Wait until the work queued on ``device`` is done (a no-op on the CPU, which runs eagerly)."""
     device = torch.device(device)

@@ -74,6 +74,7 @@ def main(
     batch_size: int = 8,
     include_path: Path | None = None,
     device: str = "auto",
+    dtype: str = "auto",
     backend: str = "hf",
     out: Path | None = None,
 ) -> Path:
@@ -88,13 +89,14 @@ def main(
         num_fewshot: Few-shot examples (default: each task's own).
         batch_size: Requests per forward.
         include_path: A folder of your own lm-eval task YAMLs.
-        device: 'auto' (the GPU where one is visible), 'cpu' or 'cuda'.
+        device: 'auto' (the GPU where one is visible), 'cpu', 'cuda' or 'cuda:N'.
+        dtype: The weights' dtype: 'auto' (bfloat16 on a GPU, float32 on a CPU), 'float32', 'bfloat16' or 'float16'.
         backend: 'hf' (lm-eval's HFLM) or 'vllm' (lm-eval's vLLM model; needs --teacher).
         out: Output prefix (default: MODEL/../eval): .md and .json.
     """
-    import torch
 
     from swiftkv_core.checkpoints import CheckpointError, check_checkpoint
+    from swiftkv_core.runtime import choose_device, choose_dtype
 
     tasks = list(tasks or LOCAL_TASKS)
     if backend not in ("hf", "vllm"):
@@ -113,10 +115,11 @@ def main(
         check_checkpoint(teacher, kind="base")
     if include_path is not None and not Path(include_path).is_dir():
         raise ValueError(f"--include_path {include_path}: not a folder of lm-eval task YAMLs.")
-    device = ("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device
+    device = choose_device(device)
+    dtype = choose_dtype(dtype, device)
     with tempfile.TemporaryDirectory(prefix="swiftkv-eval-") as folder:
         paths = [str(local_task_folder(Path(folder)))] + ([str(include_path)] if include_path else [])
-        settings = (tasks, paths, limit, num_fewshot, batch_size, device, backend)
+        settings = (tasks, paths, limit, num_fewshot, batch_size, device, dtype, backend)
         results = {  # the teacher: the full checkpoint with SwiftKV off, or the given base model
             "teacher": evaluate(teacher or model, False, *settings),
             "SwiftKV": evaluate(model, True, *settings),
@@ -124,19 +127,18 @@ def main(
     table = side_by_side(results)
     out = Path(out) if out is not None else Path(model).parent / "eval"
     write(out, table, {"model": str(model), "teacher": str(teacher or model), "tasks": tasks, "limit": limit,
-                       "num_fewshot": num_fewshot, "device": device, "backend": backend})  # fmt: skip
+                       "num_fewshot": num_fewshot, "device": str(device), "dtype": str(dtype).removeprefix("torch."),
+                       "backend": backend})  # fmt: skip
     return out.with_suffix(".md")
 
 
 def evaluate(
-    model_path, swiftkv: bool, tasks, include_paths, limit, num_fewshot, batch_size, device, backend
+    model_path, swiftkv: bool, tasks, include_paths, limit, num_fewshot, batch_size, device, dtype, backend
 ) -> dict:
     """lm-eval's results of ``model_path`` (SwiftKV on or off where it is a SwiftKV checkpoint)."""
-    import torch
     from lm_eval import simple_evaluate
     from lm_eval.tasks import TaskManager
 
-    dtype = torch.bfloat16 if device == "cuda" else torch.float32
     if backend == "vllm":
         from lm_eval.models.vllm_causallms import VLLM
 
@@ -153,7 +155,7 @@ def evaluate(
         lm, tokenizer = load(model_path, dtype=dtype, device=device)
         if hasattr(lm, "swiftkv"):
             lm.swiftkv(swiftkv)
-        harness = HFLM(pretrained=lm, tokenizer=tokenizer, batch_size=batch_size, device=device)
+        harness = HFLM(pretrained=lm, tokenizer=tokenizer, batch_size=batch_size, device=str(device))
     output = simple_evaluate(model=harness, tasks=tasks, limit=limit, num_fewshot=num_fewshot,
                              task_manager=TaskManager(include_path=include_paths), log_samples=False)  # fmt: skip
     return output["results"]
@@ -198,7 +200,7 @@ def write(out: Path, rows: list[dict], settings: dict) -> None:
     lines = [
         f"# Task accuracy: {settings['model']} (SwiftKV) vs its teacher ({teacher})",
         "",
-        f"lm-evaluation-harness ({settings['backend']} backend), {settings['device']}; "
+        f"lm-evaluation-harness ({settings['backend']} backend), {settings['device']}, {settings['dtype']}; "
         f"limit {settings['limit'] or 'none'}, few-shot {fewshot}.",
         "",
         "| task | metric | teacher | SwiftKV | SwiftKV - teacher |",
