@@ -127,4 +127,3 @@ def test_device_and_dtype_choice():
         runtime.choose_dtype("fp8", torch.device("cpu"))
     with pytest.raises(ValueError, match="no CUDA GPU is visible" if not gpu else "numbered from 0"):
         runtime.choose_device("cuda:64")
-

@@ -76,7 +76,10 @@ CASES = [  # (arguments, what the error must say)
     (["generate", "--model", "TINY", "--num_key_value_layers", "0"], "out of range"),
     (["generate", "--model", "MISSING"], "does not exist"),
     (["generate", "--model", "TINY", "--device", "tpu"], "choose 'auto'"),
-    (["generate", "--model", "TINY", "--device", "cuda:64"], r"--device cuda:64: .*(no CUDA GPU|numbered from 0)"),
+    (
+        ["generate", "--model", "TINY", "--device", "cuda:64"],
+        r"--device cuda:64: .*(no CUDA GPU|numbered from 0)",
+    ),
     (["convert", "--out_dir", "OUT", "--model", "TINY", "--dtype", "float8"], "--dtype 'float8': choose"),
     (["analyze", "--out_dir", "OUT", "--model", "TINY", "--device", "gpu"], "choose 'auto'"),
     (["flops", "--kv_cache_dtype", "fp4"], "fp4"),
