@@ -133,3 +133,26 @@ def test_fsdp2_strategy_on_one_gpu_matches_unsharded(tiny_model, text_file, tmp_
     assert plain.trained.keys() == sharded.trained.keys() and plain.trained
     for name, value in plain.trained.items():
         torch.testing.assert_close(sharded.trained[name], value, rtol=1e-4, atol=1e-5, msg=name)
+
+
+def test_a_fit_that_does_not_fit_the_gpu_says_what_to_change(tiny_model, text_file, tmp_path):
+    """A real CUDA out-of-memory error: the process may use 1e-5 of the GPU (under 1 MiB; the tiny model's weights
+    alone are 26 MB). ``swiftkv distill fit`` ends with one line: where, when, and what to change."""
+    from swiftkv_distill.cli import main
+
+    torch.cuda.set_per_process_memory_fraction(1e-5)
+    try:
+        with pytest.raises(SystemExit) as exit_:
+            main(["fit", "--config", "smollm2-135m-gpu", "--model.model", str(tiny_model),
+                  "--model.num_key_value_layers", "2", "--model.kv_init", "published",
+                  "--model.evaluate_before_training", "false", "--data.train_files", f"[{text_file}]",
+                  "--data.val_files", f"[{text_file}]", "--data.max_length", "16", "--data.batch_size", "2",
+                  "--trainer.max_steps", "2", "--trainer.default_root_dir", str(tmp_path)])  # fmt: skip
+    finally:
+        torch.cuda.set_per_process_memory_fraction(1.0)
+        torch.cuda.empty_cache()
+    message = str(exit_.value.code)
+    assert (
+        message.startswith("swiftkv distill: out of memory on ") and "GiB of tensors at the peak" in message
+    )
+    assert "before the first step ended" in message and "2 x 16 tokens per step" in message

@@ -6,6 +6,7 @@ works from any folder. ``swiftkv-distill`` is the same command.
 
 from __future__ import annotations
 
+from .console import OutOfMemory
 from .recipe import make_cli
 
 
@@ -16,7 +17,7 @@ def main(args=None) -> None:
 
     try:
         make_cli(args)
-    except (ValueError, FileNotFoundError, argparse.ArgumentError) as error:
+    except (ValueError, FileNotFoundError, argparse.ArgumentError, OutOfMemory) as error:
         if os.environ.get("SWIFTKV_DEBUG"):
             raise
         raise SystemExit(f"swiftkv distill: {' '.join(str(error).split())}") from None

@@ -1,12 +1,19 @@
-"""What Lightning prints that no user can act on, silenced wherever a distillation is built (``swiftkv distill fit``,
-the main job, the benchmarks): its LitLogger advertisement, the model summary's caveat that it sizes bf16 weights as
-fp32, and a torch deprecation raised inside Lightning's own code. Everything else it says (devices, precision,
-checkpoints, why a fit stopped) stays."""
+"""What a distillation tells its user. Lightning's output that no user can act on is silenced wherever a
+distillation is built (``swiftkv distill fit``, the main job, the benchmarks): its LitLogger advertisement, the model
+summary's caveat that it sizes bf16 weights as fp32, and a torch deprecation raised inside Lightning's own code;
+everything else it says (devices, precision, checkpoints, why a fit stopped) stays. A fit that runs out of GPU
+memory ends with what to change, in the recipe's own keys, instead of the allocator's traceback."""
 
 from __future__ import annotations
 
 import logging
 import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+
+from swiftkv_core.runtime import device_description
 
 _WARNINGS = (
     r"Precision .* is not supported by the model summary",  # only the summary's "params size (MB)" line is off
@@ -29,3 +36,48 @@ def quiet_lightning() -> None:
         logger = logging.getLogger(name)
         if not any(isinstance(f, _NoTips) for f in logger.filters):
             logger.addFilter(_NoTips())
+
+
+class OutOfMemory(MemoryError):
+    """A distillation that did not fit its device's memory; the message says what to change."""
+
+
+@contextmanager
+def told_out_of_memory(trainer, module, datamodule) -> Iterator[None]:
+    """Around ``trainer.fit``: a CUDA out-of-memory error becomes ``OutOfMemory`` with ``out_of_memory_advice``."""
+    try:
+        yield
+    except torch.OutOfMemoryError as error:
+        raise OutOfMemory(out_of_memory_advice(trainer, module, datamodule)) from error
+
+
+def out_of_memory_advice(trainer, module, datamodule) -> str:
+    """Where and when the memory ran out, and the recipe's keys that lower it, those not in use yet first."""
+    hp, data = module.hparams, datamodule.hparams
+    device = trainer.strategy.root_device
+    where = device_description(device)
+    if device.type == "cuda":
+        total = torch.cuda.get_device_properties(device).total_memory / 2**30
+        where += f" ({total:.0f} GiB, {torch.cuda.max_memory_allocated(device) / 2**30:.1f} GiB of tensors at the peak)"
+    step = trainer.global_step
+    when = "before the first step ended" if step == 0 else f"in step {step + 1} (the {step} before it fit)"
+    changes = []
+    if not hp.activation_checkpointing:
+        changes.append("model.activation_checkpointing: 1 (recomputes the layers >= l in the backward pass)")
+    if trainer.world_size == 1 and hp.model_dtype == "float32" and hp.frozen_dtype in (None, "float32"):
+        changes.append(
+            "model.frozen_dtype: bfloat16 with trainer.precision: bf16-mixed (fp32 only where weights train)"
+        )
+    changes.append(
+        f"a smaller data.batch_size or data.max_length ({data.batch_size} x {data.max_length} tokens per step and "
+        "process now)"
+    )
+    if trainer.world_size == 1:
+        changes.append(
+            "more GPUs: FSDP2 shards every weight over them (llama-3.1-8b-instruct.yaml's strategy)"
+        )
+    return (
+        f"out of memory on {where} {when}. To fit: "
+        + "; or ".join(changes)
+        + ". Checkpoints written so far are kept."
+    )

@@ -18,7 +18,7 @@ from pathlib import Path
 from jsonargparse import set_parsing_settings
 from lightning.pytorch.cli import LightningCLI
 
-from .console import quiet_lightning
+from .console import quiet_lightning, told_out_of_memory
 from .datamodule import DistillDataModule
 from .module import SwiftKVDistillation
 
@@ -57,7 +57,8 @@ class DistillCLI(LightningCLI):
             print(
                 f"resuming from {ckpt_path} (another --trainer.default_root_dir starts a new run)", flush=True
             )
-        self.trainer.fit(model, datamodule=datamodule, ckpt_path=ckpt_path, **kwargs)
+        with told_out_of_memory(self.trainer, model, datamodule or self.datamodule):
+            self.trainer.fit(model, datamodule=datamodule, ckpt_path=ckpt_path, **kwargs)
 
 
 def last_checkpoint(trainer) -> str | None:
@@ -295,6 +296,7 @@ def budgeted_fit(
     resume = last_checkpoint(built.trainer) if checkpoint_every else None
     if resume:
         print(f"   resuming from {resume}", flush=True)
-    built.trainer.fit(built.module, built.datamodule, ckpt_path=resume)
+    with told_out_of_memory(built.trainer, built.module, built.datamodule):
+        built.trainer.fit(built.module, built.datamodule, ckpt_path=resume)
     summary = json.loads((folder / "logs" / "version_0" / "summary.json").read_text())
     return built, {**summary, "resumed": bool(resume)}

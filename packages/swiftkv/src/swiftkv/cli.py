@@ -19,10 +19,11 @@ import os
 import sys
 from dataclasses import dataclass
 
-# What bad input raises (a missing file, a value out of range, an unknown name: every message says the fix): one
-# line, no traceback. SWIFTKV_DEBUG=1 shows the traceback.
+# What bad input raises (a missing file, a value out of range, an unknown name: every message says the fix), and a
+# distillation that did not fit its GPU (swiftkv_distill.console.OutOfMemory, a MemoryError that says what to
+# change): one line, no traceback. SWIFTKV_DEBUG=1 shows the traceback.
 USER_ERRORS = (ValueError, FileNotFoundError, NotADirectoryError, IsADirectoryError, PermissionError,
-               argparse.ArgumentError)  # fmt: skip
+               argparse.ArgumentError, MemoryError)  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -105,7 +106,7 @@ def main(args: list[str] | None = None) -> None:
     except USER_ERRORS as error:
         if os.environ.get("SWIFTKV_DEBUG"):
             raise
-        raise SystemExit(f"swiftkv {name}: {' '.join(str(error).split())}") from None
+        raise SystemExit(f"swiftkv {name}: {' '.join(str(error).split()) or type(error).__name__}") from None
 
 
 if __name__ == "__main__":
