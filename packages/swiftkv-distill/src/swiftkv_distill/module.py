@@ -441,6 +441,11 @@ class SwiftKVDistillation(L.LightningModule):
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
         self.configure_model()  # load_from_checkpoint() does not call it; a no-op inside trainer.fit
+        # the frozen weights left out at saving are the ones just built: loaded as they are, none reported missing
+        # (Lightning lists every missing key in a warning: ~290 names at the 8B shape)
+        state = checkpoint["state_dict"]
+        for name, tensor in self.state_dict().items():
+            state.setdefault(name, tensor)
         self.before_metrics = checkpoint.get("before_metrics", {})
         self.init_metrics = checkpoint.get("init_metrics", {})
         self.kv_init_report = checkpoint.get("kv_init_report", {})
