@@ -16,7 +16,7 @@ from swiftkv_core.convert import SWIFTKV_FAMILIES
 from swiftkv_core.early_exit import EarlyExitHead
 from swiftkv_core.faults import pause_point
 from swiftkv_core.kv_init import KVLeastSquares
-from swiftkv_core.runtime import Stopwatch
+from swiftkv_core.runtime import DTYPES, Stopwatch
 from swiftkv_core.weights import cast_frozen
 
 from .build import (
@@ -32,7 +32,6 @@ from .build import (
 from .schedule import FIRST_STEP_FLOOR, lr_factor, run_progress
 from .step import DistillationStep, LossSettings, ValidationMetrics, is_trained_name
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _KV_INITS = ("least_squares", "published")
 
 
@@ -136,8 +135,8 @@ class SwiftKVDistillation(L.LightningModule):
         check_activation_checkpointing(activation_checkpointing)
         attention_for("cpu", attn_implementation)
         for name, value in (("model_dtype", model_dtype), ("frozen_dtype", frozen_dtype or model_dtype)):
-            if value not in _DTYPES:
-                raise ValueError(f"{name} must be one of {sorted(_DTYPES)}, got {value!r}.")
+            if value not in DTYPES:
+                raise ValueError(f"{name} must be one of {sorted(DTYPES)}, got {value!r}.")
         self.save_hyperparameters()
         self.loss_settings = LossSettings(  # checks its values
             temperature=temperature,
@@ -172,7 +171,7 @@ class SwiftKVDistillation(L.LightningModule):
             hp.model,
             hp.num_key_value_layers,
             hp.key_value_group_size,
-            _DTYPES[hp.model_dtype],
+            DTYPES[hp.model_dtype],
             attention_for(device, hp.attn_implementation),
             hp.lora_rank,
             hp.lora_prefix,
@@ -181,7 +180,7 @@ class SwiftKVDistillation(L.LightningModule):
         checkpoint_activations(model, hp.activation_checkpointing)
         if hp.frozen_dtype not in (None, hp.model_dtype):
             check_frozen_dtype(hp.frozen_dtype, self._trainer, self.device_mesh is not None)
-            cast_frozen(model, _DTYPES[hp.frozen_dtype])
+            cast_frozen(model, DTYPES[hp.frozen_dtype])
         head = EarlyExitHead.from_model(model) if hp.early_exit else None
         return DistillationStep(model, self.loss_settings, head)
 
@@ -441,11 +440,8 @@ class SwiftKVDistillation(L.LightningModule):
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
         self.configure_model()  # load_from_checkpoint() does not call it; a no-op inside trainer.fit
-        # the frozen weights left out at saving are the ones just built: loaded as they are, none reported missing
-        # (Lightning lists every missing key in a warning: ~290 names at the 8B shape)
-        state = checkpoint["state_dict"]
-        for name, tensor in self.state_dict().items():
-            state.setdefault(name, tensor)
+        if "state_dict" in checkpoint:  # ours holds the trained weights only (FSDP2's shards load apart):
+            checkpoint["state_dict"] = self.state_dict() | checkpoint["state_dict"]  # the rest as just built
         self.before_metrics = checkpoint.get("before_metrics", {})
         self.init_metrics = checkpoint.get("init_metrics", {})
         self.kv_init_report = checkpoint.get("kv_init_report", {})
