@@ -46,6 +46,12 @@ command -v docker >/dev/null || fail "the docker CLI is missing (Debian: apt-get
 
 if ! docker info >/dev/null 2>&1; then
     command -v dockerd >/dev/null || fail "no Docker engine answers and dockerd is not installed."
+    # a daemon killed with an earlier session leaves containerd's pid file and sockets behind; a new dockerd then
+    # waits for that containerd until it times out ("timeout waiting for containerd to start")
+    if ! pgrep -x dockerd >/dev/null && ! pgrep -x containerd >/dev/null; then
+        as_root rm -f /var/run/docker/containerd/containerd.pid /var/run/docker/containerd/containerd*.sock* \
+            /var/run/docker.pid
+    fi
     say "starting dockerd (log: $state/dockerd.log)"
     as_root sh -c "nohup dockerd --storage-driver=overlay2 --iptables=false --bridge=none >'$state/dockerd.log' 2>&1 &" \
         || fail "cannot start dockerd (needs root)."
