@@ -103,9 +103,9 @@ class Run:
     @property
     def dtype(self):
         """The weights' dtype of the HF stages (analysis, evaluation, prefill): bf16 on a GPU, fp32 on a CPU."""
-        import torch
+        from swiftkv_core.runtime import choose_dtype
 
-        return torch.bfloat16 if self.settings.accelerator == "gpu" else torch.float32
+        return choose_dtype("auto", self.device)
 
     def device_description(self) -> str:
         from swiftkv_core.runtime import device_description
