@@ -14,7 +14,8 @@
 #   tests       the other gpu tests of swiftkv-core and swiftkv-distill (2)
 #   prefill     benchmarks/gpu.py: the 2k and 8k prefills, eager and compiled with CUDA graphs, against the FLOPs bound,
 #               and the decode TPOT after 2k, off vs on (4)
-#   distill     benchmarks/gpu.py: the 8B distillation step, eager, compiled layers, activation checkpointing (est. 6)
+#   distill     benchmarks/gpu.py: the 8B distillation step, eager, compiled layers, activation checkpointing (est. 6);
+#               GPU_LEASE_DISTILL_FLAGS replaces the last two (e.g. '--compile_layers true' alone)
 #   quickstart  the main job on the GPU (`--accelerator gpu`, short settings, no serving: vLLM cannot run there)
 #               with RANDOM weights of the default model's shape (the real weights exceed what a call carries):
 #               it checks that every stage runs on the GPU, not the quality figures (4; more now that its prefill
@@ -92,8 +93,8 @@ run_step() {
 --out $OUT/gpu-prefill" ;;
     distill)
         limit=540
-        command="python3 benchmarks/gpu.py --parts '[distill]' --frozen '[bf16]' --activation_checkpointing true \
---compile_layers true --out $OUT/gpu-distill" ;;
+        command="python3 benchmarks/gpu.py --parts '[distill]' --frozen '[bf16]' \
+${GPU_LEASE_DISTILL_FLAGS:---activation_checkpointing true --compile_layers true} --out $OUT/gpu-distill" ;;
     quickstart)
         limit=420
         command="random_default_model /tmp/smollm2-random && python3 -m swiftkv.cli quickstart --model /tmp/smollm2-random \
@@ -123,8 +124,14 @@ run() {
     done
     OUT=${OUT:-/tmp/gpu-lease-out}
     mkdir -p "$OUT"
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .gpu/whl/*.whl \
-        || exit 1
+    # once per machine: a second run beside the first (correctness steps beside the quickstart) must not reinstall
+    # the packages under the first's imports
+    (
+        flock 9
+        [[ -e /tmp/site/.gpu-lease-installed ]] && exit 0
+        python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+            .gpu/whl/*.whl && touch /tmp/site/.gpu-lease-installed
+    ) 9>/tmp/gpu-lease-install.lock || exit 1
     export OUT SWIFTKV_CACHE_DIR=$PWD/.gpu/cache PYTHONUNBUFFERED=1 \
         PYTHONPATH=/tmp/site:$PWD/packages/swiftkv-core/src:$PWD/packages/swiftkv-distill/src:$PWD/packages/swiftkv-serve/src:$PWD/packages/swiftkv/src:$PWD
     export -f random_default_model
@@ -141,5 +148,5 @@ run() {
 case ${1:-} in
 prepare) prepare ;;
 run) shift; run "$@" ;;
-*) sed -n '2,18p' "$0"; exit 2 ;;
+*) sed -n '2,19p' "$0"; exit 2 ;;
 esac
