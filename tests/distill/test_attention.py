@@ -148,3 +148,11 @@ def test_the_run_picks_fast_packed_attention_for_its_device():
     assert attention_for("cuda", "sdpa") == "sdpa"  # a recipe may ask for one
     with pytest.raises(ValueError, match="attn_implementation must be one of"):
         attention_for("cpu", "flash")
+    # compiled layers: not with flex_attention on a GPU (asked for, or auto's choice without flash-attn)
+    assert attention_for("cpu", "flex_attention", compiled=True) == "flex_attention"
+    assert attention_for("cuda", "sdpa", compiled=True) == "sdpa"
+    with pytest.raises(ValueError, match="compile_layers: true with flex_attention .* model.compile_layers: false"):
+        attention_for("cuda", "flex_attention", compiled=True)
+    if attention_for("cuda") == "flex_attention":
+        with pytest.raises(ValueError, match=r"\(attn_implementation: auto\) on a GPU"):
+            attention_for("cuda", compiled=True)

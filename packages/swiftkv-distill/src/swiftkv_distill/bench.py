@@ -49,6 +49,17 @@ def per_sequence(batch: dict) -> dict:
     return {k: v.reshape(-1, length) for k, v in batch.items()}
 
 
+def compilable(attention: str, device: torch.device) -> str:
+    """The attention that compiled layers run with in place of ``attention``: the same, or sdpa where
+    ``build.attention_for`` refuses it with compiled layers (flex_attention on a GPU)."""
+    from .build import attention_for
+
+    try:
+        return attention_for(device, attention, compiled=True)
+    except ValueError:
+        return "sdpa"
+
+
 def step_rows(
     model,
     batches: list[dict],
@@ -96,8 +107,8 @@ def step_rows(
     base = setups[-2:]  # ours with its fastest attention, and the whole
     if checkpointing:  # both again, every layer recomputed
         setups += [(label, fn, attention, 1, False) for label, fn, attention, *_ in base]
-    if compiled:  # both again, every layer compiled
-        setups += [(label, fn, attention, 0, True) for label, fn, attention, *_ in base]
+    if compiled:  # both again, every layer compiled, with the attention a run may compile (build.attention_for)
+        setups += [(label, fn, compilable(attention, device), 0, True) for label, fn, attention, *_ in base]
     trainable = [p for p in model.parameters() if p.requires_grad]
     rows = []
     for label, loss_fn, attention, every, compile_now in setups:

@@ -86,8 +86,8 @@ class SwiftKVDistillation(L.LightningModule):
             instead of keeping them (0: off; 1: every layer). Only the student's layers >= l run with a graph: with
             1 each keeps its input alone (``build.checkpoint_activations``), for one more forward of those layers
             per step. For long rows and large models (the 70B recipe); measured in distill-memory-cpu-8b-widths.md.
-        compile_layers: ``torch.compile`` each decoder layer at the start of training (``build.compile_layers``:
-            fused elementwise work; the first steps compile). Measured in distill-compile.md.
+        compile_layers: ``torch.compile`` each decoder layer when training starts (``build.compile_layers``; refused
+            with flex_attention on a GPU: ``build.attention_for``). Measured in distill-compile.md.
     """
 
     def __init__(
@@ -172,7 +172,7 @@ class SwiftKVDistillation(L.LightningModule):
             hp.num_key_value_layers,
             hp.key_value_group_size,
             DTYPES[hp.model_dtype],
-            attention_for(device, hp.attn_implementation),
+            attention_for(device, hp.attn_implementation, hp.compile_layers),
             hp.lora_rank,
             hp.lora_prefix,
         )
