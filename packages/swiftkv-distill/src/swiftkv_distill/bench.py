@@ -110,7 +110,7 @@ def step_rows(
     if compiled:  # both again, every layer compiled, with the attention a run may compile (build.attention_for)
         setups += [(label, fn, compilable(attention, device), 0, True) for label, fn, attention, *_ in base]
     trainable = [p for p in model.parameters() if p.requires_grad]
-    rows = []
+    rows, model_flops = [], {}
     for label, loss_fn, attention, every, compile_now in setups:
         name = (
             f"{label} ({attention})"
@@ -144,11 +144,19 @@ def step_rows(
             one_step(batches[warmup + steps])
         peak_gib = meter.peak_bytes / 2**30
         # FlopCounterMode sees no FLOPs inside a compiled flex_attention, nor in sdpa's GQA path: count eager's,
-        # without the recomputed layers (the model's FLOPs: what MFU counts)
+        # without the recomputed layers (the model's FLOPs: what MFU counts), once per loss, a sequence at a time
+        # (their sum is the batch's; eager attention over a whole 8k batch beside the whole teacher + student
+        # exceeds an 80 GB GPU)
         model.gradient_checkpointing_disable()
         model.config._attn_implementation = "eager"
-        with torch.compiler.set_stance("force_eager"):
-            flops, _ = count_flops(one_step, per_sequence(batches[0]))
+        if loss_fn not in model_flops:
+            sequences = per_sequence(batches[0])
+            with torch.compiler.set_stance("force_eager"):
+                model_flops[loss_fn] = sum(
+                    count_flops(one_step, {k: v[i : i + 1] for k, v in sequences.items()})[0]
+                    for i in range(len(sequences["input_ids"]))
+                )
+        flops = model_flops[loss_fn]
         tokens = batches[0]["input_ids"].numel()
         rows.append({
             "setup": name, "frozen": frozen, "tokens_per_s": tokens / seconds, "step_s": seconds, "step_tflop": flops / 1e12,
