@@ -117,11 +117,23 @@ def test_packed_rows_through_flex_attention_give_the_dense_gradients_on_gpu():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("implementation", ["sdpa", "flex_attention"])
+@pytest.mark.parametrize(
+    "implementation",
+    [
+        "sdpa",
+        pytest.param(
+            "flex_attention",
+            # strict: the day it passes, lift build.attention_for's refusal of compiled layers with flex_attention
+            marks=pytest.mark.xfail(
+                strict=True, reason="loss 17% off eager on an H100 with torch 2.11 (2026-11-26)"
+            ),
+        ),
+    ],
+)
 def test_compiled_layers_give_the_eager_step_on_gpu(implementation):
-    """``compile_layers`` (``build.compile_layers``) with packed rows, what a GPU run uses (flex_attention; sdpa
-    beside it, which tells a fault of the compiled layer from one of the attention): the loss and gradients of the
-    eager layers."""
+    """``compile_layers`` (``build.compile_layers``) with packed rows (flex_attention, which a run refuses to
+    compile on a GPU until this passes; sdpa beside it, which tells a fault of the compiled layer from one of the
+    attention): the loss and gradients of the eager layers."""
     from swiftkv_distill.build import compile_layers
 
     model = convert(tiny_base("llama"), 2, 1).cuda()
