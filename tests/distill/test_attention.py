@@ -163,7 +163,9 @@ def test_the_run_picks_fast_packed_attention_for_its_device():
     # compiled layers: not with flex_attention on a GPU (asked for, or auto's choice without flash-attn)
     assert attention_for("cpu", "flex_attention", compiled=True) == "flex_attention"
     assert attention_for("cuda", "sdpa", compiled=True) == "sdpa"
-    with pytest.raises(ValueError, match="compile_layers: true with flex_attention .* model.compile_layers: false"):
+    with pytest.raises(
+        ValueError, match="compile_layers: true with flex_attention .* model.compile_layers: false"
+    ):
         attention_for("cuda", "flex_attention", compiled=True)
     if attention_for("cuda") == "flex_attention":
         with pytest.raises(ValueError, match=r"\(attn_implementation: auto\) on a GPU"):

@@ -156,12 +156,6 @@ class SwiftKVAttentionMixin:
         attention = ALL_ATTENTION_FUNCTIONS.get_interface(
             self.config._attn_implementation, eager_attention_forward
         )
-        if (
-            self.config._attn_implementation == "flex_attention"
-            and torch.compiler.is_compiling()
-            and torch.is_grad_enabled()
-        ):
-            attention = _flex_attention_outside_the_graph
         output, weights = attention(
             self,
             query,
@@ -173,19 +167,6 @@ class SwiftKVAttentionMixin:
             **kwargs,
         )
         return _adapted(self, "o_proj", output.reshape(*input_shape, -1).contiguous()), weights
-
-
-@torch.compiler.disable
-def _flex_attention_outside_the_graph(*args, **kwargs):
-    """flex_attention for a decoder layer under ``torch.compile`` (each layer compiled alone, as distillation's
-    ``compile_layers`` does), called outside the layer's graph.
-
-    Outside a graph, transformers runs flex_attention as its own compiled kernel, whose gradients equal the dense
-    mask's on a GPU (``tests/distill/test_attention.py``); lowered inside a compiled layer's graph (torch 2.11, an
-    H100, fp32, packed rows), the gradients of the student's query projection were not the eager step's. One graph
-    break per student layer keeps the norms, RoPE and MLP compiled and the attention on the checked kernel. Only
-    where gradients are taken: a forward without them (inference, the teacher) keeps flex_attention in its graph."""
-    return ALL_ATTENTION_FUNCTIONS["flex_attention"](*args, **kwargs)
 
 
 MLP_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")

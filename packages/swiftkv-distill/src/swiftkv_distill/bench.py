@@ -107,7 +107,8 @@ def step_rows(
     base = setups[-2:]  # ours with its fastest attention, and the whole
     if checkpointing:  # both again, every layer recomputed
         setups += [(label, fn, attention, 1, False) for label, fn, attention, *_ in base]
-    if compiled:  # both again, every layer compiled, with the attention a run may compile (build.attention_for)
+    # both again, every layer compiled, with the attention a run may compile (build.attention_for)
+    if compiled:
         setups += [(label, fn, compilable(attention, device), 0, True) for label, fn, attention, *_ in base]
     trainable = [p for p in model.parameters() if p.requires_grad]
     rows, model_flops = [], {}

@@ -51,13 +51,12 @@ def attention_for(device: torch.device | str, requested: str = "auto", compiled:
     ``tests/distill/test_attention.py::test_compiled_layers_give_the_eager_step_on_gpu``)."""
     if requested not in ATTENTION:
         raise ValueError(f"attn_implementation must be one of {ATTENTION}, got {requested!r}.")
+    cuda = torch.device(device).type == "cuda"
     chosen = requested
     if requested == "auto":
-        if torch.device(device).type != "cuda":
-            chosen = "sdpa"
-        else:
-            chosen = "flash_attention_2" if importlib.util.find_spec("flash_attn") is not None else "flex_attention"
-    if compiled and chosen == "flex_attention" and torch.device(device).type == "cuda":
+        has_flash = importlib.util.find_spec("flash_attn") is not None
+        chosen = ("flash_attention_2" if has_flash else "flex_attention") if cuda else "sdpa"
+    if compiled and chosen == "flex_attention" and cuda:
         raise ValueError(
             f"model.compile_layers: true with flex_attention (attn_implementation: {requested}) on a GPU: compiled "
             f"layers do not give the eager layers' loss with flex_attention there (the gpu test "
