@@ -8,19 +8,22 @@
 #                                                  batches read
 #   there:  bash scripts/gpu-lease.sh run STEP...  (the run tool with carry [".gpu"]) runs each STEP under its own
 #                                                  time limit, its whole log in $OUT/STEP.log, one summary line each
-# Steps (minutes on the H100 of 2026-11-26, or estimated; pick steps to fit a call's 10 minutes and the 15-minute
-# lease, whose start takes about half a minute):
+# Steps (minutes on an H100 on 2026-11-26; pick steps to fit a call's 10 minutes and the lease, whose start takes
+# about half a minute and whose idle machine goes back after 30 s):
 #   attention   the flex_attention gpu tests, compiled layers (flex_attention and sdpa) among them (2)
 #   tests       the other gpu tests of swiftkv-core and swiftkv-distill (2)
 #   prefill     benchmarks/gpu.py: the 2k and 8k prefills, eager and compiled with CUDA graphs, against the FLOPs bound,
-#               and the decode TPOT after 2k, off vs on (4)
+#               and the decode TPOT after 2k, off vs on (4; 2k alone: --prefill_lengths '[2048]', 3.8)
 #   distill     benchmarks/gpu.py: the 8B distillation step, eager, compiled layers, activation checkpointing (est. 6);
 #               GPU_LEASE_DISTILL_FLAGS replaces the last two (e.g. '--compile_layers true' alone)
 #   quickstart  the main job on the GPU (`--accelerator gpu`, short settings, no serving: vLLM cannot run there)
 #               with RANDOM weights of the default model's shape (the real weights exceed what a call carries):
-#               it checks that every stage runs on the GPU, not the quality figures (4; more now that its prefill
-#               compiles a CUDA graph per length and side); GPU_LEASE_ACCELERATOR=cpu
-#               runs the same on a CPU (a dry run of the script here)
+#               it checks that every stage runs on the GPU, not the quality figures (5.3, of which 1.8 compile the
+#               prefill's CUDA graphs); GPU_LEASE_ACCELERATOR=cpu runs the same on a CPU (a dry run of the script here)
+# A 15-minute lease as spent on 2026-11-26: the correctness steps beside the quickstart in one call (6 min),
+#   bash scripts/gpu-lease.sh run attention tests >$OUT/correctness.txt 2>&1 & bash scripts/gpu-lease.sh run quickstart; \
+#   wait; cat $OUT/correctness.txt
+# then at once (within the 30 s) the timings alone on the GPU: distill (est. 6), or prefill.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
@@ -148,5 +151,5 @@ run() {
 case ${1:-} in
 prepare) prepare ;;
 run) shift; run "$@" ;;
-*) sed -n '2,19p' "$0"; exit 2 ;;
+*) sed -n '2,26p' "$0"; exit 2 ;;
 esac

@@ -252,6 +252,13 @@ def test_the_main_job_takes_the_gpu_when_there_is_one():
         cpu.model.model, cpu.model.num_key_value_layers, cpu.data.train_files,
     )  # fmt: skip
     assert DEVICE_DEFAULTS["gpu"]["budget_minutes"] < DEVICE_DEFAULTS["cpu"]["budget_minutes"]
+    # the closing hint and the report serve the export with the image of the machine the run used
+    from swiftkv.quickstart.report import docker_serve_command
+
+    gpu_line, cpu_line = (docker_serve_command(Path("run/distilled-serving"), a) for a in ("gpu", "cpu"))
+    assert gpu_line.startswith("docker run --gpus all ") and gpu_line.endswith(" swiftkv-serve:cuda /model")
+    assert "--gpus" not in cpu_line and cpu_line.endswith(" swiftkv-serve:cpu /model")
+    assert f"-v {Path('run/distilled-serving').resolve()}:/model:ro " in cpu_line
     if not torch.cuda.is_available():
         from swiftkv.quickstart import main
 

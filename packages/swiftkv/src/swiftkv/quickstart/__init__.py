@@ -88,6 +88,7 @@ def main(
             [swiftkv_capitals, swiftkv_arithmetic] (local) or [arc_challenge, hellaswag] (downloaded); default none.
         force: Delete an earlier run in the output folder and start over.
     """
+    from .report import docker_serve_command
     from .run import Run, quiet
     from .settings import check
     from .stages import STAGES
@@ -111,8 +112,9 @@ def main(
     print(f"\ndone in {minutes:.1f} min. Report: {report}\n")
     print("Serve the distilled model (OpenAI-compatible server on port 8000):")
     print(f"  swiftkv serve {serving} --port 8000")
-    print(f"  docker run --shm-size 1g -p 8000:8000 -v {serving.resolve()}:/model swiftkv-serve:cpu /model"
-          "    # the image: make docker (docker/README.md)")  # fmt: skip
+    print(
+        f"  {docker_serve_command(serving, settings.accelerator)}    # the image: make docker (docker/README.md)"
+    )
     return report
 
 

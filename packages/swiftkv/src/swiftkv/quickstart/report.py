@@ -60,6 +60,13 @@ def write_run_report(root: Path, settings: dict, results: dict, versions: dict) 
     return [root / "report.md", root / "report.json", *plots]
 
 
+def docker_serve_command(serving: Path, accelerator: str) -> str:
+    """The ``docker run`` that serves the export ``serving`` on this run's kind of machine (docker/README.md)."""
+    if accelerator == "gpu":
+        return f"docker run --gpus all --ipc=host -p 8000:8000 -v {serving.resolve()}:/model:ro swiftkv-serve:cuda /model"
+    return f"docker run --shm-size 1g -p 8000:8000 -v {serving.resolve()}:/model:ro swiftkv-serve:cpu /model"
+
+
 def _pct(x: float) -> str:
     return f"{100 * x:.1f}%"
 
@@ -193,8 +200,7 @@ def _markdown(root: Path, settings: dict, results: dict, versions: dict, head: d
         "- `distilled-serving/`: the serving export (no teacher q/k/v); serve it:",
         "",
         f"      swiftkv serve {root / 'distilled-serving'} --port 8000",
-        f"      docker run --shm-size 1g -p 8000:8000 -v {(root / 'distilled-serving').resolve()}:/model "
-        "swiftkv-serve:cpu /model",
+        f"      {docker_serve_command(root / 'distilled-serving', s['accelerator'])}",
         "",
         "- `converted/`: before distillation (least-squares K/V init)",
         "",
