@@ -13,7 +13,7 @@
 #   attention   the flex_attention gpu tests, compiled layers (flex_attention and sdpa) among them (2)
 #   tests       the other gpu tests of swiftkv-core and swiftkv-distill (2)
 #   prefill     benchmarks/gpu.py: the 2k and 8k prefills, eager and compiled with CUDA graphs, against the FLOPs bound,
-#               and the decode TPOT after 2k, off vs on (4; 2k alone: --prefill_lengths '[2048]', 3.8)
+#               and the decode TPOT after 2k, off vs on (4; the same with 2k alone, benchmarks/gpu.py run by hand: 3.8)
 #   distill     benchmarks/gpu.py: the 8B distillation step, eager, compiled layers, activation checkpointing (est. 6);
 #               GPU_LEASE_DISTILL_FLAGS replaces the last two (e.g. '--compile_layers true' alone)
 #   quickstart  the main job on the GPU (`--accelerator gpu`, short settings, no serving: vLLM cannot run there)
