@@ -15,7 +15,9 @@
 #   prefill     benchmarks/gpu.py: the 2k and 8k prefills, eager and compiled with CUDA graphs, against the FLOPs bound,
 #               and the decode TPOT after 2k, off vs on (4; the same with 2k alone, benchmarks/gpu.py run by hand: 3.8)
 #   distill     benchmarks/gpu.py: the 8B distillation step, eager, compiled layers, activation checkpointing (est. 6);
-#               GPU_LEASE_DISTILL_FLAGS replaces the last two (e.g. '--compile_layers true' alone)
+#               GPU_LEASE_DISTILL_FLAGS replaces the last two (e.g. '--compile_layers true' alone; add
+#               '--compiled_attention flex_attention' for compiled layers with flex_attention, which runs refuse on a
+#               GPU until the attention step's test_compiled_layers_give_the_eager_step_on_gpu[flex_attention] passes)
 #   quickstart  the main job on the GPU (`--accelerator gpu`, short settings, no serving: vLLM cannot run there)
 #               with RANDOM weights of the default model's shape (the real weights exceed what a call carries):
 #               it checks that every stage runs on the GPU, not the quality figures (5.3, of which 1.8 compile the
@@ -24,6 +26,10 @@
 #   bash scripts/gpu-lease.sh run attention tests >$OUT/correctness.txt 2>&1 & bash scripts/gpu-lease.sh run quickstart; \
 #   wait; cat $OUT/correctness.txt
 # then at once (within the 30 s) the timings alone on the GPU: distill (est. 6), or prefill.
+# The next lease: flex_attention now runs outside the compiled layers' graphs; one call checks it, then times it:
+#   bash scripts/gpu-lease.sh run attention && \
+#   GPU_LEASE_DISTILL_FLAGS='--compile_layers true --compiled_attention flex_attention --activation_checkpointing true' \
+#   bash scripts/gpu-lease.sh run distill                                                                 (about 8 min)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
@@ -151,5 +157,5 @@ run() {
 case ${1:-} in
 prepare) prepare ;;
 run) shift; run "$@" ;;
-*) sed -n '2,26p' "$0"; exit 2 ;;
+*) sed -n '2,32p' "$0"; exit 2 ;;
 esac

@@ -136,7 +136,28 @@ class SwiftKVAttentionMixin:
         value = self.v_proj_swiftkv(swiftkv_input).view(shape).transpose(1, 2)
         return _rope(key, position_embeddings), value
 
-    def forward(
+    # Set where each decoder layer is compiled alone (regional compilation, as distillation's compiled layers are):
+    # then, in a compiled layer, flex_attention runs outside the layer's graph, as eager runs it.
+    flex_outside_compiled_graph = False
+
+    def forward(self, *args, **kwargs):
+        if (
+            self.flex_outside_compiled_graph
+            and self.config._attn_implementation == "flex_attention"
+            and torch.compiler.is_compiling()
+        ):
+            return self._attend_outside_the_graph(*args, **kwargs)
+        return self._attend(*args, **kwargs)
+
+    @torch.compiler.disable
+    def _attend_outside_the_graph(self, *args, **kwargs):
+        """The attention module run eagerly, a graph break in a compiled layer: its projections and RoPE unfused,
+        its flex_attention on transformers' own compiled kernel, whose loss and gradients equal the dense mask's on
+        a GPU. Lowered inside compiled layers' graphs instead (torch 2.11, an H100, packed rows), flex_attention
+        gave a distillation loss 17% off the eager one (``tests/distill/test_attention.py``)."""
+        return self._attend(*args, **kwargs)
+
+    def _attend(
         self,
         hidden_states,
         position_embeddings,

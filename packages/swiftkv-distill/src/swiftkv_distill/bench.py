@@ -70,12 +70,13 @@ def step_rows(
     chunk_size: int,
     checkpointing: bool = False,
     compiled: bool = False,
+    compiled_attention: str | None = None,
 ) -> list[dict]:
     """Tokens/s, peak memory and MFU of a distillation step: ours (dense-mask sdpa, and the device's packed
     attention) and a whole teacher + a whole student forward on the same weights (``frozen``: their dtype);
     ``checkpointing``: also both with activation checkpointing of every layer (``build.checkpoint_activations``);
     ``compiled``: then both with every decoder layer compiled (``build.compile_layers``, once; the last rows, as a
-    compiled layer stays compiled)."""
+    compiled layer stays compiled), ours with ``compiled_attention`` (default: what a run may compile)."""
     import torch.nn.functional as F
 
     from swiftkv_core.flops import count_flops
@@ -110,7 +111,11 @@ def step_rows(
     if compiled:  # both again, every layer compiled, with an attention a run may compile (attention_for)
         for label, fn, attention, *_ in base:
             allowed = compilable(attention, device)
-            setups.append((label if allowed == attention else "ours, dense mask", fn, allowed, 0, True))
+            if fn is ours and compiled_attention:
+                allowed = compiled_attention
+            if allowed != attention:
+                label = "ours, dense mask" if allowed == "sdpa" else "ours, packed"
+            setups.append((label, fn, allowed, 0, True))
     trainable = [p for p in model.parameters() if p.requires_grad]
     rows, model_flops = [], {}
     for label, loss_fn, attention, every, compile_now in setups:
