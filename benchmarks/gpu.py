@@ -10,7 +10,8 @@ distillation batches are real text (Brown prose, the default tokenizer) packed i
 
 - prefill, SwiftKV off vs on (the same weights: ``model.swiftkv(False)`` is the original model), at each prompt
   length and one packed batch of rows: seconds (median, timers synchronised with the device), speed-up, the FLOPs
-  bound (``swiftkv_core.flops``, causal attention), achieved TFLOP/s of each side; ``--prefill_compile
+  bound (``swiftkv_core.flops``, causal attention) and the memory-aware one (the kept rows' weight reads at the
+  device's bandwidth), achieved TFLOP/s of each side; ``--prefill_compile
   reduce-overhead``: again with the whole forward compiled (a CUDA graph per prompt shape and side);
 - decode: time per output token after a prefill, off vs on (SwiftKV must not slow decoding);
 - KV cache: bytes per token of the original model and of SwiftKV at g = 1, 2, 4, in bf16 and FP8 (analytic, and
@@ -40,20 +41,31 @@ from swiftkv_core.shapes import SHAPES, random_swiftkv_model
 
 RESULTS = Path(__file__).parent / "results"
 PEAK_BF16_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0, "L40S": 362.0}  # dense, vendors' datasheets
+# memory bandwidth, TB/s (datasheets; the first name the device's contains: the PCIe and NVL H100s before the SXM)
+HBM_TBPS = {"H100 PCIe": 2.0, "H100 NVL": 3.9, "H100": 3.35, "H200": 4.8, "A100": 2.0, "L40S": 0.864}
 
 
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 
 
 def prefill_rows(
-    model, lengths: list[int], packed: tuple[int, int], repeats: int, compile_mode: str | None = None
+    model,
+    lengths: list[int],
+    packed: tuple[int, int],
+    repeats: int,
+    compile_mode: str | None = None,
+    bandwidth: float | None = None,
 ) -> list[dict]:
     """The prefill cases, SwiftKV off vs on; with ``compile_mode``, the whole forward ``torch.compile``d in that
     mode on both sides, one graph per prompt shape and side (``reduce-overhead``: replayed as a CUDA graph), its
-    logits checked against the eager forward's first; three warm-ups (compile, then record the CUDA graph)."""
+    logits checked against the eager forward's first; three warm-ups (compile, then record the CUDA graph).
+
+    Two bounds on the speed-up: the FLOPs bound, and with the device's memory ``bandwidth`` (bytes/s) the
+    memory-aware one: the on side's FLOPs at the off side's achieved rate, but its few-row phases (the kept rows
+    through layers >= l, the LM head) no faster than reading their weights (``flops.prefill_roofline_seconds``)."""
     from torch._dynamo.utils import counters
 
-    from swiftkv_core.flops import ModelShape, prefill_flops_total
+    from swiftkv_core.flops import ModelShape, prefill_flops_total, prefill_roofline_seconds
     from swiftkv_core.generation import check_compiled_prefill, compile_prefill, time_prefill_off_on
 
     shape, l = ModelShape.from_config(model.config), model.config.num_key_value_layers
@@ -78,10 +90,17 @@ def prefill_rows(
         times = {on: statistics.median(t) for on, t in measured.items()}
         flops = {on: prefill_flops_total(shape, length, l if on else None, attention="causal", batch_size=batch)
                  for on in (False, True)}  # fmt: skip
+        memory_bound = None
+        if bandwidth:
+            rate = flops[False] / times[False]
+            on_s = prefill_roofline_seconds(shape, length, l, peak_flops=rate, bandwidth=bandwidth,
+                                            element_bytes=model.dtype.itemsize, batch_size=batch)  # fmt: skip
+            memory_bound = times[False] / on_s
         rows.append({
             "prompt": f"{batch} x {length}" if batch > 1 else str(length), "forward": name,
             "off_s": times[False], "on_s": times[True],
             "speedup_x": times[False] / times[True], "flops_bound_x": flops[False] / flops[True],
+            "memory_aware_bound_x": memory_bound,
             "off_tflops": flops[False] / times[False] / 1e12, "on_tflops": flops[True] / times[True] / 1e12,
             "logits_error_vs_eager": error,
         })  # fmt: skip
@@ -165,6 +184,7 @@ def main(
     compile_layers: bool = False,
     compiled_attention: str | None = None,
     peak_tflops: float | None = None,
+    hbm_tbps: float | None = None,
     out: Path | None = None,
 ) -> dict:
     """Measure SwiftKV against the original model at a real shape on this machine's GPU.
@@ -196,6 +216,8 @@ def main(
             else sdpa: ``build.attention_for``); flex_attention on a GPU times what runs refuse until the gpu test
             test_compiled_layers_give_the_eager_step_on_gpu passes there (run it first).
         peak_tflops: the device's dense bf16 peak for MFU (default: from its name; H100/H200 989).
+        hbm_tbps: the device's memory bandwidth in TB/s for the prefill's memory-aware bound (default: from its
+            name; H100 SXM 3.35, H200 4.8; none on a CPU).
         out: output prefix (default benchmarks/results/gpu-<shape>).
     """
     from swiftkv_core.runtime import device_description, stack_versions
@@ -229,17 +251,19 @@ def main(
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     name = device_description(device)
     peak = peak_tflops or next((v for k, v in PEAK_BF16_TFLOPS.items() if k in name), None)
+    tbps = hbm_tbps or next((v for k, v in HBM_TBPS.items() if k in name), None)
     model, l = random_swiftkv_model(shape, num_key_value_layers, device, dtype, 1, num_hidden_layers)
     result = {"shape": shape, "num_key_value_layers": l, "num_hidden_layers": model.config.num_hidden_layers,
-              "device": name, "peak_bf16_tflops": peak, "versions": stack_versions(),
+              "device": name, "peak_bf16_tflops": peak, "hbm_tbps": tbps, "versions": stack_versions(),
               "command": shlex.join(["python3", "benchmarks/gpu.py", *sys.argv[1:]])}  # fmt: skip
     if "prefill" in parts:
         lengths = prefill_lengths or [2048, 8192, 32768]
-        result["prefill"] = prefill_rows(model, lengths, tuple(packed_prefill), repeats)
+        bandwidth = tbps * 1e12 if tbps else None
+        result["prefill"] = prefill_rows(model, lengths, tuple(packed_prefill), repeats, None, bandwidth)
         if prefill_compile:  # tiny: the batched case alone (a compile per case and side is the test's cost)
             compiled_lengths = [] if tiny else lengths
             result["prefill"] += prefill_rows(
-                model, compiled_lengths, tuple(packed_prefill), repeats, prefill_compile
+                model, compiled_lengths, tuple(packed_prefill), repeats, prefill_compile, bandwidth
             )
     if "decode" in parts:
         result["decode"] = decode_tpot(model, prefill_lengths[0] if prefill_lengths else 2048, decode_tokens)
@@ -289,11 +313,17 @@ def markdown(r: dict) -> str:
         lines += [
             "## Prefill (HF, SwiftKV off vs on, the same weights; median)",
             "",
-            "| prompt | forward | off (ms) | on (ms) | speed-up | FLOPs bound | of the bound | off TFLOP/s | on TFLOP/s |",
-            "|---|---|---|---|---|---|---|---|---|",
+            "| prompt | forward | off (ms) | on (ms) | speed-up | FLOPs bound | of the bound | memory-aware bound "
+            "| of it | off TFLOP/s | on TFLOP/s |",
+            "|---|---|---|---|---|---|---|---|---|---|---|",
             *(f"| {p['prompt']} | {p['forward']} | {1e3 * p['off_s']:.1f} | {1e3 * p['on_s']:.1f} | {p['speedup_x']:.2f}x | "
-              f"{p['flops_bound_x']:.2f}x | {p['speedup_x'] / p['flops_bound_x']:.0%} | {p['off_tflops']:.3g} | "
-              f"{p['on_tflops']:.3g} |" for p in r["prefill"]),
+              f"{p['flops_bound_x']:.2f}x | {p['speedup_x'] / p['flops_bound_x']:.0%} | "
+              + (f"{m:.2f}x | {p['speedup_x'] / m:.0%}" if (m := p.get("memory_aware_bound_x")) else "- | -")
+              + f" | {p['off_tflops']:.3g} | {p['on_tflops']:.3g} |" for p in r["prefill"]),
+            "",
+            "Memory-aware bound: the on side's FLOPs at the off side's achieved TFLOP/s, its few-row phases (the kept "
+            "rows through layers >= l, the LM head) no faster than reading their weights at the device's bandwidth "
+            f"({r.get('hbm_tbps') or '-'} TB/s; `swiftkv_core.flops.prefill_roofline_seconds`).",
             "",
         ]  # fmt: skip
     if "decode" in r:

@@ -1,8 +1,11 @@
 """The analytic FLOPs / KV-memory model: the paper's Table 1, and agreement with a measured FLOP count."""
 
+import math
+
 import pytest
 import torch
 
+from swiftkv_core.configuration import num_kv_cache_layers
 from swiftkv_core.convert import convert
 from swiftkv_core.flops import (
     LLAMA_3_1_70B,
@@ -12,7 +15,9 @@ from swiftkv_core.flops import (
     count_flops,
     kv_cache_bytes_per_token,
     prefill_flops,
+    prefill_flops_phases,
     prefill_flops_total,
+    prefill_roofline_seconds,
     table1,
 )
 from tests.conftest import tiny_base
@@ -51,3 +56,53 @@ def test_swiftkv_halves_prefill_flops_at_half_the_layers():
     shape = ModelShape.from_config(tiny_base("llama").config)
     ratio = prefill_flops(shape, 2048, 2).total / prefill_flops(shape, 2048).total
     assert 0.5 < ratio < 0.6
+
+
+LLAMA_3_1_8B = ModelShape(32, 4096, 32, 8, 128, 14336, 128256)
+
+
+@pytest.mark.parametrize(("l", "g"), [(None, 1), (2, 1), (2, 2), (1, 3)])
+def test_the_roofline_reads_the_weights_a_prefill_multiplies_by(l, g):
+    """At an unbounded FLOP rate and one byte a second, a prefill's roofline seconds are the bytes it reads: every
+    weight its forward multiplies by, counted from the model itself (SwiftKV's layers >= l use their own query and
+    their group's K/V, never the original q/k/v), and the K/V that the kept row attends to."""
+    model = tiny_base("llama") if l is None else convert(tiny_base("llama"), l, g)
+    shape, seq_len = ModelShape.from_config(model.config), 16
+
+    def multiplied_by(name: str) -> bool:
+        if l is None or int(name.split(".")[0]) < l:
+            return "swiftkv" not in name
+        return not any(f"{p}_proj." in name for p in "qkv")
+
+    weights = sum(
+        p.numel() for n, p in model.model.layers.named_parameters() if p.ndim == 2 and multiplied_by(n)
+    )
+    weights += model.lm_head.weight.numel()
+    later_kv = 0 if l is None else num_kv_cache_layers(shape.num_hidden_layers, l, g) - l
+    kv = later_kv * seq_len * 2 * shape.num_key_value_heads * shape.head_dim
+    seconds = prefill_roofline_seconds(
+        shape, seq_len, l, g, peak_flops=math.inf, bandwidth=1.0, element_bytes=4
+    )
+    assert seconds == 4 * (weights + kv)
+    phases = prefill_flops_phases(shape, seq_len, l, g)
+    assert sum(phases.values()) == prefill_flops_total(shape, seq_len, l, g)
+    assert (phases["kept"] > 0) == (l is not None)
+
+
+def test_the_roofline_bound_is_the_flops_bound_less_the_kept_rows_weight_reads():
+    """Off over on: the FLOPs bound at an unbounded bandwidth; at an H100's, a 2k prompt falls well short of it (its
+    kept row reads the 16 later layers' query, output and MLP weights, 6.7 GB), a 32k prompt or a batch nearly not."""
+
+    def bound(bandwidth: float, seq_len: int = 2048, batch_size: int = 1) -> float:
+        off, on = (prefill_roofline_seconds(LLAMA_3_1_8B, seq_len, l, peak_flops=989e12, bandwidth=bandwidth,
+                                            batch_size=batch_size) for l in (None, 16))  # fmt: skip
+        return off / on
+
+    def flops_bound(seq_len: int) -> float:
+        off, on = (prefill_flops_total(LLAMA_3_1_8B, seq_len, l, attention="causal") for l in (None, 16))
+        return off / on
+
+    assert bound(math.inf) == pytest.approx(flops_bound(2048))
+    assert bound(3.35e12) < 0.9 * flops_bound(2048)
+    assert bound(3.35e12, 32768) > 0.99 * flops_bound(32768)
+    assert bound(3.35e12, 2048, 8) > 0.97 * flops_bound(2048)

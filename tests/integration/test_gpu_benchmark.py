@@ -20,7 +20,9 @@ def tiny_result(tmp_path_factory):
     benchmark = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(benchmark)
     out = tmp_path_factory.mktemp("gpu") / "gpu-tiny-3.1"  # a dot in the name, as in gpu-llama-3.1-8b
-    benchmark.main(tiny=True, out=out, activation_checkpointing=True, prefill_compile="default")
+    benchmark.main(  # a bandwidth as no CPU has one in the table (the memory-aware bound's input)
+        tiny=True, out=out, activation_checkpointing=True, prefill_compile="default", hbm_tbps=0.05
+    )
     json_path, md_path = out.parent / f"{out.name}.json", out.parent / f"{out.name}.md"
     return json.loads(json_path.read_text()), md_path.read_text()
 
@@ -34,6 +36,12 @@ def test_prefill_rows_hold_both_sides_and_their_bound(tiny_result):
         assert p["speedup_x"] == pytest.approx(p["off_s"] / p["on_s"])
         assert 1 < p["flops_bound_x"] < 2  # l = L/2: at most half the prefill FLOPs saved
         assert p["off_tflops"] > 0 and p["on_tflops"] > 0
+        # the FLOPs bound less the time the few-row phases need to read their weights: never above it
+        assert 0 < p["memory_aware_bound_x"] <= p["flops_bound_x"]
+        assert (
+            f"| {p['memory_aware_bound_x']:.2f}x | {p['speedup_x'] / p['memory_aware_bound_x']:.0%} |"
+            in markdown
+        )
         assert f"| {p['prompt']} | {p['forward']} | {1e3 * p['off_s']:.1f} |" in markdown
         if p["forward"] == "eager":
             assert p["logits_error_vs_eager"] is None

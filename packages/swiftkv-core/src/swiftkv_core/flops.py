@@ -1,4 +1,5 @@
-"""Analytic prefill FLOPs and KV-cache memory of a (SwiftKV) decoder, per prefill token.
+"""Analytic prefill FLOPs and KV-cache memory of a (SwiftKV) decoder, per prefill token, and a roofline lower bound
+on a prefill's time (its FLOPs at a peak rate, its few-row phases no faster than reading their weights).
 
 Conventions (every figure counts matrix multiplications only, 2 FLOPs per multiply-add, as the paper and
 torch's FlopCounterMode do; norms, RoPE, activations and softmax are left out):
@@ -128,18 +129,84 @@ def prefill_flops_total(
     Under SwiftKV the kept positions also run layers ``>= l`` (query over all ``seq_len`` keys). With
     ``attention="dense"`` this is what FlopCounterMode measures on an SDPA forward.
     """
+    return sum(
+        prefill_flops_phases(
+            shape, seq_len, num_key_value_layers, key_value_group_size, logits_to_keep, attention, batch_size
+        ).values()
+    )
+
+
+def prefill_flops_phases(
+    shape: ModelShape,
+    seq_len: int,
+    num_key_value_layers: int | None = None,
+    key_value_group_size: int = 1,
+    logits_to_keep: int = 1,
+    attention: str = "dense",
+    batch_size: int = 1,
+) -> dict[str, float]:
+    """``prefill_flops_total`` by phase: ``prompt`` (every prompt token through the layers it runs: all of them, or
+    under SwiftKV the layers ``< l`` and the K/V of the later ones), ``kept`` (the kept positions through layers
+    ``>= l``; none for the original model) and ``head`` (the LM head of the kept positions)."""
     L = shape.num_hidden_layers
     l = L if num_key_value_layers is None else num_key_value_layers
     per_token_all = prefill_flops(shape, seq_len, l, key_value_group_size, attention)  # prompt tokens
     kept = min(logits_to_keep, seq_len)
-    total = (per_token_all.total - per_token_all.vocab) * seq_len + per_token_all.vocab * kept
+    phases = {
+        "prompt": (per_token_all.total - per_token_all.vocab) * seq_len,
+        "kept": 0.0,
+        "head": per_token_all.vocab * kept,
+    }
     if l < L:  # the kept positions through layers >= l
         rest = prefill_flops(shape, seq_len, None, 1, attention)
         per_layer = (rest.q + rest.o + rest.mlp + rest.attention) / L
         if attention == "causal":  # the kept queries are the last ones: they see (almost) every key
             per_layer += 2 * 2 * shape.num_attention_heads * shape.head_dim * (seq_len - (seq_len + 1) / 2)
-        total += per_layer * (L - l) * kept
-    return total * batch_size
+        phases["kept"] = per_layer * (L - l) * kept
+    return {phase: flops * batch_size for phase, flops in phases.items()}
+
+
+def prefill_roofline_seconds(
+    shape: ModelShape,
+    seq_len: int,
+    num_key_value_layers: int | None = None,
+    key_value_group_size: int = 1,
+    *,
+    peak_flops: float,
+    bandwidth: float,
+    element_bytes: int = 2,
+    attention: str = "causal",
+    batch_size: int = 1,
+    logits_to_keep: int = 1,
+) -> float:
+    """A lower bound on one prefill's seconds on a device of ``peak_flops`` (FLOP/s) and memory ``bandwidth``
+    (bytes/s): each phase of ``prefill_flops_phases`` takes at least its FLOPs at the peak, and at least the time
+    to read the weights it multiplies by (``element_bytes`` each) and the K/V the kept rows attend to.
+
+    The prompt phase is bound by its FLOPs at any real prompt length. The other two run a few rows: the LM head
+    (on both sides) and, under SwiftKV, layers ``>= l`` are bound by reading their weights. So a short prompt
+    cannot reach the FLOPs bound: its kept rows read the query, output and MLP weights of every layer ``>= l``."""
+    L = shape.num_hidden_layers
+    l = L if num_key_value_layers is None else num_key_value_layers
+    flops = prefill_flops_phases(
+        shape, seq_len, l, key_value_group_size, logits_to_keep, attention, batch_size
+    )
+    h, q_dim, kv_dim = (
+        shape.hidden_size,
+        shape.num_attention_heads * shape.head_dim,
+        shape.num_key_value_heads * shape.head_dim,
+    )
+    query_output_mlp = 2 * h * q_dim + 3 * h * shape.intermediate_size  # parameters of one layer
+    later_kv = num_kv_cache_layers(L, l, key_value_group_size) - l  # K/V projections of layers >= l
+    params = {
+        "prompt": (query_output_mlp + 2 * h * kv_dim) * l + 2 * h * kv_dim * later_kv,
+        "kept": query_output_mlp * (L - l),
+        "head": h * shape.vocab_size,
+    }
+    read = {phase: n * element_bytes for phase, n in params.items()}
+    if l < L:  # each row's kept positions read that row's K/V of the layers >= l
+        read["kept"] += batch_size * later_kv * seq_len * 2 * kv_dim * element_bytes
+    return sum(max(flops[phase] / peak_flops, read[phase] / bandwidth) for phase in flops)
 
 
 def kv_cache_bytes_per_token(
