@@ -49,6 +49,23 @@ def tiny_model(tmp_path_factory) -> Path:
     return tiny_llama(tmp_path_factory.mktemp("tiny") / "llama")
 
 
+@pytest.fixture(scope="session")
+def weightless_70b(tmp_path_factory, tiny_model) -> Path:
+    """A Llama-3.1-70B checkpoint folder without its weights (the config and a tokenizer): what a run is sized by
+    before it reads any weight; reading them fails."""
+    from swiftkv_core.flops import LLAMA_3_1_70B as shape
+
+    path = tmp_path_factory.mktemp("weightless") / "llama-70b"
+    config = LlamaConfig(
+        vocab_size=shape.vocab_size, hidden_size=shape.hidden_size, intermediate_size=shape.intermediate_size,
+        num_hidden_layers=shape.num_hidden_layers, num_attention_heads=shape.num_attention_heads,
+        num_key_value_heads=shape.num_key_value_heads, max_position_embeddings=256,
+    )  # fmt: skip
+    config.save_pretrained(path)
+    AutoTokenizer.from_pretrained(tiny_model).save_pretrained(path)
+    return path
+
+
 def write_jsonl(path: Path, records) -> Path:
     path.write_text("".join(json.dumps(r) + "\n" for r in records))
     return path

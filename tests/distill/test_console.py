@@ -5,6 +5,9 @@ import pytest
 import torch
 from lightning.pytorch.callbacks import Callback
 
+from swiftkv_core.runtime import storage_bytes
+from swiftkv_distill import SwiftKVDistillation
+from swiftkv_distill.build import resident_bytes
 from swiftkv_distill.cli import main
 
 
@@ -41,3 +44,45 @@ def test_a_step_out_of_memory_ends_with_what_to_change(tmp_path, tiny_model, tex
     message = str(exit_.value.code)
     assert "activation_checkpointing" not in message and "frozen_dtype" not in message
     assert message.count("; or ") == 1  # batch / length, more GPUs
+
+
+def test_a_run_that_cannot_hold_its_weights_is_refused_before_reading_them(
+    weightless_70b, text_file, tmp_path
+):
+    """Llama-3.1-70B in fp32 (280 GB of weights) on this machine: refused when the run builds its model, sized on
+    the meta device from the config alone (the folder holds no weights: reading them would fail otherwise)."""
+    args = ["fit", "--config", "smollm2-135m-cpu", "--model.model", str(weightless_70b),
+            "--model.num_key_value_layers", "40", "--model.kv_init", "published", "--data.train_files",
+            f"[{text_file}]", "--data.val_files", f"[{text_file}]", "--data.max_length", "16",
+            "--data.batch_size", "2", "--trainer.max_steps", "1", "--trainer.precision", "32-true",
+            "--trainer.default_root_dir", str(tmp_path)]  # fmt: skip
+    with pytest.raises(SystemExit) as exit_:
+        main(args)
+    message = str(exit_.value.code)
+    assert "\n" not in message
+    assert (
+        message.startswith(f"swiftkv distill: {weightless_70b} does not fit the ")
+        and " GiB of CPU (" in message
+    )
+    # 70.6B parameters in fp32; the trained ones: a query, a K and a V per layer >= l (40 x 83.9M)
+    assert "(262.8 GiB in float32)" in message and "3,355M trained parameters" in message
+    assert "model.frozen_dtype: bfloat16" in message and "a machine with more memory, or a GPU" in message
+    assert not list(tmp_path.rglob("*.ckpt"))
+
+
+def test_the_size_check_counts_what_a_real_step_holds(tiny_model):
+    """The step built on the meta device (no weight read) sizes what the real one holds after an AdamW update: its
+    weights, and its trained parameters' gradients and optimizer moments (adapters and early-exit head included)."""
+    module = SwiftKVDistillation(str(tiny_model), num_key_value_layers=2, early_exit=True, lora_rank=2)
+    with torch.device("meta"):
+        sized = resident_bytes(module.build_step(weights=False))
+    step = module.build_step()
+    trained = [p for p in step.parameters() if p.requires_grad]
+    for p in trained:
+        p.grad = torch.ones_like(p)
+    optimizer = torch.optim.AdamW(trained)
+    optimizer.step()
+    moments = [
+        t for state in optimizer.state.values() for t in state.values() if t.ndim
+    ]  # not the step count
+    assert sized == storage_bytes([*step.parameters(), *(p.grad for p in trained), *moments])

@@ -156,3 +156,22 @@ def test_a_fit_that_does_not_fit_the_gpu_says_what_to_change(tiny_model, text_fi
         message.startswith("swiftkv distill: out of memory on ") and "GiB of tensors at the peak" in message
     )
     assert "before the first step ended" in message and "2 x 16 tokens per step" in message
+
+
+def test_a_run_that_cannot_hold_its_weights_on_the_gpu_is_refused_before_reading_them(
+    weightless_70b, text_file, tmp_path
+):
+    """Llama-3.1-70B with bf16 frozen weights on one GPU: refused from its config alone, with the GPUs it needs."""
+    from swiftkv_distill.cli import main
+
+    with pytest.raises(SystemExit) as exit_:
+        main(["fit", "--config", "smollm2-135m-gpu", "--model.model", str(weightless_70b),
+              "--model.num_key_value_layers", "40", "--model.kv_init", "published", "--model.frozen_dtype",
+              "bfloat16", "--data.train_files", f"[{text_file}]", "--data.val_files", f"[{text_file}]",
+              "--data.max_length", "16", "--trainer.max_steps", "1", "--trainer.default_root_dir", str(tmp_path)])  # fmt: skip
+    message = str(exit_.value.code)
+    assert (
+        message.startswith(f"swiftkv distill: {weightless_70b} does not fit the ")
+        and "(131.4 GiB in bfloat16)" in message
+    )
+    assert "or more GPUs with FSDP2" in message and "frozen_dtype" not in message.split("To fit:")[1]

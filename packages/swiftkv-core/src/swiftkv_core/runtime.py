@@ -14,6 +14,7 @@ import time
 import weakref
 from collections.abc import Callable, Iterable
 from importlib.metadata import PackageNotFoundError, version
+from pathlib import Path
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -95,6 +96,24 @@ def synchronize(device: torch.device | str) -> None:
         torch.xpu.synchronize(device)
     elif device.type == "mps":
         torch.mps.synchronize()
+
+
+def device_memory_bytes(device: torch.device | str) -> int | None:
+    """The memory ``device`` has for tensors: a GPU's total, a CPU's the machine's (within its cgroup's limit, as in
+    a container); ``None`` for other devices."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).total_memory
+    if device.type != "cpu":
+        return None
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    try:
+        limit = (
+            Path("/sys/fs/cgroup/memory.max").read_text().strip()
+        )  # cgroup v2; "max" where there is no limit
+    except OSError:
+        return total
+    return min(total, int(limit)) if limit.isdigit() else total
 
 
 class Stopwatch:

@@ -1,5 +1,5 @@
-"""The model a distillation run trains (checked from its config.json first, then built once), and the training
-precision a CPU can run fast."""
+"""The model a distillation run trains and its step (checked from its config.json first, sized on the meta device
+against the device's memory, then built once), and the training precision a CPU can run fast."""
 
 from __future__ import annotations
 
@@ -10,7 +10,11 @@ import torch
 
 from swiftkv_core.checkpoints import check_checkpoint
 from swiftkv_core.convert import SWIFTKV_FAMILIES, convert
-from swiftkv_core.weights import train_only_swiftkv
+from swiftkv_core.early_exit import EarlyExitHead
+from swiftkv_core.runtime import DTYPES, device_description, device_memory_bytes
+from swiftkv_core.weights import cast_frozen, train_only_swiftkv
+
+from .console import OutOfMemory
 
 
 def cpu_has_fast_bf16() -> bool:
@@ -142,16 +146,21 @@ def build_swiftkv_model(
     attn_implementation: str = "sdpa",
     lora_rank: int = 0,
     lora_prefix: bool = False,
+    weights: bool = True,
 ):
     """A SwiftKV model ready to distil: converted from a base checkpoint, or a SwiftKV checkpoint loaded as is;
     attention through ``attn_implementation`` (one of ``ATTENTION`` but ``auto``); with ``lora_rank > 0`` and
     adapters (swiftkv_core.modeling.LowRankAdapter) on o_proj and the MLP of layers ``>= l`` (``lora_prefix``: and
-    on the MLP of layers ``< l``)."""
+    on the MLP of layers ``< l``). ``weights=False``: built from the config alone, none read (under
+    ``torch.device("meta")``: the run's sizes, ``check_fits``)."""
     from transformers import AutoModelForCausalLM
 
     check_lora(lora_rank, lora_prefix)
     path, config = check_checkpoint(model, num_key_value_layers, key_value_group_size)
-    loaded = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+    if weights:
+        loaded = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+    else:
+        loaded = AutoModelForCausalLM.from_config(config, dtype=dtype)
     if config.model_type in SWIFTKV_FAMILIES:
         built = train_only_swiftkv(loaded).swiftkv(True)
     else:
@@ -167,3 +176,60 @@ def build_swiftkv_model(
         train_only_swiftkv(built.add_lora(lora_rank, lora_prefix))
     built.config._attn_implementation = attn_implementation
     return built
+
+
+def distillation_step(hp, device: torch.device, trainer, sharded: bool, settings, weights: bool = True):
+    """A fresh, unsharded ``DistillationStep`` of a run's settings ``hp`` (``SwiftKVDistillation``'s hyperparameters)
+    on ``device``, under ``trainer`` (or None; ``sharded``: FSDP2 will shard it), with the loss ``settings``: the
+    frozen base weights, the SwiftKV ones initialised, the early-exit head. ``weights=False``: from the config
+    alone (``build_swiftkv_model``)."""
+    from .step import DistillationStep
+
+    attention = attention_for(device, hp.attn_implementation, hp.compile_layers)
+    model = build_swiftkv_model(hp.model, hp.num_key_value_layers, hp.key_value_group_size, DTYPES[hp.model_dtype],
+                                attention, hp.lora_rank, hp.lora_prefix, weights)  # fmt: skip
+    model.train()  # dropout is 0 in these families; train() only matters for the module flags
+    checkpoint_activations(model, hp.activation_checkpointing)
+    if hp.frozen_dtype not in (None, hp.model_dtype):
+        check_frozen_dtype(hp.frozen_dtype, trainer, sharded)
+        cast_frozen(model, DTYPES[hp.frozen_dtype])
+    head = EarlyExitHead.from_model(model) if hp.early_exit else None
+    return DistillationStep(model, settings, head)
+
+
+def resident_bytes(module: torch.nn.Module) -> int:
+    """The bytes a run holds on its device from its first step to its last, before any activation: each frozen
+    weight, and each trained parameter with its gradient and AdamW's two moments (four of its size). ``module``
+    may be built on the meta device (sizes without weights)."""
+    return sum(p.numel() * p.element_size() * (4 if p.requires_grad else 1) for p in module.parameters())
+
+
+def check_fits(device: torch.device, module: torch.nn.Module, model: str, shards: int = 1) -> None:
+    """Refuse a run whose ``resident_bytes`` alone (per process: FSDP2 shards them over ``shards``) exceed
+    ``device``'s memory: it could not take one step. Raised before any weight is read (``module`` built on the
+    meta device), as ``console.OutOfMemory`` with what would fit."""
+    total = device_memory_bytes(device)
+    need = resident_bytes(module)
+    if total is None or need / shards <= total:
+        return
+    frozen = [p for p in module.parameters() if not p.requires_grad]
+    dtypes = sorted({str(p.dtype).removeprefix("torch.") for p in frozen})
+    trained = sum(p.numel() for p in module.parameters() if p.requires_grad)
+    changes = []
+    if any(p.dtype == torch.float32 for p in frozen) and shards == 1:
+        changes.append(
+            "model.frozen_dtype: bfloat16 with trainer.precision: bf16-mixed (halves the frozen weights)"
+        )
+    if device.type == "cuda":
+        gpus = -(-need // total)
+        changes.append(
+            f"{gpus} or more GPUs with FSDP2 (llama-3.1-8b-instruct.yaml's strategy), which shards them"
+        )
+    else:
+        changes.append("a machine with more memory, or a GPU")
+    raise OutOfMemory(
+        f"{model} does not fit the {total / 2**30:.1f} GiB of {device_description(device)}: its frozen weights "
+        f"({sum(p.numel() * p.element_size() for p in frozen) / 2**30:.1f} GiB in {', '.join(dtypes)}) and its "
+        f"{trained / 1e6:,.0f}M trained parameters with their gradients and AdamW state need {need / shards / 2**30:.1f} "
+        f"GiB{' per process' * (shards > 1)} before any activation. To fit: " + "; or ".join(changes) + "."
+    )

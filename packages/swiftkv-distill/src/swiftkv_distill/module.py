@@ -13,20 +13,17 @@ from torch import nn
 
 from swiftkv_core.checkpoints import check_checkpoint
 from swiftkv_core.convert import SWIFTKV_FAMILIES
-from swiftkv_core.early_exit import EarlyExitHead
 from swiftkv_core.faults import pause_point
 from swiftkv_core.kv_init import KVLeastSquares
 from swiftkv_core.runtime import DTYPES, Stopwatch
-from swiftkv_core.weights import cast_frozen
 
 from .build import (
     attention_for,
-    build_swiftkv_model,
     check_activation_checkpointing,
-    check_frozen_dtype,
+    check_fits,
     check_lora,
-    checkpoint_activations,
     compile_layers,
+    distillation_step,
     warn_if_bf16_emulated,
 )
 from .schedule import FIRST_STEP_FLOOR, lr_factor, run_progress
@@ -163,30 +160,22 @@ class SwiftKVDistillation(L.LightningModule):
         self._resumed_seconds = 0.0  # train_seconds when the resumed checkpoint was written
 
     # --- model -------------------------------------------------------------------------------------------------
-    def build_step(self) -> DistillationStep:
-        """A fresh, unsharded step: the frozen base weights, the SwiftKV ones initialised, the early-exit head."""
-        hp = self.hparams
-        device = self._trainer.strategy.root_device if self._trainer is not None else torch.device("cpu")
-        model = build_swiftkv_model(
-            hp.model,
-            hp.num_key_value_layers,
-            hp.key_value_group_size,
-            DTYPES[hp.model_dtype],
-            attention_for(device, hp.attn_implementation, hp.compile_layers),
-            hp.lora_rank,
-            hp.lora_prefix,
+    def build_step(self, weights: bool = True) -> DistillationStep:
+        """A fresh, unsharded step (``build.distillation_step``; ``weights=False``: from the config alone)."""
+        sharded = self.device_mesh is not None
+        return distillation_step(
+            self.hparams, self._root_device(), self._trainer, sharded, self.loss_settings, weights
         )
-        model.train()  # dropout is 0 in these families; train() only matters for the module flags
-        checkpoint_activations(model, hp.activation_checkpointing)
-        if hp.frozen_dtype not in (None, hp.model_dtype):
-            check_frozen_dtype(hp.frozen_dtype, self._trainer, self.device_mesh is not None)
-            cast_frozen(model, DTYPES[hp.frozen_dtype])
-        head = EarlyExitHead.from_model(model) if hp.early_exit else None
-        return DistillationStep(model, self.loss_settings, head)
+
+    def _root_device(self) -> torch.device:
+        return self._trainer.strategy.root_device if self._trainer is not None else torch.device("cpu")
 
     def configure_model(self) -> None:
         if self.step is not None:
             return
+        with torch.device("meta"):  # what the run holds throughout, sized before any weight is read
+            shards = self._world_size() if self.device_mesh is not None else 1
+            check_fits(self._root_device(), self.build_step(weights=False), self.hparams.model, shards)
         self.step = self.build_step()
         if self.device_mesh is not None:  # ModelParallelStrategy: shard with FSDP2
             from .parallelize import parallelize
