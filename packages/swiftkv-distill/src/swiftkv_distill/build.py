@@ -209,6 +209,7 @@ def check_fits(device: torch.device, module: torch.nn.Module, model: str, shards
     ``device``'s memory: it could not take one step. Raised before any weight is read (``module`` built on the
     meta device), as ``console.OutOfMemory`` with what would fit."""
     total = device_memory_bytes(device)
+    shards = shards if device.type == "cuda" else 1  # a CPU's processes share its machine's memory
     need = resident_bytes(module)
     if total is None or need / shards <= total:
         return
