@@ -190,7 +190,9 @@ def distillation_step(hp, device: torch.device, trainer, sharded: bool, settings
                                 attention, hp.lora_rank, hp.lora_prefix, weights)  # fmt: skip
     model.train()  # dropout is 0 in these families; train() only matters for the module flags
     checkpoint_activations(model, hp.activation_checkpointing)
-    head = EarlyExitHead.from_model(model) if hp.early_exit else None  # trained: copied before frozen_dtype's cast
+    head = (
+        EarlyExitHead.from_model(model) if hp.early_exit else None
+    )  # trained: copied before frozen_dtype's cast
     if hp.frozen_dtype not in (None, hp.model_dtype):
         check_frozen_dtype(hp.frozen_dtype, trainer, sharded)
         cast_frozen(model, DTYPES[hp.frozen_dtype])
@@ -209,9 +211,9 @@ def check_fits(device: torch.device, module: torch.nn.Module, model: str, shards
     ``device``'s memory: it could not take one step. Raised before any weight is read (``module`` built on the
     meta device), as ``console.OutOfMemory`` with what would fit."""
     total = device_memory_bytes(device)
-    shards = shards if device.type == "cuda" else 1  # a CPU's processes share its machine's memory
+    share = shards if device.type == "cuda" else 1  # a CPU's processes share its machine's memory
     need = resident_bytes(module)
-    if total is None or need / shards <= total:
+    if total is None or need / share <= total:
         return
     frozen = [p for p in module.parameters() if not p.requires_grad]
     dtypes = sorted({str(p.dtype).removeprefix("torch.") for p in frozen})
@@ -231,6 +233,6 @@ def check_fits(device: torch.device, module: torch.nn.Module, model: str, shards
     raise OutOfMemory(
         f"{model} does not fit the {total / 2**30:.1f} GiB of {device_description(device)}: its frozen weights "
         f"({sum(p.numel() * p.element_size() for p in frozen) / 2**30:.1f} GiB in {', '.join(dtypes)}) and its "
-        f"{trained / 1e6:,.0f}M trained parameters with their gradients and AdamW state need {need / shards / 2**30:.1f} "
-        f"GiB{' per process' * (shards > 1)} before any activation. To fit: " + "; or ".join(changes) + "."
+        f"{trained / 1e6:,.0f}M trained parameters with their gradients and AdamW state need {need / share / 2**30:.1f} "
+        f"GiB{' per process' * (share > 1)} before any activation. To fit: " + "; or ".join(changes) + "."
     )
