@@ -107,10 +107,8 @@ def device_memory_bytes(device: torch.device | str) -> int | None:
     if device.type != "cpu":
         return None
     total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    try:
-        limit = (
-            Path("/sys/fs/cgroup/memory.max").read_text().strip()
-        )  # cgroup v2; "max" where there is no limit
+    try:  # cgroup v2: a number of bytes, or "max" where there is no limit
+        limit = Path("/sys/fs/cgroup/memory.max").read_text().strip()
     except OSError:
         return total
     return min(total, int(limit)) if limit.isdigit() else total
