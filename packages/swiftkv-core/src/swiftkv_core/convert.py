@@ -113,9 +113,8 @@ def convert(
 
     train_only_swiftkv(swift)
     leftover = [n for n, p in list(swift.named_parameters()) + list(swift.named_buffers()) if p.is_meta]
-    if (
-        leftover and not next(model.parameters()).is_meta
-    ):  # a model on the meta device converts to one (sizes)
+    # a model on the meta device converts to one (its sizes, for a run's memory check)
+    if leftover and not next(model.parameters()).is_meta:
         raise RuntimeError(f"convert left tensors uninitialised (a bug): {leftover[:5]}")
     swift.generation_config = model.generation_config
     swift.eval()

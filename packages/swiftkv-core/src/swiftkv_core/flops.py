@@ -191,20 +191,17 @@ def prefill_roofline_seconds(
     flops = prefill_flops_phases(
         shape, seq_len, l, key_value_group_size, logits_to_keep, attention, batch_size
     )
-    h, q_dim, kv_dim = (
-        shape.hidden_size,
-        shape.num_attention_heads * shape.head_dim,
-        shape.num_key_value_heads * shape.head_dim,
-    )
-    query_output_mlp = 2 * h * q_dim + 3 * h * shape.intermediate_size  # parameters of one layer
-    later_kv = num_kv_cache_layers(L, l, key_value_group_size) - l  # K/V projections of layers >= l
-    params = {
-        "prompt": (query_output_mlp + 2 * h * kv_dim) * l + 2 * h * kv_dim * later_kv,
-        "kept": query_output_mlp * (L - l),
-        "head": h * shape.vocab_size,
+    # a projection row's FLOPs per token are twice its weights (this module's convention)
+    swiftkv, whole = prefill_flops(shape, seq_len, l, key_value_group_size), prefill_flops(shape, seq_len)
+    weights = {
+        "prompt": (swiftkv.q + swiftkv.o + swiftkv.k + swiftkv.v + swiftkv.mlp) / 2,
+        "kept": (whole.q + whole.o + whole.mlp) / 2 * (L - l) / L,
+        "head": swiftkv.vocab / 2,
     }
-    read = {phase: n * element_bytes for phase, n in params.items()}
+    read = {phase: n * element_bytes for phase, n in weights.items()}
     if l < L:  # each row's kept positions read that row's K/V of the layers >= l
+        later_kv = num_kv_cache_layers(L, l, key_value_group_size) - l
+        kv_dim = shape.num_key_value_heads * shape.head_dim
         read["kept"] += batch_size * later_kv * seq_len * 2 * kv_dim * element_bytes
     return sum(max(flops[phase] / peak_flops, read[phase] / bandwidth) for phase in flops)
 
