@@ -20,8 +20,7 @@ distillation batches are real text (Brown prose, the default tokenizer) packed i
   dense mask and through the device's packed attention, flex_attention or flash-attn) against a whole teacher + a
   whole student forward on the same weights: tokens/s, peak memory and MFU (the step's FLOPs, counted by torch's
   FlopCounterMode, over the device's dense bf16 peak), measured by ``swiftkv_distill.bench``;
-  ``--activation_checkpointing true`` / ``--compile_layers true``: both again with every layer recomputed / compiled
-  (``--compiled_attention flex_attention``: ours compiled with flex_attention, which runs refuse on a GPU for now).
+  ``--activation_checkpointing true`` / ``--compile_layers true``: both again with every layer recomputed / compiled.
 
 Writes ``benchmarks/results/gpu-<shape>.{json,md}`` (or ``--out``). Where a 2k prefill spends its time:
 ``benchmarks/gpu_profile.py``.
@@ -182,7 +181,6 @@ def main(
     frozen: list[str] | None = None,
     activation_checkpointing: bool = False,
     compile_layers: bool = False,
-    compiled_attention: str | None = None,
     peak_tflops: float | None = None,
     hbm_tbps: float | None = None,
     out: Path | None = None,
@@ -212,9 +210,6 @@ def main(
         frozen: the frozen weights' dtypes measured (default fp32, bf16: ``frozen_dtype: bfloat16``).
         activation_checkpointing: also the step with every layer's activations recomputed, ours and the whole.
         compile_layers: also the step with every decoder layer torch.compiled, ours and the whole.
-        compiled_attention: the attention of our compiled rows (default: the packed one where runs may compile it,
-            else sdpa: ``build.attention_for``); flex_attention on a GPU times what runs refuse until the gpu test
-            test_compiled_layers_give_the_eager_step_on_gpu passes there (run it first).
         peak_tflops: the device's dense bf16 peak for MFU (default: from its name; H100/H200 989).
         hbm_tbps: the device's memory bandwidth in TB/s for the prefill's memory-aware bound (default: from its
             name; H100 SXM 3.35, H200 4.8; none on a CPU).
@@ -223,17 +218,12 @@ def main(
     from swiftkv_core.runtime import device_description, stack_versions
     from swiftkv_core.weights import cast_frozen
     from swiftkv_distill.bench import packed_batches, step_rows
-    from swiftkv_distill.build import ATTENTION
 
     parts = list(parts or PARTS)
     if unknown := set(parts) - set(PARTS):
         raise SystemExit(f"--parts: unknown {sorted(unknown)}; choose from {list(PARTS)}.")
     if unknown := set(frozen or ()) - {"fp32", "bf16"}:
         raise SystemExit(f"--frozen: unknown {sorted(unknown)}; choose from ['fp32', 'bf16'].")
-    if compiled_attention and not compile_layers:
-        raise SystemExit("--compiled_attention sets the compiled rows' attention: add --compile_layers true.")
-    if compiled_attention not in (None, *ATTENTION[1:]):
-        raise SystemExit(f"--compiled_attention {compiled_attention!r}: choose one of {list(ATTENTION[1:])}.")
     if prefill_compile not in (None, *COMPILE_MODES):
         raise SystemExit(f"--prefill_compile {prefill_compile!r}: choose one of {list(COMPILE_MODES)}.")
     if tiny:
@@ -283,7 +273,7 @@ def main(
             if frozen_dtype == "bf16":
                 cast_frozen(model, torch.bfloat16)
             rows = step_rows(model.train(), batches, distill_steps, 1, peak, frozen_dtype, logits_chunk_size,
-                             activation_checkpointing, compile_layers, compiled_attention)  # fmt: skip
+                             activation_checkpointing, compile_layers)  # fmt: skip
             result["distill"] += rows
             del model
     out = out or RESULTS / f"gpu-{shape}"

@@ -8,28 +8,25 @@
 #                                                  batches read
 #   there:  bash scripts/gpu-lease.sh run STEP...  (the run tool with carry [".gpu"]) runs each STEP under its own
 #                                                  time limit, its whole log in $OUT/STEP.log, one summary line each
-# Steps (minutes on an H100 on 2026-11-26; pick steps to fit a call's 10 minutes and the lease, whose start takes
-# about half a minute and whose idle machine goes back after 30 s):
-#   attention   the flex_attention gpu tests, compiled layers (flex_attention and sdpa) among them (2)
-#   tests       the other gpu tests of swiftkv-core and swiftkv-distill (2)
+# Steps (minutes on an H100 / H200 on 2026-11-26; pick steps to fit a call's 10 minutes and the lease, whose start
+# takes about half a minute and whose idle machine goes back after 30 s):
+#   attention   the flex_attention gpu tests, compiled layers (flex_attention and sdpa) among them (1.3)
+#   tests       the other gpu tests of swiftkv-core and swiftkv-distill, real compiled fits among them (2.5)
 #   prefill     benchmarks/gpu.py: the 2k and 8k prefills, eager and compiled with CUDA graphs, against the FLOPs bound,
 #               and the decode TPOT after 2k, off vs on (4; the same with 2k alone, benchmarks/gpu.py run by hand: 3.8)
-#   distill     benchmarks/gpu.py: the 8B distillation step, eager, compiled layers, activation checkpointing (est. 6);
-#               GPU_LEASE_DISTILL_FLAGS replaces the last two (e.g. '--compile_layers true' alone; add
-#               '--compiled_attention flex_attention' for compiled layers with flex_attention, which runs refuse on a
-#               GPU until the attention step's test_compiled_layers_give_the_eager_step_on_gpu[flex_attention] passes)
+#   distill     benchmarks/gpu.py: the 8B distillation step, eager, compiled layers, activation checkpointing (2 on
+#               an H200); GPU_LEASE_DISTILL_FLAGS replaces the last two (e.g. '--compile_layers true' alone)
 #   quickstart  the main job on the GPU (`--accelerator gpu`, short settings, no serving: vLLM cannot run there)
 #               with RANDOM weights of the default model's shape (the real weights exceed what a call carries):
 #               it checks that every stage runs on the GPU, not the quality figures (5.3, of which 1.8 compile the
 #               prefill's CUDA graphs); GPU_LEASE_ACCELERATOR=cpu runs the same on a CPU (a dry run of the script here)
-# A 15-minute lease as spent on 2026-11-26: the correctness steps beside the quickstart in one call (6 min),
-#   bash scripts/gpu-lease.sh run attention tests >$OUT/correctness.txt 2>&1 & bash scripts/gpu-lease.sh run quickstart; \
+# A 15-minute lease as spent on 2026-11-26 (H200): the timings alone on the GPU, after the test they rest on,
+#   bash scripts/gpu-lease.sh run attention distill                                                    (3.5 min)
+# then at once (within the 30 s) the correctness steps beside the quickstart (5 min; shared, so untimed),
+#   bash scripts/gpu-lease.sh run tests >$OUT/correctness.txt 2>&1 & bash scripts/gpu-lease.sh run quickstart; \
 #   wait; cat $OUT/correctness.txt
-# then at once (within the 30 s) the timings alone on the GPU: distill (est. 6), or prefill.
-# The next lease: flex_attention now runs outside the compiled layers' graphs; one call checks it, then times it:
-#   bash scripts/gpu-lease.sh run attention && \
-#   GPU_LEASE_DISTILL_FLAGS='--compile_layers true --compiled_attention flex_attention --activation_checkpointing true' \
-#   bash scripts/gpu-lease.sh run distill                                                                 (about 8 min)
+# The next lease: tests (compiled layers under FSDP2 on one GPU, not yet run: the GPU recipes keep compile_layers
+# off until it passes), then on an H100 distill (its compiled rows) or prefill.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
@@ -95,7 +92,7 @@ run_step() {
     tests)
         limit=300
         command="python3 -m pytest -m gpu tests/core/test_gpu.py tests/core/test_runtime.py tests/distill/test_gpu.py \
--q -p no:cacheprovider --tb=short" ;;
+tests/distill/test_module.py -q -p no:cacheprovider --tb=short" ;;
     prefill)
         limit=480
         command="python3 benchmarks/gpu.py --parts '[prefill,decode]' --prefill_lengths '[2048,8192]' --prefill_compile reduce-overhead \
@@ -157,5 +154,5 @@ run() {
 case ${1:-} in
 prepare) prepare ;;
 run) shift; run "$@" ;;
-*) sed -n '2,32p' "$0"; exit 2 ;;
+*) sed -n '2,29p' "$0"; exit 2 ;;
 esac

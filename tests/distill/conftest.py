@@ -66,6 +66,15 @@ def weightless_70b(tmp_path_factory, tiny_model) -> Path:
     return path
 
 
+@pytest.fixture
+def fp32_matmuls():
+    """fp32 matmuls on a GPU (no TF32) for a test that compares two runs closely; restored after it."""
+    tf32 = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    yield
+    torch.backends.cuda.matmul.allow_tf32 = tf32
+
+
 def write_jsonl(path: Path, records) -> Path:
     path.write_text("".join(json.dumps(r) + "\n" for r in records))
     return path

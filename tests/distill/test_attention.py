@@ -140,21 +140,16 @@ def test_compiled_layers_run_flex_attention_outside_their_graph():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("implementation", ["sdpa", "flex_attention"])
-def test_compiled_layers_give_the_eager_step_on_gpu(implementation):
-    """``compile_layers`` (``build.compile_layers``) with packed rows (flex_attention, which a run refuses to
-    compile on a GPU until this passes there: then lift ``build.attention_for``'s refusal; sdpa beside it, which
-    tells a fault of the compiled layer from one of the attention): the loss and gradients of the eager layers."""
+def test_compiled_layers_give_the_eager_step_on_gpu(implementation, fp32_matmuls):
+    """``compile_layers`` (``build.compile_layers``) with packed rows (flex_attention, outside the layers' graphs:
+    inside them it gave a loss 17% off on an H100; sdpa beside it, which tells a fault of the compiled layer from
+    one of the attention): the loss and gradients of the eager layers."""
 
     model = convert(tiny_base("llama"), 2, 1).cuda()
     batch = packed_batch("cuda")
-    tf32 = torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = False  # fp32 matmuls on both sides (restored for the tests after)
-    try:
-        eager = step_results(model, batch, implementation, backward=True)
-        compile_layers(model)
-        compiled = step_results(model, batch, implementation, backward=True)
-    finally:
-        torch.backends.cuda.matmul.allow_tf32 = tf32
+    eager = step_results(model, batch, implementation, backward=True)
+    compile_layers(model)
+    compiled = step_results(model, batch, implementation, backward=True)
     assert all(layer._compiled_call_impl is not None for layer in model.model.layers)
     torch.testing.assert_close(compiled["loss"], eager["loss"], atol=1e-6, rtol=1e-5)  # the loss first
     assert_same_gradients(compiled["grads"], eager["grads"], atol=1e-5, rtol=1e-3)
@@ -169,13 +164,3 @@ def test_the_run_picks_fast_packed_attention_for_its_device():
     assert attention_for("cuda", "sdpa") == "sdpa"  # a recipe may ask for one
     with pytest.raises(ValueError, match="attn_implementation must be one of"):
         attention_for("cpu", "flash")
-    # compiled layers: not with flex_attention on a GPU (asked for, or auto's choice without flash-attn)
-    assert attention_for("cpu", "flex_attention", compiled=True) == "flex_attention"
-    assert attention_for("cuda", "sdpa", compiled=True) == "sdpa"
-    with pytest.raises(
-        ValueError, match="compile_layers: true with flex_attention .* model.compile_layers: false"
-    ):
-        attention_for("cuda", "flex_attention", compiled=True)
-    if attention_for("cuda") == "flex_attention":
-        with pytest.raises(ValueError, match=r"\(attn_implementation: auto\) on a GPU"):
-            attention_for("cuda", compiled=True)

@@ -14,7 +14,7 @@ from tests.distill.conftest import quiet_trainer
 pytestmark = pytest.mark.gpu
 
 
-def test_distillation_step_on_cuda_matches_cpu(tiny_model):
+def test_distillation_step_on_cuda_matches_cpu(tiny_model, fp32_matmuls):
     module = SwiftKVDistillation(
         str(tiny_model), num_key_value_layers=2, kv_init="published", temperature=2.0, logits_chunk_size=5
     )
@@ -37,7 +37,6 @@ def test_distillation_step_on_cuda_matches_cpu(tiny_model):
         return out["loss"].item(), grads
 
     cpu_loss, cpu_grads = loss_and_grads("cpu", False)
-    torch.backends.cuda.matmul.allow_tf32 = False
     cuda_loss, cuda_grads = loss_and_grads("cuda", False)
     bf16_loss, _ = loss_and_grads("cuda", True)
     assert cuda_loss == pytest.approx(cpu_loss, rel=1e-4)
@@ -76,9 +75,11 @@ def test_fit_on_gpu_bf16_mixed_then_export_loads_on_cpu(tiny_model, text_file, t
     torch.testing.assert_close(got, want, rtol=1e-3, atol=1e-3)
 
 
-def test_fsdp2_strategy_on_one_gpu_matches_unsharded(tiny_model, text_file, tmp_path):
+@pytest.mark.parametrize("compiled", [False, True])
+def test_fsdp2_strategy_on_one_gpu_matches_unsharded(compiled, tiny_model, text_file, tmp_path, fp32_matmuls):
     """The GPU recipes' strategy (FSDP2 through ModelParallelStrategy, NCCL) on one GPU: the K/V fit into DTensor
-    shards, the sharded steps and the gathered export give what the plain strategy gives."""
+    shards, the sharded steps and the gathered export give what the plain strategy gives; ``compiled``: the sharded
+    run with compiled layers (``model.compile_layers``, flex_attention's packed rows) against the plain eager one."""
     from lightning.pytorch.strategies import ModelParallelStrategy
 
     from swiftkv_distill.export import trained_state_dict
@@ -93,11 +94,12 @@ def test_fsdp2_strategy_on_one_gpu_matches_unsharded(tiny_model, text_file, tmp_
         def on_train_end(self, trainer, pl_module):
             self.trained = trained_state_dict(pl_module)  # collective under FSDP2: before the teardown
 
-    def fit(strategy):
+    def fit(strategy, compile_layers=False):
         L.seed_everything(0)
         module = SwiftKVDistillation(
             str(tiny_model),
             num_key_value_layers=2,
+            compile_layers=compile_layers,
             learning_rate=3e-3,
             warmup_fraction=0.0,
             min_lr_ratio=1.0,
@@ -125,9 +127,8 @@ def test_fsdp2_strategy_on_one_gpu_matches_unsharded(tiny_model, text_file, tmp_
         trainer.fit(module, dm)
         return record
 
-    torch.backends.cuda.matmul.allow_tf32 = False
     plain = fit("auto")
-    sharded = fit(ModelParallelStrategy(data_parallel_size=1, tensor_parallel_size=1))
+    sharded = fit(ModelParallelStrategy(data_parallel_size=1, tensor_parallel_size=1), compiled)
     assert len(plain.losses) == len(sharded.losses) == 4
     torch.testing.assert_close(torch.tensor(sharded.losses), torch.tensor(plain.losses), rtol=1e-4, atol=1e-6)
     assert plain.trained.keys() == sharded.trained.keys() and plain.trained

@@ -49,17 +49,6 @@ def per_sequence(batch: dict) -> dict:
     return {k: v.reshape(-1, length) for k, v in batch.items()}
 
 
-def compilable(attention: str, device: torch.device) -> str:
-    """The attention that compiled layers run with in place of ``attention``: the same, or sdpa where
-    ``build.attention_for`` refuses it with compiled layers (flex_attention on a GPU)."""
-    from .build import attention_for
-
-    try:
-        return attention_for(device, attention, compiled=True)
-    except ValueError:
-        return "sdpa"
-
-
 def step_rows(
     model,
     batches: list[dict],
@@ -70,13 +59,12 @@ def step_rows(
     chunk_size: int,
     checkpointing: bool = False,
     compiled: bool = False,
-    compiled_attention: str | None = None,
 ) -> list[dict]:
     """Tokens/s, peak memory and MFU of a distillation step: ours (dense-mask sdpa, and the device's packed
     attention) and a whole teacher + a whole student forward on the same weights (``frozen``: their dtype);
     ``checkpointing``: also both with activation checkpointing of every layer (``build.checkpoint_activations``);
     ``compiled``: then both with every decoder layer compiled (``build.compile_layers``, once; the last rows, as a
-    compiled layer stays compiled), ours with ``compiled_attention`` (default: what a run may compile)."""
+    compiled layer stays compiled)."""
     import torch.nn.functional as F
 
     from swiftkv_core.flops import count_flops
@@ -108,14 +96,8 @@ def step_rows(
     base = setups[-2:]  # ours with its fastest attention, and the whole
     if checkpointing:  # both again, every layer recomputed
         setups += [(label, fn, attention, 1, False) for label, fn, attention, *_ in base]
-    if compiled:  # both again, every layer compiled, with an attention a run may compile (attention_for)
-        for label, fn, attention, *_ in base:
-            allowed = compilable(attention, device)
-            if fn is ours and compiled_attention:
-                allowed = compiled_attention
-            if allowed != attention:
-                label = "ours, dense mask" if allowed == "sdpa" else "ours, packed"
-            setups.append((label, fn, allowed, 0, True))
+    if compiled:  # both again, every layer compiled
+        setups += [(label, fn, attention, 0, True) for label, fn, attention, *_ in base]
     trainable = [p for p in model.parameters() if p.requires_grad]
     rows, model_flops = [], {}
     for label, loss_fn, attention, every, compile_now in setups:

@@ -44,32 +44,18 @@ def warn_if_bf16_emulated(device: torch.device, precision: str) -> None:
 ATTENTION = ("auto", "sdpa", "eager", "flex_attention", "flash_attention_2")
 
 
-def attention_for(device: torch.device | str, requested: str = "auto", compiled: bool = False) -> str:
+def attention_for(device: torch.device | str, requested: str = "auto") -> str:
     """The attention implementation a run uses on ``device``. ``auto``: on a GPU flash-attn's where it is installed
     (variable-length kernels: packed sequences attend only within themselves), else PyTorch's ``flex_attention``
     (a block mask built from the packed segments: the blocks across sequences are skipped); on a CPU ``sdpa``
-    (fastest there; packed sequences get a dense mask).
-
-    ``compiled`` (``model.compile_layers``): flex_attention in compiled layers on a GPU is refused until
-    ``tests/distill/test_attention.py::test_compiled_layers_give_the_eager_step_on_gpu`` passes on one. On an H100
-    (torch 2.11, 2026-11-26), with flex_attention inside the layers' graphs, the distillation loss was 17% off the
-    eager layers' (the sdpa twin matched); ``compile_layers`` now keeps it outside them, not yet run on a GPU."""
+    (fastest there; packed sequences get a dense mask). Each also runs in compiled layers (``compile_layers``)."""
     if requested not in ATTENTION:
         raise ValueError(f"attn_implementation must be one of {ATTENTION}, got {requested!r}.")
-    cuda = torch.device(device).type == "cuda"
-    chosen = requested
-    if requested == "auto":
-        has_flash = importlib.util.find_spec("flash_attn") is not None
-        chosen = ("flash_attention_2" if has_flash else "flex_attention") if cuda else "sdpa"
-    if compiled and chosen == "flex_attention" and cuda:
-        raise ValueError(
-            f"model.compile_layers: true with flex_attention (attn_implementation: {requested}) on a GPU: compiled "
-            f"layers with flex_attention are not yet shown to give the eager layers' loss there (it was 17% off on "
-            f"an H100). Set model.compile_layers: false (packed rows "
-            f"through flex_attention, eager), or model.attn_implementation: sdpa to compile the layers (packed rows "
-            f"then get a dense mask)."
-        )
-    return chosen
+    if requested != "auto":
+        return requested
+    if torch.device(device).type != "cuda":
+        return "sdpa"
+    return "flash_attention_2" if importlib.util.find_spec("flash_attn") is not None else "flex_attention"
 
 
 def check_frozen_dtype(frozen: str, trainer, sharded: bool) -> None:
@@ -118,8 +104,8 @@ def compile_layers(model, enabled: bool = True) -> None:
     same module reuses its compiled code). Compiling needs a C++ compiler on a CPU, Triton on a GPU.
 
     With flex_attention, each layer's attention module runs outside its graph (one graph break per layer, the
-    norms, residuals and MLP compiled): flex_attention lowered inside the layers' graphs gave a wrong loss on a GPU
-    (``SwiftKVAttentionMixin.flex_outside_compiled_graph``)."""
+    norms, residuals and MLP compiled): lowered inside the layers' graphs it gave a loss 17% off on an H100; outside
+    them the eager step's loss and gradients on an H200 (``SwiftKVAttentionMixin.flex_outside_compiled_graph``)."""
     if not enabled:
         return
     # each variant is a recompile of the one layer forward: room for all of them, never a silent eager fallback
@@ -185,7 +171,7 @@ def distillation_step(hp, device: torch.device, trainer, sharded: bool, settings
     alone (``build_swiftkv_model``)."""
     from .step import DistillationStep
 
-    attention = attention_for(device, hp.attn_implementation, hp.compile_layers)
+    attention = attention_for(device, hp.attn_implementation)
     model = build_swiftkv_model(hp.model, hp.num_key_value_layers, hp.key_value_group_size, DTYPES[hp.model_dtype],
                                 attention, hp.lora_rank, hp.lora_prefix, weights)  # fmt: skip
     model.train()  # dropout is 0 in these families; train() only matters for the module flags

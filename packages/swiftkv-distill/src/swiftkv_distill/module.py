@@ -83,8 +83,8 @@ class SwiftKVDistillation(L.LightningModule):
             instead of keeping them (0: off; 1: every layer). Only the student's layers >= l run with a graph: with
             1 each keeps its input alone (``build.checkpoint_activations``), for one more forward of those layers
             per step. For long rows and large models (the 70B recipe); measured in distill-memory-cpu-8b-widths.md.
-        compile_layers: ``torch.compile`` each decoder layer when training starts (``build.compile_layers``; refused
-            with flex_attention on a GPU: ``build.attention_for``). Measured in distill-compile.md.
+        compile_layers: ``torch.compile`` each decoder layer when training starts (``build.compile_layers``).
+            Measured in distill-compile.md and gpu-llama-3.1-8b-distill.md.
     """
 
     def __init__(
