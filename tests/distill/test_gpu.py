@@ -129,11 +129,12 @@ def test_fsdp2_strategy_on_one_gpu_matches_unsharded(compiled, tiny_model, text_
 
     plain = fit("auto")
     sharded = fit(ModelParallelStrategy(data_parallel_size=1, tensor_parallel_size=1), compiled)
+    rtol = 1e-3 if compiled else 1e-4  # compiled kernels sum in another order (test_module's tolerance)
     assert len(plain.losses) == len(sharded.losses) == 4
-    torch.testing.assert_close(torch.tensor(sharded.losses), torch.tensor(plain.losses), rtol=1e-4, atol=1e-6)
+    torch.testing.assert_close(torch.tensor(sharded.losses), torch.tensor(plain.losses), rtol=rtol, atol=1e-6)
     assert plain.trained.keys() == sharded.trained.keys() and plain.trained
     for name, value in plain.trained.items():
-        torch.testing.assert_close(sharded.trained[name], value, rtol=1e-4, atol=1e-5, msg=name)
+        torch.testing.assert_close(sharded.trained[name], value, rtol=rtol, atol=1e-5, msg=name)
 
 
 def test_a_fit_that_does_not_fit_the_gpu_says_what_to_change(tiny_model, text_file, tmp_path):
