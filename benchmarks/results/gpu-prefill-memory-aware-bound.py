@@ -9,6 +9,7 @@ weights at the device's bandwidth (``swiftkv_core.flops.prefill_roofline_seconds
 import json
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 from swiftkv_core.flops import ModelShape, prefill_flops_total, prefill_roofline_seconds
 from swiftkv_core.shapes import SHAPES
@@ -16,10 +17,7 @@ from swiftkv_core.shapes import SHAPES
 tbps, *paths = sys.argv[1:]
 for path in paths:
     r = json.loads(Path(path).read_text())
-    c = SHAPES[r["shape"]]
-    head_dim = c["hidden_size"] // c["num_attention_heads"]
-    shape = ModelShape(c["num_hidden_layers"], c["hidden_size"], c["num_attention_heads"], c["num_key_value_heads"],
-                       head_dim, c["intermediate_size"], c["vocab_size"])  # fmt: skip
+    shape = ModelShape.from_config(SimpleNamespace(**SHAPES[r["shape"]]))
     print(f"{path} ({r['device']}, {tbps} TB/s)\n")
     print(
         "| prompt | forward | speed-up | FLOPs bound | of it | memory-aware bound | of it |\n|---|---|---|---|---|---|---|"

@@ -154,7 +154,8 @@ class SwiftKVAttentionMixin:
         """The attention module run eagerly, a graph break in a compiled layer: its projections and RoPE unfused,
         its flex_attention on transformers' own compiled kernel, whose loss and gradients equal the dense mask's on
         a GPU. Lowered inside compiled layers' graphs instead (torch 2.11, an H100, packed rows), flex_attention
-        gave a distillation loss 17% off the eager one (``tests/distill/test_attention.py``)."""
+        gave a distillation loss 17% off the eager one; run here, the eager loss and gradients on an H200
+        (``tests/distill/test_attention.py``)."""
         return self._attend(*args, **kwargs)
 
     def _attend(

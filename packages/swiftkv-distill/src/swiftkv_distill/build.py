@@ -176,9 +176,8 @@ def distillation_step(hp, device: torch.device, trainer, sharded: bool, settings
                                 attention, hp.lora_rank, hp.lora_prefix, weights)  # fmt: skip
     model.train()  # dropout is 0 in these families; train() only matters for the module flags
     checkpoint_activations(model, hp.activation_checkpointing)
-    head = (
-        EarlyExitHead.from_model(model) if hp.early_exit else None
-    )  # trained: copied before frozen_dtype's cast
+    # the early-exit head trains: copied from the LM head before frozen_dtype's cast, so it stays in model_dtype
+    head = EarlyExitHead.from_model(model) if hp.early_exit else None
     if hp.frozen_dtype not in (None, hp.model_dtype):
         check_frozen_dtype(hp.frozen_dtype, trainer, sharded)
         cast_frozen(model, DTYPES[hp.frozen_dtype])
