@@ -175,7 +175,8 @@ def test_a_plain_prompt_gives_sdpa_no_mask_and_the_kept_rows_only_theirs(monkeyp
                 assert below is None  # is_causal: the flash kernels' case
                 assert kept.shape[-2:] == (rows, 24) and kept.untyped_storage().nbytes() == rows * 24
         # where the positions alone do not give the mask, transformers' masks: padding, packed positions, a 4-D
-        # mask of the caller's own (and with earlier tokens cached, layers < l need a mask too)
+        # mask of the caller's own, the kept rows taken from the one mask layers < l hold, no second one of prompt
+        # length squared (and with earlier tokens cached, layers < l need a mask too)
         padded = ones.clone()
         padded[0, :3] = 0
         packed = torch.cat([torch.arange(12), torch.arange(12)])[None].expand(2, -1)
@@ -185,7 +186,9 @@ def test_a_plain_prompt_gives_sdpa_no_mask_and_the_kept_rows_only_theirs(monkeyp
         for given in ({"attention_mask": padded}, {"position_ids": packed}, {"attention_mask": custom}):
             masks[l].clear()
             model(ids, logits_to_keep=1, **given)
-            assert masks[l][0].untyped_storage().nbytes() >= 24 * 24
+            below, kept = masks[0][-1], masks[l][0]
+            assert kept.shape[-2:] == (1, 24) and below.shape[-2:] == (24, 24)
+            assert kept.untyped_storage().data_ptr() == below.untyped_storage().data_ptr()
         model(ids[:, 8:], past_key_values=cache, use_cache=True)
         assert len(masks[0]) == 4 and all(mask is not None for mask in masks[0])
 

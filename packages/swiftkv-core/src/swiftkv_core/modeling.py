@@ -486,7 +486,8 @@ def _kept_rows_mask(mask_kwargs: dict, causal_mask, keep, plain: bool):
 
     - eager / sdpa: the full mask's kept rows, always explicit (sdpa's ``is_causal`` aligns the upper-left corner,
       which is wrong for a subset of the rows); for a ``plain`` prompt, only those rows are built (the full mask
-      is prompt length squared: 1 GiB at 32k tokens, 16 GiB at 128k);
+      is prompt length squared: 1 GiB at 32k tokens, 16 GiB at 128k); otherwise (padding, packing, a 4-D mask)
+      layers < l hold transformers' full mask anyway, and the kept rows are taken from it, not from a second one;
     - flex_attention: a block mask of the kept rows (blocks a kept row cannot see are skipped);
     - flash_attention_*: flash-attn aligns its causal mask to the bottom-right corner, which is what the LAST rows
       need (``logits_to_keep=N``, what ``generate`` asks for); its mask is the padding mask as it is. Other row
@@ -500,7 +501,9 @@ def _kept_rows_mask(mask_kwargs: dict, causal_mask, keep, plain: bool):
         # kept row i sees the keys up to its own position
         return (keys[None, :] <= keys[past:][keep, None])[None, None]
     if implementation in ("sdpa", "eager"):
-        return create_causal_mask(**mask_kwargs, allow_is_causal_skip=False)[:, :, keep]
+        if not isinstance(causal_mask, torch.Tensor):  # transformers skipped it (sdpa's is_causal): build it
+            causal_mask = create_causal_mask(**mask_kwargs, allow_is_causal_skip=False)
+        return causal_mask[:, :, keep]  # the rows of layers < l's own mask: no second full mask
     if implementation == "flex_attention":
         return _kept_rows_block_mask(mask_kwargs, keep)
     if implementation.startswith("flash_attention") and isinstance(keep, slice):
