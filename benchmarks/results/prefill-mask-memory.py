@@ -29,4 +29,5 @@ for on in (False, True):
     model.swiftkv(on)
     with torch.no_grad(), PeakMemory("cpu", resident=list(model.parameters())) as meter:
         model(ids, use_cache=True, logits_to_keep=1, **given)
-    print(f"{tokens} tokens{' x 2 padded' if padded else ''}, SwiftKV {'on' if on else 'off'}: peak {meter.peak_bytes / 2**20:.1f} MiB")
+    prompt = f"{tokens} tokens" + (" x 2 padded" if padded else "")
+    print(f"{prompt}, SwiftKV {'on' if on else 'off'}: peak {meter.peak_bytes / 2**20:.1f} MiB")
