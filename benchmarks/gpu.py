@@ -39,7 +39,9 @@ import torch
 from swiftkv_core.shapes import SHAPES, random_swiftkv_model
 
 RESULTS = Path(__file__).parent / "results"
-PEAK_BF16_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0, "L40S": 362.0}  # dense, vendors' datasheets
+# dense bf16 TFLOP/s (vendors' datasheets; the first name the device's contains: the PCIe and NVL cards before the SXM)
+PEAK_BF16_TFLOPS = {"H100 PCIe": 756.0, "H100 NVL": 835.0, "H200 NVL": 835.0, "H100": 989.0, "H200": 989.0,
+                    "A100": 312.0, "L40S": 362.0}  # fmt: skip
 # memory bandwidth, TB/s (datasheets; the first name the device's contains: the PCIe and NVL H100s before the SXM)
 HBM_TBPS = {"H100 PCIe": 2.0, "H100 NVL": 3.9, "H100": 3.35, "H200": 4.8, "A100": 2.0, "L40S": 0.864}
 
@@ -61,10 +63,10 @@ def prefill_rows(
 
     Two bounds on the speed-up: the FLOPs bound, and with the device's memory ``bandwidth`` (bytes/s) the
     memory-aware one: the on side's FLOPs at the off side's achieved rate, but its few-row phases (the kept rows
-    through layers >= l, the LM head) no faster than reading their weights (``flops.prefill_roofline_seconds``)."""
+    through layers >= l, the LM head) no faster than reading their weights (``flops.memory_aware_bound``)."""
     from torch._dynamo.utils import counters
 
-    from swiftkv_core.flops import ModelShape, prefill_flops_total, prefill_roofline_seconds
+    from swiftkv_core.flops import ModelShape, memory_aware_bound, prefill_flops_total
     from swiftkv_core.generation import check_compiled_prefill, compile_prefill, time_prefill_off_on
 
     shape, l = ModelShape.from_config(model.config), model.config.num_key_value_layers
@@ -91,10 +93,8 @@ def prefill_rows(
                  for on in (False, True)}  # fmt: skip
         memory_bound = None
         if bandwidth:
-            rate = flops[False] / times[False]
-            on_s = prefill_roofline_seconds(shape, length, l, peak_flops=rate, bandwidth=bandwidth,
-                                            element_bytes=model.dtype.itemsize, batch_size=batch)  # fmt: skip
-            memory_bound = times[False] / on_s
+            memory_bound = memory_aware_bound(shape, length, l, off_seconds=times[False], bandwidth=bandwidth,
+                                              element_bytes=model.dtype.itemsize, batch_size=batch)  # fmt: skip
         rows.append({
             "prompt": f"{batch} x {length}" if batch > 1 else str(length), "forward": name,
             "off_s": times[False], "on_s": times[True],

@@ -14,6 +14,7 @@ from swiftkv_core.flops import (
     ModelShape,
     count_flops,
     kv_cache_bytes_per_token,
+    memory_aware_bound,
     prefill_flops,
     prefill_flops_phases,
     prefill_flops_total,
@@ -106,3 +107,29 @@ def test_the_roofline_bound_is_the_flops_bound_less_the_kept_rows_weight_reads()
     assert bound(3.35e12) < 0.9 * flops_bound(2048)
     assert bound(3.35e12, 32768) > 0.99 * flops_bound(32768)
     assert bound(3.35e12, 2048, 8) > 0.97 * flops_bound(2048)
+
+
+@pytest.mark.parametrize("seq_len, batch_size", [(2048, 1), (8192, 1), (2048, 8)])
+def test_the_memory_aware_bound_recovers_the_rate_an_original_prefill_ran_at(seq_len, batch_size):
+    """Given the seconds the roofline gives the original model at some FLOP rate (its LM head read from memory on
+    top), the bound finds that rate again: SwiftKV's roofline at it, not at the rate the LM head's read dilutes."""
+    rate, bandwidth = 600e12, 3.35e12
+    kwargs = dict(bandwidth=bandwidth, batch_size=batch_size)
+    off, on = (
+        prefill_roofline_seconds(LLAMA_3_1_8B, seq_len, l, peak_flops=rate, **kwargs) for l in (None, 16)
+    )
+    bound = memory_aware_bound(LLAMA_3_1_8B, seq_len, 16, off_seconds=off, **kwargs)
+    assert bound == pytest.approx(off / on, rel=1e-9)
+    diluted = prefill_flops_total(LLAMA_3_1_8B, seq_len, attention="causal", batch_size=batch_size) / off
+    on_diluted = prefill_roofline_seconds(LLAMA_3_1_8B, seq_len, 16, peak_flops=diluted, **kwargs)
+    assert bound > off / on_diluted  # the old estimate, which read the LM head's weights into the rate
+    flops = [
+        prefill_flops_total(LLAMA_3_1_8B, seq_len, l, attention="causal", batch_size=batch_size)
+        for l in (None, 16)
+    ]
+    assert bound < flops[0] / flops[1]
+    # measured faster than its weights can be read: no rate explains it, the bound is the reads' ratio
+    floor = memory_aware_bound(LLAMA_3_1_8B, seq_len, 16, off_seconds=1e-6, **kwargs)
+    assert floor == pytest.approx(
+        1e-6 / prefill_roofline_seconds(LLAMA_3_1_8B, seq_len, 16, peak_flops=math.inf, **kwargs)
+    )

@@ -5,6 +5,7 @@ device of the work it times, around that work; on a GPU, that its figure matches
 from __future__ import annotations
 
 import time
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -17,7 +18,8 @@ from tests.conftest import tiny_base
 
 @pytest.fixture
 def events(monkeypatch):
-    """What happens, in order: each synchronisation (with its device) and each model forward."""
+    """What happens, in order: each synchronisation (with its device), each reading of the timers' clock and each
+    model forward."""
     log = []
     real = runtime.synchronize
 
@@ -25,22 +27,30 @@ def events(monkeypatch):
         log.append(("synchronize", torch.device(device).type))
         real(device)
 
+    def perf_counter():
+        log.append(("clock", None))
+        return time.perf_counter()
+
     monkeypatch.setattr(runtime, "synchronize", synchronize)
+    monkeypatch.setattr(runtime, "time", SimpleNamespace(perf_counter=perf_counter))
     return log
+
+
+WAIT_THEN_READ = [("synchronize", "cpu"), ("clock", None)]
 
 
 def test_prefill_timer_waits_for_the_device_before_each_reading(events):
     model = convert(tiny_base("llama"), 2)
     model.register_forward_pre_hook(lambda *_: events.append(("forward", None)))
     time_prefill(model, torch.randint(1, 128, (1, 16)), repeats=2, warmup=1)
-    # per prefill: wait (clock starts), the forward, wait (clock stops)
-    assert events == [("synchronize", "cpu"), ("forward", None), ("synchronize", "cpu")] * 3
+    # per prefill: wait, then read the clock; the forward; wait, then read the clock
+    assert events == (WAIT_THEN_READ + [("forward", None)] + WAIT_THEN_READ) * 3
 
 
 def test_stopwatch_measures_the_work_between_start_and_stop(events):
     seconds = runtime.timed(lambda: time.sleep(0.05), "cpu")
     assert 0.05 <= seconds < 1.0
-    assert events == [("synchronize", "cpu")] * 2
+    assert events == WAIT_THEN_READ * 2
     with pytest.raises(RuntimeError, match="before start"):
         runtime.Stopwatch("cpu").stop()
 
@@ -64,6 +74,24 @@ def test_prefill_timer_matches_cuda_events_on_a_gpu():
     torch.cuda.synchronize()
     events_s = start.elapsed_time(end) / 1000
     assert 0.7 * events_s < measured < 1.5 * events_s, (measured, events_s)
+
+
+@pytest.mark.gpu
+def test_stopwatch_waits_for_work_queued_before_and_inside_it_on_a_gpu():
+    """``torch.cuda._sleep`` queues a kernel that spins on the GPU and returns at once: a timer that did not wait at
+    its end would read ~0 for it, and one that did not wait at its start would count earlier queued work."""
+    cycles = 50_000_000
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize()
+    start.record()
+    torch.cuda._sleep(cycles)
+    end.record()
+    torch.cuda.synchronize()
+    kernel_s = start.elapsed_time(end) / 1000
+    assert kernel_s > 0.005, kernel_s  # the check below needs a kernel far longer than a launch
+    assert runtime.timed(lambda: torch.cuda._sleep(cycles), "cuda") >= 0.9 * kernel_s
+    torch.cuda._sleep(cycles)  # queued before the timer starts: not its work
+    assert runtime.timed(lambda: None, "cuda") < 0.1 * kernel_s
 
 
 MIB = 2**20

@@ -1,6 +1,9 @@
 """The LightningModule: shared prefix == separate passes, frozen/trainable split, clear errors before compute."""
 
 import json
+import time
+from itertools import pairwise
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -287,21 +290,50 @@ def test_activation_checkpointing_gives_the_same_step(tiny_model):
 
 
 def test_distillation_step_timer_waits_for_the_device(monkeypatch, tiny_model, text_file, tmp_path):
-    """tokens/s of a training step is read after the device finished the step (module._now)."""
+    """train/tokens_per_s of each step is timed from a clock read after the device finished what was queued before
+    the step to one read after it finished the step's backward (module._now): each reading of the clock it uses
+    follows a synchronisation at once."""
     from swiftkv_core import runtime
 
     events = []
     real = runtime.synchronize
-    monkeypatch.setattr(
-        runtime, "synchronize", lambda device: (events.append(torch.device(device).type), real(device))
-    )
+    monkeypatch.setattr(runtime, "synchronize", lambda device: (events.append(("sync", None)), real(device)))
 
+    def clock():
+        events.append(("clock", time.perf_counter()))
+        return events[-1][1]
+
+    monkeypatch.setattr(runtime, "time", SimpleNamespace(perf_counter=clock))
     module = SwiftKVDistillation(
         str(tiny_model), num_key_value_layers=2, kv_init="published", evaluate_before_training=False
     )
+    step, log = module.training_step, module.log
+
+    def training_step(batch, batch_idx):
+        events.append(("step", (module._step_started, int(batch["token_mask"].sum()))))
+        return step(batch, batch_idx)
+
+    def logged(name, value, *args, **kwargs):
+        events.append((name, value))
+        return log(name, value, *args, **kwargs)
+
+    monkeypatch.setattr(module, "training_step", training_step)
+    monkeypatch.setattr(module, "on_after_backward", lambda: events.append(("backward", None)))
+    monkeypatch.setattr(module, "log", logged)
     data = DistillDataModule(str(tiny_model), [str(text_file)], max_length=32, batch_size=2, max_train_rows=4)
     quiet_trainer(tmp_path, max_steps=2, limit_val_batches=0).fit(module, data)
-    assert events.count("cpu") >= 4  # the start and the end of each step
+
+    synced = [value for before, (kind, value) in pairwise(events) if kind == "clock" and before[0] == "sync"]
+    starts = [i for i, (kind, _) in enumerate(events) if kind == "step"]
+    rates = [i for i, (kind, _) in enumerate(events) if kind == "train/tokens_per_s"]
+    assert len(starts) == len(rates) == 2
+    for start, rate in zip(starts, rates, strict=True):
+        started, tokens = events[start][1]
+        assert started in synced  # the step's clock started after a synchronisation
+        backward = max(i for i in range(start, rate) if events[i][0] == "backward")
+        stopped = started + tokens / events[rate][1]  # the clock reading the rate was computed from
+        after = [v for v in synced if events.index(("clock", v)) > backward]
+        assert any(abs(v - stopped) < 1e-6 for v in after), "timed before the step's backward was done"
 
 
 @pytest.mark.parametrize("accelerator", ["cpu", pytest.param("gpu", marks=pytest.mark.gpu)])

@@ -6,8 +6,12 @@ from __future__ import annotations
 import importlib.util
 import json
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
+
+from swiftkv_core.flops import ModelShape, memory_aware_bound, prefill_flops_total
+from swiftkv_core.shapes import SHAPES
 
 ROOT = Path(__file__).parents[2]
 OURS, WHOLE = "ours, dense mask (sdpa)", "whole teacher + whole student (sdpa)"
@@ -20,8 +24,13 @@ def tiny_result(tmp_path_factory):
     benchmark = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(benchmark)
     out = tmp_path_factory.mktemp("gpu") / "gpu-tiny-3.1"  # a dot in the name, as in gpu-llama-3.1-8b
-    benchmark.main(  # a bandwidth as no CPU has one in the table (the memory-aware bound's input)
-        tiny=True, out=out, activation_checkpointing=True, prefill_compile="default", hbm_tbps=0.05
+    benchmark.main(  # a bandwidth and a peak as no CPU has in the tables (the memory-aware bound's, MFU's inputs)
+        tiny=True,
+        out=out,
+        activation_checkpointing=True,
+        prefill_compile="default",
+        hbm_tbps=0.05,
+        peak_tflops=1.0,
     )
     json_path, md_path = out.parent / f"{out.name}.json", out.parent / f"{out.name}.md"
     return json.loads(json_path.read_text()), md_path.read_text()
@@ -32,12 +41,22 @@ def test_prefill_rows_hold_both_sides_and_their_bound(tiny_result):
     # eager, then the whole forward compiled (its logits checked against the eager ones; the batched case only)
     cases = [("eager", "256"), ("eager", "2 x 256"), ("default", "2 x 256")]
     assert [(p["forward"], p["prompt"]) for p in result["prefill"]] == cases
+    shape, l = ModelShape.from_config(SimpleNamespace(**SHAPES["tiny"])), result["num_key_value_layers"]
     for p in result["prefill"]:
+        batch, length = (2, 256) if " x " in p["prompt"] else (1, 256)
+        flops = [
+            prefill_flops_total(shape, length, on, attention="causal", batch_size=batch) for on in (None, l)
+        ]
         assert p["speedup_x"] == pytest.approx(p["off_s"] / p["on_s"])
+        assert p["flops_bound_x"] == pytest.approx(flops[0] / flops[1])
         assert 1 < p["flops_bound_x"] < 2  # l = L/2: at most half the prefill FLOPs saved
-        assert p["off_tflops"] > 0 and p["on_tflops"] > 0
-        # the FLOPs bound less the time the few-row phases need to read their weights: never above it
-        assert 0 < p["memory_aware_bound_x"] <= p["flops_bound_x"]
+        assert p["off_tflops"] == pytest.approx(flops[0] / p["off_s"] / 1e12)
+        assert p["on_tflops"] == pytest.approx(flops[1] / p["on_s"] / 1e12)
+        # the FLOPs bound less the time the few-row phases need to read their weights (fp32 here, 0.05 TB/s)
+        bound = memory_aware_bound(shape, length, l, off_seconds=p["off_s"], bandwidth=0.05e12, element_bytes=4,
+                                   batch_size=batch)  # fmt: skip
+        assert p["memory_aware_bound_x"] == pytest.approx(bound)
+        assert 0 < p["memory_aware_bound_x"] <= p["flops_bound_x"]  # equal where every phase is FLOP-bound
         assert (
             f"| {p['memory_aware_bound_x']:.2f}x | {p['speedup_x'] / p['memory_aware_bound_x']:.0%} |"
             in markdown
@@ -71,7 +90,9 @@ def test_distillation_step_rows_compare_against_the_whole_teacher_and_student(ti
         assert rows[WHOLE, frozen]["speed_vs_whole_x"] == 1
     for r in rows.values():
         assert r["tokens_per_s"] == pytest.approx(512 / r["step_s"])  # 2 rows x 256 tokens per step
-        assert r["step_tflop"] > 0 and r["mfu"] is None  # no peak FLOP/s known for a CPU
+        assert r["step_tflop"] > 0 and r["mfu"] == pytest.approx(
+            r["step_tflop"] / r["step_s"]
+        )  # of 1 TFLOP/s
         assert r["memory_vs_whole_x"] == pytest.approx(r["peak_gib"] / rows[WHOLE, r["frozen"]]["peak_gib"])
     for frozen in ("fp32", "bf16"):
         # both hold the weights, the optimizer state and at least the student's logits (49k vocabulary, fp32)

@@ -20,6 +20,7 @@ torch's FlopCounterMode do; norms, RoPE, activations and softmax are left out):
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, field
 
 from .configuration import num_kv_cache_layers
@@ -204,6 +205,38 @@ def prefill_roofline_seconds(
         kv_dim = shape.num_key_value_heads * shape.head_dim
         read["kept"] += batch_size * later_kv * seq_len * 2 * kv_dim * element_bytes
     return sum(max(flops[phase] / peak_flops, read[phase] / bandwidth) for phase in flops)
+
+
+def memory_aware_bound(
+    shape: ModelShape,
+    seq_len: int,
+    num_key_value_layers: int,
+    key_value_group_size: int = 1,
+    *,
+    off_seconds: float,
+    bandwidth: float,
+    element_bytes: int = 2,
+    batch_size: int = 1,
+) -> float:
+    """The most a SwiftKV prefill can gain over an original one measured at ``off_seconds``: the FLOP rate at which
+    ``prefill_roofline_seconds`` gives the original model ``off_seconds`` (its LM head read at ``bandwidth``, the
+    rest of its time at that rate), then the original's seconds over SwiftKV's roofline at that same rate."""
+
+    def seconds(l: int | None, rate: float) -> float:
+        return prefill_roofline_seconds(
+            shape, seq_len, l, key_value_group_size, peak_flops=rate, bandwidth=bandwidth,
+            element_bytes=element_bytes, batch_size=batch_size,
+        )  # fmt: skip
+
+    low, high = 1.0, 1e20  # FLOP/s; the original's roofline seconds fall as the rate grows
+    if (
+        seconds(None, high) >= off_seconds
+    ):  # measured no slower than reading its weights: no FLOP rate explains it
+        return off_seconds / seconds(num_key_value_layers, math.inf)
+    for _ in range(200):
+        middle = math.sqrt(low * high)
+        low, high = (middle, high) if seconds(None, middle) > off_seconds else (low, middle)
+    return off_seconds / seconds(num_key_value_layers, high)
 
 
 def kv_cache_bytes_per_token(

@@ -6,11 +6,12 @@ from __future__ import annotations
 import csv
 import json
 import math
-import time
 from pathlib import Path
 
 import lightning as L
 from lightning.pytorch.loggers import CSVLogger
+
+from swiftkv_core.runtime import Stopwatch
 
 
 def _log_dir(trainer: L.Trainer) -> Path:
@@ -27,10 +28,10 @@ class RunReport(L.Callback):
 
     def __init__(self, plot: bool = True):
         self.plot = plot
-        self._start = None
+        self._watch: Stopwatch | None = None
 
     def on_fit_start(self, trainer, pl_module) -> None:
-        self._start = time.perf_counter()
+        self._watch = Stopwatch(pl_module.device).start()  # the device's queued work waited for at each end
 
     def on_fit_end(self, trainer, pl_module) -> None:
         if not trainer.is_global_zero:
@@ -44,7 +45,7 @@ class RunReport(L.Callback):
             for k, v in trainer.callback_metrics.items()
             if k.startswith("val/")
         }
-        seconds = time.perf_counter() - self._start if self._start else None
+        seconds = self._watch.stop() if self._watch else None
         # both over the whole run, across resumes: time since the first step, tokens since then
         train_seconds = getattr(pl_module, "train_seconds", None)
         tokens = getattr(pl_module, "_tokens_seen", None)

@@ -250,7 +250,9 @@ class SwiftKVDistillation(L.LightningModule):
     def on_train_batch_end(self, outputs, batch, batch_idx) -> None:
         if self._step_started is not None:
             seconds = self._now() - self._step_started
-            tokens = batch["input_ids"].numel() * self._world_size()
+            tokens = (
+                int(batch["token_mask"].sum()) * self._world_size()
+            )  # real tokens, as _tokens_seen counts
             self.log(
                 "train/tokens_per_s", tokens / max(seconds, 1e-9), on_step=True, on_epoch=False, batch_size=1
             )
