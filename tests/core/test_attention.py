@@ -73,8 +73,10 @@ def test_kept_rows_only_and_the_same_logits_as_sdpa(swift, implementation, keep)
     mask = torch.ones_like(ids)
     mask[0, :6] = 0  # a left-padded row, as generate() batches prompts
     with torch.no_grad(), kernels:
-        model.config._attn_implementation = "sdpa"
-        reference = model(ids, attention_mask=mask, logits_to_keep=keep).logits
+        model.config._attn_implementation = (
+            "sdpa"  # every row through every layer: no kept-rows mask involved
+        )
+        reference = model(ids, attention_mask=mask).logits[:, -keep:]
         model.config._attn_implementation = implementation
         out = {}
         rows = rows_through_layers_from_l(
@@ -122,6 +124,11 @@ def test_any_kept_positions_with_a_cache_match_sdpa(swift, implementation):
     ids = torch.randint(1, 128, (1, 48))
     keep = torch.tensor([0, 7, 20, 31])  # positions of the 32-token chunk after 16 cached tokens
     out = {}
+    swift.config._attn_implementation = "sdpa"  # the reference: the whole chunk through every layer
+    with torch.no_grad():
+        cache = DynamicCache(config=swift.config)
+        swift(ids[:, :16], past_key_values=cache, use_cache=True)
+        whole = swift(ids[:, 16:], past_key_values=cache, use_cache=True).logits[:, keep]
     for impl in ("sdpa", implementation):
         swift.config._attn_implementation = impl
         cache = DynamicCache(config=swift.config)
@@ -139,7 +146,59 @@ def test_any_kept_positions_with_a_cache_match_sdpa(swift, implementation):
             )
         assert rows == {len(keep)}
     swift.config._attn_implementation = "sdpa"
-    torch.testing.assert_close(out[implementation], out["sdpa"], atol=2e-5, rtol=0)
+    for impl in ("sdpa", implementation):
+        torch.testing.assert_close(out[impl], whole, atol=2e-5, rtol=0)
+
+
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+def test_packed_rows_given_one_row_of_positions_match_the_whole_forward(swift, implementation):
+    """Two rows of two packed sequences each, their positions given as ONE row for the whole batch (transformers
+    widens it): the kept rows (the last ones, then any) have the logits of sdpa's whole forward there. flash-attn has
+    no kept-rows form for packed rows (every row runs layers >= l); the others run the kept rows alone."""
+    model, kernels = model_and_kernels(swift, implementation)
+    device = model.device.type
+    ids = torch.randint(1, 128, (2, 24), device=device)
+    positions = torch.cat([torch.arange(10), torch.arange(14)])[None].to(device)
+    with torch.no_grad(), kernels:
+        model.config._attn_implementation = "sdpa"
+        whole = model(ids, position_ids=positions, use_cache=False).logits
+        model.config._attn_implementation = implementation
+        for keep in (3, torch.tensor([2, 11, 12, 23], device=device)):
+            out = {}
+            rows = rows_through_layers_from_l(
+                model,
+                lambda keep=keep, out=out: out.update(
+                    logits=model(ids, position_ids=positions, use_cache=False, logits_to_keep=keep).logits
+                ),
+            )
+            kept = slice(-keep, None) if isinstance(keep, int) else keep
+            expected_rows = 24 if implementation.startswith("flash") else len(whole[0, kept])
+            assert rows == {expected_rows}
+            torch.testing.assert_close(
+                out["logits"], whole[:, kept], atol=2e-5 if device == "cpu" else 2e-2, rtol=0
+            )
+    model.config._attn_implementation = "sdpa"
+
+
+def test_flex_attention_runs_every_row_for_a_callers_own_4d_mask(swift):
+    """flex_attention's kept-rows block mask reads a 2-D padding mask; a caller's 4-D mask (or BlockMask) has no
+    kept-rows form here: layers >= l then run every row (``NO_SUBSET``), as they do without SwiftKV."""
+    from swiftkv_core.modeling import NO_SUBSET, _kept_rows_mask
+
+    config = copy.deepcopy(swift.config)
+    config._attn_implementation = "flex_attention"
+    embeds = torch.zeros(2, 24, config.hidden_size)
+    mask_kwargs = dict(
+        config=config, inputs_embeds=embeds, past_key_values=None, position_ids=torch.arange(24)[None]
+    )
+    block = torch.ones(2, 1, 24, 24, dtype=torch.bool).tril()
+    assert (
+        _kept_rows_mask({**mask_kwargs, "attention_mask": block}, None, slice(-3, None), False) is NO_SUBSET
+    )
+    padding = torch.ones(2, 24, dtype=torch.long)
+    padding[0, :4] = 0
+    kept = _kept_rows_mask({**mask_kwargs, "attention_mask": padding}, None, slice(-3, None), False)
+    assert kept is not NO_SUBSET and kept.shape[-2:] == (3, 24)  # a BlockMask of the kept rows
 
 
 def test_a_plain_prompt_gives_sdpa_no_mask_and_the_kept_rows_only_theirs(monkeypatch):

@@ -505,6 +505,9 @@ def _kept_rows_mask(mask_kwargs: dict, causal_mask, keep, plain: bool):
             causal_mask = create_causal_mask(**mask_kwargs, allow_is_causal_skip=False)
         return causal_mask[:, :, keep]  # the rows of layers < l's own mask: no second full mask
     if implementation == "flex_attention":
+        mask = mask_kwargs["attention_mask"]
+        if mask is not None and not (isinstance(mask, torch.Tensor) and mask.dim() == 2):
+            return NO_SUBSET  # a caller's own 4-D mask or BlockMask: no kept-rows form of it here
         return _kept_rows_block_mask(mask_kwargs, keep)
     if implementation.startswith("flash_attention") and isinstance(keep, slice):
         return NO_SUBSET if _packed_sequences(mask_kwargs) is not None else causal_mask
@@ -512,11 +515,13 @@ def _kept_rows_mask(mask_kwargs: dict, causal_mask, keep, plain: bool):
 
 
 def _packed_sequences(mask_kwargs: dict) -> torch.Tensor | None:
-    """Which packed sequence each position belongs to (``position_ids`` restarting at 0, no padding mask, no
-    cache: transformers' convention), or ``None`` when the rows hold one sequence each."""
+    """Which packed sequence each position of each row belongs to (``position_ids`` restarting at 0, no padding
+    mask, no cache: transformers' convention; one row of positions stands for every row, as transformers reads
+    it), or ``None`` when the rows hold one sequence each."""
     if mask_kwargs["attention_mask"] is not None or mask_kwargs["past_key_values"] is not None:
         return None
-    return find_packed_sequence_indices(mask_kwargs["position_ids"])
+    packed = find_packed_sequence_indices(mask_kwargs["position_ids"])
+    return None if packed is None else packed.expand(mask_kwargs["inputs_embeds"].shape[0], -1)
 
 
 def _flash_varlen_kwargs(mask_kwargs: dict) -> dict:
@@ -527,7 +532,6 @@ def _flash_varlen_kwargs(mask_kwargs: dict) -> dict:
     packed = None if torch.compiler.is_compiling() else _packed_sequences(mask_kwargs)
     if packed is None:
         return {}
-    packed = packed.expand(mask_kwargs["inputs_embeds"].shape[0], -1)
     starts = torch.ones_like(packed, dtype=torch.bool)
     starts[:, 1:] = packed[:, 1:] != packed[:, :-1]  # each row starts a sequence too
     total = torch.tensor([packed.numel()], device=packed.device)
@@ -555,7 +559,9 @@ def _kept_rows_block_mask(mask_kwargs: dict, keep):
     def kept_row(b, h, q, kv):
         return mask_function(b, h, rows[q], kv)
 
-    return create_block_mask(
+    # compiled, as transformers builds its own block masks: uncompiled, create_block_mask first builds the dense
+    # rows x keys mask (gigabytes for a distillation batch's position_fraction rows)
+    return torch.compile(create_block_mask)(
         kept_row, B=batch, H=None, Q_LEN=rows.shape[0], KV_LEN=past + length, device=embeds.device
     )
 
