@@ -107,11 +107,14 @@ def test_packed_rows_through_the_flash_attention_path_give_the_dense_step():
 
 
 @pytest.mark.gpu
-def test_packed_rows_through_flex_attention_give_the_dense_gradients_on_gpu():
+@pytest.mark.parametrize("kept", [None, [3, 10, 30, 47]], ids=["every-position", "kept-positions"])
+def test_packed_rows_through_flex_attention_give_the_dense_gradients_on_gpu(kept):
+    """Every position, and a subset (position_fraction < 1: layers >= l through the kept rows' block mask)."""
     model = convert(tiny_base("llama"), 2, 1).cuda()
     batch = packed_batch("cuda")
-    dense = step_results(model, batch, "sdpa", backward=True)
-    flex = step_results(model, batch, "flex_attention", backward=True)
+    positions = None if kept is None else torch.tensor(kept, device="cuda")
+    dense = step_results(model, batch, "sdpa", positions, backward=True)
+    flex = step_results(model, batch, "flex_attention", positions, backward=True)
     assert_same_gradients(flex["grads"], dense["grads"], atol=1e-5, rtol=1e-3)
     torch.testing.assert_close(flex["loss"], dense["loss"], atol=1e-6, rtol=1e-5)
 
