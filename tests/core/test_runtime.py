@@ -140,13 +140,16 @@ def test_peak_memory_on_a_gpu_is_the_allocators():
     assert meter.resident_bytes >= x.numel() and meter.peak_bytes >= x.numel() + y.numel()
 
 
-def test_device_and_dtype_choice():
-    """``--device`` / ``--dtype`` of the commands: auto takes the GPU where one is visible, in bf16; the CPU in fp32."""
+def test_device_and_dtype_choice(monkeypatch):
+    """``--device`` / ``--dtype`` of the commands: auto takes the GPU where one is visible, in bf16 (fp16 on a GPU
+    without bf16: a V100, a T4); the CPU in fp32."""
     gpu = torch.cuda.is_available()
     assert runtime.choose_device("auto").type == ("cuda" if gpu else "cpu")
     assert runtime.choose_device("cpu") == torch.device("cpu")
     assert runtime.choose_dtype("auto", torch.device("cpu")) == torch.float32
-    assert runtime.choose_dtype("auto", torch.device("cuda")) == torch.bfloat16
+    for bf16, dtype in ((True, torch.bfloat16), (False, torch.float16)):
+        monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True, bf16=bf16: bf16)
+        assert runtime.choose_dtype("auto", torch.device("cuda")) == dtype
     assert runtime.choose_dtype("float16", torch.device("cpu")) == torch.float16
     for bad in ("gpu", "tpu", "mps", "cuda:x"):
         with pytest.raises(ValueError, match=f"--device '{bad}': choose 'auto'"):

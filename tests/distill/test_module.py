@@ -226,6 +226,26 @@ def test_frozen_weights_in_bf16_beside_fp32_master_weights(tiny_model, text_file
         )
 
 
+def test_bf16_on_a_gpu_without_it_is_refused_saying_what_to_set(monkeypatch):
+    """A V100 or T4 (compute capability < 8.0) computes no bf16: a bf16 recipe there is refused before any weight is
+    read, naming fp16's precision instead; other precisions, devices and GPUs pass."""
+    from swiftkv_distill.build import check_precision
+
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Tesla V100-SXM2-16GB")
+    cuda, bf16 = torch.device("cuda"), SimpleNamespace(precision="bf16-mixed")
+    for supported in (False, True):
+        monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True, s=supported: s)
+        if not supported:
+            with pytest.raises(
+                ValueError, match="Tesla V100-SXM2-16GB has no bf16.*trainer.precision: 16-mixed"
+            ):
+                check_precision(cuda, bf16)
+        else:
+            check_precision(cuda, bf16)
+        check_precision(cuda, SimpleNamespace(precision="16-mixed"))
+        check_precision(torch.device("cpu"), bf16)
+
+
 @pytest.mark.parametrize("kv_init", ["least_squares", "published"])
 def test_kv_init_runs_once_before_training(tiny_model, text_file, tmp_path, kv_init):
     """least_squares: fitted before the first step, measured (init/*) and closer to the teacher than the published

@@ -239,6 +239,10 @@ def test_the_main_job_takes_the_gpu_when_there_is_one():
         choose_accelerator("gpu", cuda_available=False)
     with pytest.raises(QuickstartError, match="choose one of"):
         choose_accelerator("tpu", cuda_available=True)
+    # a GPU without bf16 (V100, T4): auto takes the CPU, gpu is refused, saying why and what to run instead
+    assert choose_accelerator("auto", cuda_available=True, bf16=False) == "cpu"
+    with pytest.raises(QuickstartError, match="no bf16.*--accelerator cpu"):
+        choose_accelerator("gpu", cuda_available=True, bf16=False)
     gpu, cpu = (parse(DEVICE_DEFAULTS[device]["recipe"]) for device in ("gpu", "cpu"))
     assert (gpu.trainer.accelerator, gpu.trainer.precision, gpu.model.attn_implementation) == (
         "gpu",

@@ -78,10 +78,13 @@ def choose_device(requested: str = "auto") -> torch.device:
 
 
 def choose_dtype(requested: str, device: torch.device) -> torch.dtype:
-    """The weights' dtype from ``--dtype``: ``auto`` is bfloat16 on a GPU (tensor cores, half the memory) and
-    float32 on a CPU (bf16 matmuls are fast there only with AVX512-BF16 or AMX); else one of ``DTYPES``."""
+    """The weights' dtype from ``--dtype``: ``auto`` is bfloat16 on a GPU (tensor cores, half the memory; float16
+    on one without bf16, compute capability below 8.0) and float32 on a CPU (bf16 matmuls are fast there only with
+    AVX512-BF16 or AMX); else one of ``DTYPES``."""
     if requested == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
+        if device.type != "cuda":
+            return torch.float32
+        return torch.bfloat16 if torch.cuda.is_bf16_supported(including_emulation=False) else torch.float16
     if requested not in DTYPES:
         raise ValueError(f"--dtype {requested!r}: choose 'auto' or one of {list(DTYPES)}.")
     return DTYPES[requested]

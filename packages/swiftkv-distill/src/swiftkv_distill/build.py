@@ -41,6 +41,20 @@ def warn_if_bf16_emulated(device: torch.device, precision: str) -> None:
         )
 
 
+def check_precision(device: torch.device, trainer) -> None:
+    """A bf16 precision on a GPU that computes bf16 (compute capability 8.0 or more): on a V100 or T4 autocast would
+    emulate it, slowly, or fail mid-run. Raised before any weight is read."""
+    precision = str(trainer.precision) if trainer is not None else "32-true"
+    if device.type != "cuda" or not precision.startswith("bf16"):
+        return
+    if not torch.cuda.is_bf16_supported(including_emulation=False):
+        raise ValueError(
+            f"trainer.precision {precision}: {device_description(device)} has no bf16 (compute capability below "
+            "8.0). Set trainer.precision: 16-mixed (fp16 autocast, fp32 master weights), or run on an A100, L4, "
+            "H100 or newer GPU."
+        )
+
+
 ATTENTION = ("auto", "sdpa", "eager", "flex_attention", "flash_attention_2")
 
 

@@ -22,6 +22,7 @@ from .build import (
     check_activation_checkpointing,
     check_fits,
     check_lora,
+    check_precision,
     compile_layers,
     distillation_step,
     warn_if_bf16_emulated,
@@ -173,6 +174,7 @@ class SwiftKVDistillation(L.LightningModule):
     def configure_model(self) -> None:
         if self.step is not None:
             return
+        check_precision(self._root_device(), self._trainer)
         with torch.device("meta"):  # what the run holds throughout, sized before any weight is read
             shards = self._world_size() if self.device_mesh is not None else 1
             check_fits(self._root_device(), self.build_step(weights=False), self.hparams.model, shards)

@@ -79,7 +79,13 @@ def check(
 
     from .frontier import sweep as frontier_sweep
 
-    accelerator = choose_accelerator(accelerator, torch.cuda.is_available())
+    cuda = torch.cuda.is_available()
+    bf16 = cuda and torch.cuda.is_bf16_supported(including_emulation=False)
+    if accelerator == "auto" and cuda and not bf16:
+        print(
+            f"note: {torch.cuda.get_device_name()} has no bf16 (the GPU recipe's precision): running on the CPU"
+        )
+    accelerator = choose_accelerator(accelerator, cuda, bf16)
     recipe = recipe or DEVICE_DEFAULTS[accelerator]["recipe"]
     budget_minutes = (
         DEVICE_DEFAULTS[accelerator]["budget_minutes"] if budget_minutes is None else budget_minutes
@@ -181,8 +187,9 @@ def default_num_key_value_layers(model: str, num_layers: int, recipe_settings) -
     return num_layers // 2
 
 
-def choose_accelerator(requested: str, cuda_available: bool) -> str:
-    """``"cpu"`` or ``"gpu"``: ``auto`` is the GPU where one is visible."""
+def choose_accelerator(requested: str, cuda_available: bool, bf16: bool = True) -> str:
+    """``"cpu"`` or ``"gpu"``: ``auto`` is the GPU where one is visible and computes in bf16 (``bf16``: compute
+    capability 8.0 or more, as the GPU recipe's bf16-mixed training needs; a V100 or T4 has none)."""
     if requested not in ACCELERATORS:
         raise QuickstartError(f"--accelerator {requested!r}: choose one of {list(ACCELERATORS)}.")
     if requested == "gpu" and not cuda_available:
@@ -191,7 +198,13 @@ def choose_accelerator(requested: str, cuda_available: bool) -> str:
             "or a CPU build of torch). Run with --accelerator cpu (or auto), or on a GPU machine "
             "(docker run --gpus all swiftkv-train:cuda swiftkv quickstart)."
         )
-    return "gpu" if requested == "gpu" or (requested == "auto" and cuda_available) else "cpu"
+    if requested == "gpu" and not bf16:
+        raise QuickstartError(
+            "--accelerator gpu: this GPU has no bf16 (compute capability below 8.0, as a V100 or T4), which the GPU "
+            "recipe trains in (bf16-mixed). Run with --accelerator cpu (auto picks it on this machine), or on an "
+            "A100, L4, H100 or newer."
+        )
+    return "gpu" if requested == "gpu" or (requested == "auto" and cuda_available and bf16) else "cpu"
 
 
 def estimated_step_seconds(config, tokens: int, accelerator: str = "cpu") -> float:
