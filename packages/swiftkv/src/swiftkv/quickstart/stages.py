@@ -252,6 +252,15 @@ def serve(run: Run) -> dict:
         return {"skipped": "--serve false"}
     from swiftkv_serve.comparison import compare_serving
 
+    if run.device.type == "cuda":
+        # vLLM starts only if the GPU has its memory budget free (gpu_memory_utilization of the total): give back
+        # what this process's allocator still caches from the stages before (training, the compiled prefill)
+        import gc
+
+        import torch
+
+        gc.collect()
+        torch.cuda.empty_cache()
     workloads = {w: tuple(int(x) for x in w.split("/")) for w in s.serve_workloads}
     results = compare_serving(
         Path(s.model_identity["path"]),
