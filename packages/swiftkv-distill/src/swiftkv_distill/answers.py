@@ -42,7 +42,7 @@ def hf_answers(path: Path, prompts: list[str], max_new_tokens: int, temperature:
     from swiftkv_core.chat import chat_prompt_batch
 
     tokenizer = AutoTokenizer.from_pretrained(path)
-    lm = AutoModelForCausalLM.from_pretrained(path).to(hf_device()).eval()
+    lm = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, hf_dtype())).to(hf_device()).eval()
     answers = []
     batches = range(0, len(prompts), batch_size)
     for index, start in enumerate(tqdm(batches, desc="teacher answers (HF)", unit="batch")):
@@ -62,6 +62,16 @@ def hf_device() -> str:
     import torch
 
     return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def hf_dtype() -> str:
+    """The HF backend's weights: bf16 on a GPU (an 8B teacher in fp32 would take 32 GB; fp16 where a GPU has no
+    bf16), fp32 on a CPU."""
+    import torch
+
+    from swiftkv_core.runtime import choose_dtype
+
+    return str(choose_dtype("auto", torch.device(hf_device()))).removeprefix("torch.")
 
 
 def backends() -> dict[str, object]:
@@ -119,7 +129,7 @@ def teacher_answers_cache_file(
         "top_p": top_p,
         "seed": seed,
         "batch_size": batch_size if backend == "hf" else None,
-        **({"device": hf_device()} if backend == "hf" and hf_device() != "cpu" else {}),
+        **({"device": hf_device(), "dtype": hf_dtype()} if backend == "hf" and hf_device() != "cpu" else {}),
         "num_prompts": len(texts),
         "prompts_sha256": hashlib.sha256(json.dumps(texts, ensure_ascii=False).encode()).hexdigest(),
     }
