@@ -200,6 +200,28 @@ def test_an_interrupted_run_resumes_without_redoing_finished_steps(inputs, tmp_p
     assert results["distill"]["resumed"] and results["distill"]["steps"] > 3  # on from step 2's checkpoint
 
 
+def test_a_stage_out_of_gpu_memory_says_so_and_keeps_the_stages_before(inputs, tmp_path, monkeypatch):
+    """A CUDA out-of-memory error in a stage (the distillation's has its own advice): one message naming the stage,
+    the device and how to go on; the finished stages stay in state.json for the rerun. The error is raised here by a
+    stand-in for the frontier stage (no GPU on this machine), the rest is the quickstart's own."""
+    import torch
+
+    from swiftkv.quickstart import stages
+    from swiftkv.quickstart.run import Stage
+
+    def out_of_memory(run):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB.\nmore lines")
+
+    monkeypatch.setattr(stages, "STAGES", [
+        Stage("teacher_answers", lambda run: {}), Stage("frontier", out_of_memory), *stages.STAGES[2:]
+    ])  # fmt: skip
+    out = tmp_path / "run"
+    with pytest.raises(MemoryError, match=r"the frontier stage ran out of memory on CPU .*Tried to allocate 2.00 GiB\. "
+                       r"The stages before it are kept .*rerun the same command"):  # fmt: skip
+        run_quickstart(inputs, out, serve=False)
+    assert list(json.loads((out / "state.json").read_text())["results"]) == ["teacher_answers"]
+
+
 def test_default_l_is_the_recipes_for_its_own_model_else_half_the_layers():
     from swiftkv.quickstart.settings import DEVICE_DEFAULTS, default_num_key_value_layers
     from swiftkv_distill.recipe import parse

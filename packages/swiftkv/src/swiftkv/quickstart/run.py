@@ -120,8 +120,28 @@ class Run:
             json.dump({"settings": asdict(self.settings), "results": self.results}, f, indent=2)
             pause_point("state-write")  # the new state written beside the old one, not yet in its place
 
+    def _out_of_memory(self, stage: str, error: Exception) -> str:
+        """What ran out of memory, where, and how to go on: the stages before it are kept."""
+        import torch
+
+        from swiftkv_core.runtime import device_description
+
+        where = device_description(self.device)
+        if self.device.type == "cuda":
+            total = torch.cuda.get_device_properties(self.device).total_memory / 2**30
+            peak = torch.cuda.max_memory_allocated(self.device) / 2**30
+            where += f" ({total:.0f} GiB; {peak:.1f} GiB of tensors at this process's peak)"
+        return (
+            f"the {stage.replace('_', ' ')} stage ran out of memory on {where}: {str(error).splitlines()[0]} The "
+            f"stages before it are kept ({self.root / 'state.json'}): free the GPU (another process on it?) and rerun "
+            "the same command to go on from this stage, or start a smaller run (--prompt_lengths, --max_eval_rows) "
+            "or one on the CPU (--accelerator cpu) with another --out."
+        )
+
     def run_stages(self, stages: list[Stage]) -> None:
         """Each stage in order, announced; one finished earlier (its results in state.json) is reused."""
+        import torch
+
         for index, stage in enumerate(stages, 1):
             header = f"== {index}/{len(stages)} {stage.name.replace('_', ' ')}"
             if stage.name in self.results:
@@ -129,7 +149,10 @@ class Run:
                 continue
             print(header, flush=True)
             started = time.perf_counter()
-            result = stage.run(self)
+            try:
+                result = stage.run(self)
+            except torch.OutOfMemoryError as error:  # a GPU's (the distillation's own has its advice already)
+                raise MemoryError(self._out_of_memory(stage.name, error)) from error
             result["seconds"] = time.perf_counter() - started
             if "skipped" in result:
                 print(f"   skipped: {result['skipped']}", flush=True)
