@@ -29,4 +29,6 @@ build(256)  # warm-up: the compile, at a shape too small to matter
 before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 mask = build(tokens)
 grown = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) / 1024
-print(f"{mode}: {rows} x {tokens} tokens, {tokens // 2} kept per row: peak RSS +{grown:.0f} MiB ({mask.shape})")
+print(
+    f"{mode}: {rows} x {tokens} tokens, {tokens // 2} kept per row: peak RSS +{grown:.0f} MiB ({mask.shape})"
+)
