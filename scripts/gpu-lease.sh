@@ -25,8 +25,9 @@
 # then at once (within the 30 s) the correctness steps beside the quickstart (5 min; shared, so untimed),
 #   bash scripts/gpu-lease.sh run tests >$OUT/correctness.txt 2>&1 & bash scripts/gpu-lease.sh run quickstart; \
 #   wait; cat $OUT/correctness.txt
-# The next lease: tests (compiled layers under FSDP2 on one GPU, not yet run: the GPU recipes keep compile_layers
-# off until it passes), then on an H100 distill (its compiled rows) or prefill.
+# The next lease: tests and attention (not yet run on a GPU: compiled layers under FSDP2 on one GPU, which the GPU
+# recipes' compile_layers waits for; the Stopwatch against torch.cuda._sleep; flex_attention's gradients for kept
+# positions), then on an H100 distill (its compiled rows) or prefill.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
@@ -154,5 +155,5 @@ run() {
 case ${1:-} in
 prepare) prepare ;;
 run) shift; run "$@" ;;
-*) sed -n '2,29p' "$0"; exit 2 ;;
+*) sed -n '2,30p' "$0"; exit 2 ;;
 esac
