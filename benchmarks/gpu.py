@@ -62,8 +62,9 @@ def prefill_rows(
     logits checked against the eager forward's first; three warm-ups (compile, then record the CUDA graph).
 
     Two bounds on the speed-up: the FLOPs bound, and with the device's memory ``bandwidth`` (bytes/s) the
-    memory-aware one: the on side's FLOPs at the off side's achieved rate, but its few-row phases (the kept rows
-    through layers >= l, the LM head) no faster than reading their weights (``flops.memory_aware_bound``)."""
+    memory-aware one: the on side's FLOPs at the rate the off side ran its prompt at (its measured time less its LM
+    head's weight read), its few-row phases (the kept rows through layers >= l, the LM head) no faster than reading
+    their weights (``flops.memory_aware_bound``)."""
     from torch._dynamo.utils import counters
 
     from swiftkv_core.flops import ModelShape, memory_aware_bound, prefill_flops_total
@@ -311,9 +312,10 @@ def markdown(r: dict) -> str:
               + (f"{m:.2f}x | {p['speedup_x'] / m:.0%}" if (m := p.get("memory_aware_bound_x")) else "- | -")
               + f" | {p['off_tflops']:.3g} | {p['on_tflops']:.3g} |" for p in r["prefill"]),
             "",
-            "Memory-aware bound: the on side's FLOPs at the off side's achieved TFLOP/s, its few-row phases (the kept "
-            "rows through layers >= l, the LM head) no faster than reading their weights at the device's bandwidth "
-            f"({r.get('hbm_tbps') or '-'} TB/s; `swiftkv_core.flops.prefill_roofline_seconds`).",
+            "Memory-aware bound: the on side's FLOPs at the rate the off side ran its prompt at (its time less its LM "
+            "head's weight read), its few-row phases (the kept rows through layers >= l, the LM head) no faster than "
+            f"reading their weights at the device's bandwidth ({r.get('hbm_tbps') or '-'} TB/s; "
+            "`swiftkv_core.flops.memory_aware_bound`).",
             "",
         ]  # fmt: skip
     if "decode" in r:

@@ -1,6 +1,7 @@
 """The memory-aware bound of prefill rows that ``benchmarks/gpu.py`` recorded before it computed that bound itself
-(2026-11-26): the on side's FLOPs at the off side's achieved rate, its few-row phases no faster than reading their
-weights at the device's bandwidth (``swiftkv_core.flops.memory_aware_bound``), as ``gpu.py`` now does.
+(2026-11-26): the on side's FLOPs at the rate the off side ran its prompt at (its time less its LM head's weight
+read), its few-row phases no faster than reading their weights at the device's bandwidth
+(``swiftkv_core.flops.memory_aware_bound``), as ``gpu.py`` now does.
 
     .venv/bin/python benchmarks/results/gpu-prefill-memory-aware-bound.py 3.35 \
         benchmarks/results/gpu-h100-llama-3.1-8b-prefill.json benchmarks/results/gpu-h100-llama-3.1-8b-prefill-2k.json

@@ -182,7 +182,8 @@ def test_packed_rows_given_one_row_of_positions_match_the_whole_forward(swift, i
 
 def test_flex_attention_runs_every_row_for_a_callers_own_4d_mask(swift):
     """flex_attention's kept-rows block mask reads a 2-D padding mask; a caller's 4-D mask (or BlockMask) has no
-    kept-rows form here: layers >= l then run every row (``NO_SUBSET``), as they do without SwiftKV."""
+    kept-rows form here: layers >= l then run every row (``NO_SUBSET``), as they do without SwiftKV. The choice is
+    checked, not a forward: flex_attention with a 4-D mask crashes on this CPU inside torch, without SwiftKV too."""
     from swiftkv_core.modeling import NO_SUBSET, _kept_rows_mask
 
     config = copy.deepcopy(swift.config)

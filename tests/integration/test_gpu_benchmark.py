@@ -56,7 +56,8 @@ def test_prefill_rows_hold_both_sides_and_their_bound(tiny_result):
         bound = memory_aware_bound(shape, length, l, off_seconds=p["off_s"], bandwidth=0.05e12, element_bytes=4,
                                    batch_size=batch)  # fmt: skip
         assert p["memory_aware_bound_x"] == pytest.approx(bound)
-        assert 0 < p["memory_aware_bound_x"] <= p["flops_bound_x"]  # equal where every phase is FLOP-bound
+        # equal (to rounding) where every phase is FLOP-bound
+        assert 0 < p["memory_aware_bound_x"] <= p["flops_bound_x"] * (1 + 1e-9)
         assert (
             f"| {p['memory_aware_bound_x']:.2f}x | {p['speedup_x'] / p['memory_aware_bound_x']:.0%} |"
             in markdown

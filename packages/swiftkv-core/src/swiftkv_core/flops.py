@@ -229,10 +229,11 @@ def memory_aware_bound(
         )  # fmt: skip
 
     low, high = 1.0, 1e20  # FLOP/s; the original's roofline seconds fall as the rate grows
-    if (
-        seconds(None, high) >= off_seconds
-    ):  # measured no slower than reading its weights: no FLOP rate explains it
+    # measured no slower than reading its weights: no FLOP rate explains it
+    if seconds(None, high) >= off_seconds:
         return off_seconds / seconds(num_key_value_layers, math.inf)
+    if seconds(None, low) <= off_seconds:  # slower than 1 FLOP/s: every phase bound by its FLOPs
+        return seconds(None, low) / seconds(num_key_value_layers, low)
     for _ in range(200):
         middle = math.sqrt(low * high)
         low, high = (middle, high) if seconds(None, middle) > off_seconds else (low, middle)

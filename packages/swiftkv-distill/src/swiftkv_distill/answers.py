@@ -42,7 +42,9 @@ def hf_answers(path: Path, prompts: list[str], max_new_tokens: int, temperature:
     from swiftkv_core.chat import chat_prompt_batch
 
     tokenizer = AutoTokenizer.from_pretrained(path)
-    lm = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, hf_dtype())).to(hf_device()).eval()
+    dtype = hf_dtype()
+    lm = AutoModelForCausalLM.from_pretrained(path, dtype=dtype if dtype == "auto" else getattr(torch, dtype))
+    lm = lm.to(hf_device()).eval()
     answers = []
     batches = range(0, len(prompts), batch_size)
     for index, start in enumerate(tqdm(batches, desc="teacher answers (HF)", unit="batch")):
@@ -66,11 +68,13 @@ def hf_device() -> str:
 
 def hf_dtype() -> str:
     """The HF backend's weights: bf16 on a GPU (an 8B teacher in fp32 would take 32 GB; fp16 where a GPU has no
-    bf16), fp32 on a CPU."""
+    bf16); on a CPU ``"auto"``, the checkpoint's own dtype (transformers' default)."""
     import torch
 
     from swiftkv_core.runtime import choose_dtype
 
+    if hf_device() == "cpu":
+        return "auto"
     return str(choose_dtype("auto", torch.device(hf_device()))).removeprefix("torch.")
 
 

@@ -121,21 +121,25 @@ class Run:
             pause_point("state-write")  # the new state written beside the old one, not yet in its place
 
     def _out_of_memory(self, stage: str, error: Exception) -> str:
-        """What ran out of memory, where, and how to go on: the stages before it are kept."""
+        """What ran out of memory (the GPU's where the error is CUDA's, else the CPU's), where, and how to go on:
+        the stages before it are kept."""
         import torch
 
         from swiftkv_core.runtime import device_description
 
-        where = device_description(self.device)
-        if self.device.type == "cuda":
-            total = torch.cuda.get_device_properties(self.device).total_memory / 2**30
-            peak = torch.cuda.max_memory_allocated(self.device) / 2**30
-            where += f" ({total:.0f} GiB; {peak:.1f} GiB of tensors at this process's peak)"
+        gpu = "CUDA" in str(error) and torch.cuda.is_available()
+        where = device_description("cuda" if gpu else "cpu")
+        if gpu:
+            total, peak = torch.cuda.get_device_properties(0).total_memory, torch.cuda.max_memory_allocated()
+            where += f" ({total / 2**30:.0f} GiB; {peak / 2**30:.1f} GiB of tensors at this process's peak)"
+        free = "free the GPU (another process on it?)" if gpu else "free memory (other processes?)"
+        smaller = "or one on the CPU (--accelerator cpu) " if gpu else ""
+        first_line = str(error).partition("\n")[0]
         return (
-            f"the {stage.replace('_', ' ')} stage ran out of memory on {where}: {str(error).splitlines()[0]} The "
-            f"stages before it are kept ({self.root / 'state.json'}): free the GPU (another process on it?) and rerun "
-            "the same command to go on from this stage, or start a smaller run (--prompt_lengths, --max_eval_rows) "
-            "or one on the CPU (--accelerator cpu) with another --out."
+            f"the {stage.replace('_', ' ')} stage ran out of memory on {where}: {first_line} "
+            f"The stages before it are kept ({self.root / 'state.json'}): {free} and rerun the same command to go "
+            f"on from this stage, or start a smaller run (--prompt_lengths, --max_eval_rows) {smaller}with another "
+            "--out."
         )
 
     def run_stages(self, stages: list[Stage]) -> None:

@@ -254,7 +254,8 @@ def serve(run: Run) -> dict:
 
     if run.device.type == "cuda":
         # vLLM starts only if the GPU has its memory budget free (gpu_memory_utilization of the total): give back
-        # what this process's allocator still caches from the stages before (training, the compiled prefill)
+        # what this process's allocator still caches from the stages before (training; the prefill stage has
+        # dropped its compiled graphs and their CUDA graphs' pools, torch._dynamo.reset)
         import gc
 
         import torch
