@@ -252,9 +252,8 @@ class SwiftKVDistillation(L.LightningModule):
     def on_train_batch_end(self, outputs, batch, batch_idx) -> None:
         if self._step_started is not None:
             seconds = self._now() - self._step_started
-            tokens = (
-                int(batch["token_mask"].sum()) * self._world_size()
-            )  # real tokens, as _tokens_seen counts
+            # real tokens (no padding), as _tokens_seen counts them
+            tokens = int(batch["token_mask"].sum()) * self._world_size()
             self.log(
                 "train/tokens_per_s", tokens / max(seconds, 1e-9), on_step=True, on_epoch=False, batch_size=1
             )

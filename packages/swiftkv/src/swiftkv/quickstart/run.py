@@ -155,7 +155,7 @@ class Run:
             started = time.perf_counter()
             try:
                 result = stage.run(self)
-            except torch.OutOfMemoryError as error:  # a GPU's (the distillation's own has its advice already)
+            except torch.OutOfMemoryError as error:  # (the distillation's own says what to change already)
                 raise MemoryError(self._out_of_memory(stage.name, error)) from error
             result["seconds"] = time.perf_counter() - started
             if "skipped" in result:
