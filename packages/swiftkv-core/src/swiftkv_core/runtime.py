@@ -77,6 +77,12 @@ def choose_device(requested: str = "auto") -> torch.device:
     return device
 
 
+def gpu_computes_bf16() -> bool:
+    """Whether the GPU computes bf16 natively (CUDA compute capability 8.0 or more; a V100 or T4 only emulates it,
+    slowly); False without a GPU."""
+    return torch.cuda.is_bf16_supported(including_emulation=False)
+
+
 def choose_dtype(requested: str, device: torch.device) -> torch.dtype:
     """The weights' dtype from ``--dtype``: ``auto`` is bfloat16 on a GPU (tensor cores, half the memory; float16
     on one without bf16, compute capability below 8.0) and float32 on a CPU (bf16 matmuls are fast there only with
@@ -84,7 +90,7 @@ def choose_dtype(requested: str, device: torch.device) -> torch.dtype:
     if requested == "auto":
         if device.type != "cuda":
             return torch.float32
-        return torch.bfloat16 if torch.cuda.is_bf16_supported(including_emulation=False) else torch.float16
+        return torch.bfloat16 if gpu_computes_bf16() else torch.float16
     if requested not in DTYPES:
         raise ValueError(f"--dtype {requested!r}: choose 'auto' or one of {list(DTYPES)}.")
     return DTYPES[requested]

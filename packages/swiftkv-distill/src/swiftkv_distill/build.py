@@ -11,7 +11,7 @@ import torch
 from swiftkv_core.checkpoints import check_checkpoint
 from swiftkv_core.convert import SWIFTKV_FAMILIES, convert
 from swiftkv_core.early_exit import EarlyExitHead
-from swiftkv_core.runtime import DTYPES, device_description, device_memory_bytes
+from swiftkv_core.runtime import DTYPES, device_description, device_memory_bytes, gpu_computes_bf16
 from swiftkv_core.weights import cast_frozen, train_only_swiftkv
 
 from .console import OutOfMemory
@@ -47,7 +47,7 @@ def check_precision(device: torch.device, trainer) -> None:
     precision = str(trainer.precision) if trainer is not None else "32-true"
     if device.type != "cuda" or not precision.startswith("bf16"):
         return
-    if not torch.cuda.is_bf16_supported(including_emulation=False):
+    if not gpu_computes_bf16():
         raise ValueError(
             f"trainer.precision {precision}: {device_description(device)} has no bf16 (compute capability below "
             "8.0). Set trainer.precision: 16-mixed (fp16 autocast, fp32 master weights), or run on an A100, L4, "

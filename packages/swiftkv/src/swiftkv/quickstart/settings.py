@@ -73,6 +73,7 @@ def check(
     import torch
 
     from swiftkv_core.checkpoints import CheckpointError, check_checkpoint, model_identity
+    from swiftkv_core.runtime import gpu_computes_bf16
     from swiftkv_distill.corpora import dataset_name
     from swiftkv_distill.data import DataError, load_records
     from swiftkv_distill.recipe import RecipeError, parse, recipe_path
@@ -80,7 +81,7 @@ def check(
     from .frontier import sweep as frontier_sweep
 
     cuda = torch.cuda.is_available()
-    bf16 = cuda and torch.cuda.is_bf16_supported(including_emulation=False)
+    bf16 = cuda and gpu_computes_bf16()
     if accelerator == "auto" and cuda and not bf16:
         print(
             f"note: {torch.cuda.get_device_name()} has no bf16 (the GPU recipe's precision): running on the CPU"
