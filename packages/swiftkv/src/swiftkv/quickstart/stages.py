@@ -98,24 +98,26 @@ def convert(run: Run) -> dict:
 
 
 def teacher_answers(run: Run) -> dict:
-    """The teacher's own answers to chat prompts (vLLM where installed, cached by the teacher's identity): the
-    training files' ``dataset:chat_answers`` and the held-out chat set the evaluations compare against."""
+    """The teacher's own answers to chat prompts (vLLM where installed, on its own device; else HF on the run's
+    device; cached by the teacher's identity): the training files' ``dataset:chat_answers`` and the held-out chat
+    set the evaluations compare against."""
     from swiftkv_distill.answers import teacher_answers as answer_prompts
     from swiftkv_distill.answers import write_jsonl
     from swiftkv_distill.corpora import prepare, resolve_files
     from swiftkv_distill.data import load_records
 
     s = run.settings
-    teacher = s.model_identity["path"]
+    teacher, device = s.model_identity["path"], run.device.type
     started = time.perf_counter()
-    train_files = resolve_files(s.train_files, teacher)  # answers dataset:chat_answers with the teacher, once
+    # dataset:chat_answers is answered by the teacher, once (cached)
+    train_files = resolve_files(s.train_files, teacher, device)
     result = {"train_files": train_files}
     if s.heldout_chat_prompts:
         if s.heldout_chat_prompts == HELDOUT_CHAT_PROMPTS:  # answered with the training prompts, in one go
-            answers = load_records([prepare("chat_answers_heldout", teacher)])
+            answers = load_records([prepare("chat_answers_heldout", teacher, device)])
         else:
             prompts = load_records(resolve_files([s.heldout_chat_prompts]))
-            answers = answer_prompts([r for r in prompts if r.get("prompt")], model=teacher)
+            answers = answer_prompts([r for r in prompts if r.get("prompt")], model=teacher, device=device)
         write_jsonl(run.path("chat_heldout.jsonl"), answers)
         result.update(file="chat_heldout.jsonl", answers=len(answers))
     print(f"   teacher answers ready in {time.perf_counter() - started:.0f} s (cached for later runs)")
