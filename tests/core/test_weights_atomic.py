@@ -85,6 +85,29 @@ def test_atomic_file(tmp_path):
     assert path.read_text() == "one\n" and [p.name for p in tmp_path.iterdir()] == ["data.jsonl"]
 
 
+@pytest.mark.parametrize("umask", [0o022, 0o077])
+def test_atomic_writes_get_the_permissions_of_a_plain_write(tmp_path, umask):
+    """A folder or file written atomically has the mode mkdir/open would give it under the umask, not the private
+    0o700/0o600 of a temporary one (a checkpoint written by a container's user stays readable on the host)."""
+    previous = os.umask(umask)
+    try:
+        with atomic_directory(tmp_path / "checkpoint") as staging:
+            _write(staging, "weights")
+        with atomic_file(tmp_path / "report.md") as f:
+            f.write("report\n")
+        assert os.umask(umask) == umask  # the writes left the umask as they found it
+        (tmp_path / "plain-folder").mkdir()
+        (tmp_path / "plain-file").write_text("x")
+    finally:
+        os.umask(previous)
+
+    def mode(name: str) -> int:
+        return (tmp_path / name).stat().st_mode & 0o777
+
+    assert mode("checkpoint") == mode("plain-folder") == 0o777 & ~umask
+    assert mode("report.md") == mode("plain-file") == 0o666 & ~umask
+
+
 @torch.no_grad()
 def test_swiftkv_mode_restores_also_on_errors(family):
     model = convert(tiny_base(family), 2)

@@ -1,7 +1,10 @@
 """Atomic writes: a folder or file appears complete at its path, or the earlier one stays there untouched.
 
 Used for every artefact SwiftKV writes (checkpoints, exports, the materialised default model, data files): a run
-that fails or is interrupted mid-write never leaves a half-written folder behind nor loses the previous one.
+that fails or is interrupted mid-write never leaves a half-written folder behind nor loses the previous one. What
+appears has the permissions a plain ``mkdir`` or ``open`` would give it (the process's umask), not the private ones
+of Python's temporary files: a checkpoint written in a container (uid 1000) stays readable for the host's user, a
+serving process or a colleague.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ def atomic_directory(target: str | os.PathLike) -> Iterator[Path]:
     for stale in target.parent.glob(f".{target.name}.staging.*"):  # left by a process killed mid-write
         shutil.rmtree(stale, ignore_errors=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.staging.", dir=target.parent))
+    staging.chmod(0o777 & ~_umask())  # mkdtemp's folder is private (0o700)
     try:
         yield staging
         pause_point("atomic-directory")  # the whole new folder is staged; the old one is still in place
@@ -35,6 +39,13 @@ def atomic_directory(target: str | os.PathLike) -> Iterator[Path]:
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
+
+
+def _umask() -> int:
+    """The process's umask (reading it means setting it: it is put back at once)."""
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
 
 
 def replace_directory(src: Path, dst: Path) -> None:
@@ -59,6 +70,7 @@ def atomic_file(path: str | os.PathLike, mode: str = "w", encoding: str | None =
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    os.chmod(fd, 0o666 & ~_umask())  # mkstemp's file is private (0o600)
     try:
         with os.fdopen(fd, mode, encoding=None if "b" in mode else encoding) as f:
             yield f
