@@ -248,7 +248,7 @@ def test_the_frontier_sweeps_l_and_auto_picks_the_smallest_predicted_to_clear_th
     assert choose(rows, 0.95) == (21, "no l of the sweep is predicted to clear 95%: the largest, l=21")
 
 
-def test_the_main_job_takes_the_gpu_when_there_is_one():
+def test_the_main_job_takes_the_gpu_when_there_is_one(monkeypatch):
     import torch
 
     from swiftkv.quickstart.settings import DEVICE_DEFAULTS, QuickstartError, choose_accelerator
@@ -285,6 +285,13 @@ def test_the_main_job_takes_the_gpu_when_there_is_one():
     assert gpu_line.startswith("docker run --gpus all ") and gpu_line.endswith(" swiftkv-serve:cuda /model")
     assert "--gpus" not in cpu_line and cpu_line.endswith(" swiftkv-serve:cpu /model")
     assert f"-v {Path('run/distilled-serving').resolve()}:/model:ro " in cpu_line
+    # inside the training image, the host's $PWD/runs is mounted at /workspace/runs: the command names the host's
+    monkeypatch.setenv("SWIFTKV_IN_IMAGE", "1")
+    in_image = docker_serve_command(Path("/workspace/runs/r/distilled-serving"), "cpu")
+    assert ' -v "$PWD/runs/r/distilled-serving":/model:ro ' in in_image
+    assert f"-v {Path('run/distilled-serving').resolve()}:/model:ro " in docker_serve_command(
+        Path("run/distilled-serving"), "cpu"
+    )  # a path outside /workspace is the same path on the host (a folder mounted at the same place)
     if not torch.cuda.is_available():
         from swiftkv.quickstart import main
 

@@ -4,9 +4,12 @@ settings and versions) and the PNG plots, all written from the run's recorded st
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 from . import frontier
+
+IMAGE_WORKDIR = Path("/workspace")  # the training image's working folder (docker/Dockerfile.train)
 
 
 def headline(settings: dict, results: dict) -> dict:
@@ -60,11 +63,22 @@ def write_run_report(root: Path, settings: dict, results: dict, versions: dict) 
     return [root / "report.md", root / "report.json", *plots]
 
 
+def host_path(path: Path) -> str:
+    """``path`` as the machine that runs docker sees it. Inside the training image (``SWIFTKV_IN_IMAGE``), a path
+    under its working folder /workspace is ``"$PWD/..."``: the README mounts the host's ``$PWD/runs`` there, and the
+    container's own path would name nothing on the host."""
+    resolved = path.resolve()
+    if os.environ.get("SWIFTKV_IN_IMAGE") and resolved.is_relative_to(IMAGE_WORKDIR):
+        return f'"$PWD/{resolved.relative_to(IMAGE_WORKDIR)}"'
+    return str(resolved)
+
+
 def docker_serve_command(serving: Path, accelerator: str) -> str:
     """The ``docker run`` that serves the export ``serving`` on this run's kind of machine (docker/README.md)."""
+    mount = f"-v {host_path(serving)}:/model:ro"
     if accelerator == "gpu":
-        return f"docker run --gpus all --ipc=host -p 8000:8000 -v {serving.resolve()}:/model:ro swiftkv-serve:cuda /model"
-    return f"docker run --shm-size 1g -p 8000:8000 -v {serving.resolve()}:/model:ro swiftkv-serve:cpu /model"
+        return f"docker run --gpus all --ipc=host -p 8000:8000 {mount} swiftkv-serve:cuda /model"
+    return f"docker run --shm-size 1g -p 8000:8000 {mount} swiftkv-serve:cpu /model"
 
 
 def _pct(x: float) -> str:
