@@ -360,8 +360,8 @@ def check_quickstart_offline(work: Path) -> None:
     """The main job inside the training image with no network at all (`--network none`), mounted as the README says
     (a results folder at /workspace/runs, the cache volume): the default model and the offline data sets are in the
     image. The first container is killed when the distillation stage starts; a second one, with the same command,
-    reuses the stages the first recorded in the mounted folder and writes the report. Short settings; the chat
-    answers (a teacher's generation) are left out."""
+    reuses the stages the first recorded in the mounted folder and writes the report, readable by every user of
+    the host. Short settings; the chat answers (a teacher's generation) are left out."""
     runs = work / "train-quickstart-runs"
     subprocess.run(["rm", "-rf", str(runs)], check=True)
     runs.mkdir(parents=True)
@@ -395,6 +395,10 @@ def check_quickstart_offline(work: Path) -> None:
         raise SystemExit(
             f"quickstart offline: exit {result.returncode}, reports {reports}, reused {reused}:\n{log_text[-4000:]}"
         )
+    # written by the image's uid 1000: a host user of another uid must still read all of it
+    private = [p for p in runs.rglob("*") if p.stat().st_mode & (0o005 if p.is_dir() else 0o004) == 0]
+    if private:
+        raise SystemExit(f"quickstart offline: unreadable to other users: {[str(p) for p in private[:10]]}")
     headline = [line for line in log_text.splitlines() if "on held-out text" in line or "tokens:" in line]
     log(
         f"quickstart offline: killed at the distillation, rerun reused {len(reused)} stages, report "

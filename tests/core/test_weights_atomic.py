@@ -4,6 +4,7 @@ import os
 
 import pytest
 import torch
+from safetensors.torch import save_file
 
 from swiftkv_core.atomic import atomic_directory, atomic_file
 from swiftkv_core.convert import convert
@@ -93,6 +94,7 @@ def test_atomic_writes_get_the_permissions_of_a_plain_write(tmp_path, umask):
     try:
         with atomic_directory(tmp_path / "checkpoint") as staging:
             _write(staging, "weights")
+            save_file({"w": torch.zeros(2)}, staging / "model.safetensors")  # safetensors 0.8 writes it 0o600
         with atomic_file(tmp_path / "report.md") as f:
             f.write("report\n")
         assert os.umask(umask) == umask  # the writes left the umask as they found it
@@ -105,7 +107,7 @@ def test_atomic_writes_get_the_permissions_of_a_plain_write(tmp_path, umask):
         return (tmp_path / name).stat().st_mode & 0o777
 
     assert mode("checkpoint") == mode("plain-folder") == 0o777 & ~umask
-    assert mode("report.md") == mode("plain-file") == 0o666 & ~umask
+    assert mode("report.md") == mode("plain-file") == mode("checkpoint/model.safetensors") == 0o666 & ~umask
 
 
 @torch.no_grad()

@@ -3,7 +3,7 @@
 Used for every artefact SwiftKV writes (checkpoints, exports, the materialised default model, data files): a run
 that fails or is interrupted mid-write never leaves a half-written folder behind nor loses the previous one. What
 appears has the permissions a plain ``mkdir`` or ``open`` would give it (the process's umask), not the private ones
-of Python's temporary files: a checkpoint written in a container (uid 1000) stays readable for the host's user, a
+of temporary files: a checkpoint written in a container (uid 1000) stays readable for the host's user, a
 serving process or a colleague.
 """
 
@@ -35,6 +35,7 @@ def atomic_directory(target: str | os.PathLike) -> Iterator[Path]:
     try:
         yield staging
         pause_point("atomic-directory")  # the whole new folder is staged; the old one is still in place
+        _readable_as_plain_writes(staging)
         replace_directory(staging, target)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
@@ -46,6 +47,17 @@ def _umask() -> int:
     mask = os.umask(0o022)
     os.umask(mask)
     return mask
+
+
+def _readable_as_plain_writes(root: Path) -> None:
+    """Give what ``root`` holds the read (folders: and search) permissions a plain write would under the umask:
+    safetensors 0.8 writes its files 0o600 like temporary ones (safetensors/safetensors#782), so a model saved by
+    ``save_pretrained`` would be readable by its writer only."""
+    mask = _umask()
+    for path in root.rglob("*"):
+        if not path.is_symlink():
+            bits = (0o555 if path.is_dir() else 0o444) & ~mask
+            path.chmod(path.stat().st_mode & 0o7777 | bits)
 
 
 def replace_directory(src: Path, dst: Path) -> None:
