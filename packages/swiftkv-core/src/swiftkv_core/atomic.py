@@ -31,7 +31,6 @@ def atomic_directory(target: str | os.PathLike) -> Iterator[Path]:
     for stale in target.parent.glob(f".{target.name}.staging.*"):  # left by a process killed mid-write
         shutil.rmtree(stale, ignore_errors=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.staging.", dir=target.parent))
-    staging.chmod(0o777 & ~_umask())  # mkdtemp's folder is private (0o700)
     try:
         yield staging
         pause_point("atomic-directory")  # the whole new folder is staged; the old one is still in place
@@ -50,10 +49,12 @@ def _umask() -> int:
 
 
 def _readable_as_plain_writes(root: Path) -> None:
-    """Give what ``root`` holds the read (folders: and search) permissions a plain write would under the umask:
-    safetensors 0.8 writes its files 0o600 like temporary ones (safetensors/safetensors#782), so a model saved by
-    ``save_pretrained`` would be readable by its writer only."""
+    """Give the staged folder ``root`` the mode a plain ``mkdir`` would (mkdtemp's is private, 0o700), and what it
+    holds the read (folders: and search) permissions a plain write would, under the umask: safetensors 0.8 writes
+    its files 0o600 like temporary ones (safetensors/safetensors#782), so a model saved by ``save_pretrained``
+    would be readable by its writer only."""
     mask = _umask()
+    root.chmod(0o777 & ~mask)
     for path in root.rglob("*"):
         if not path.is_symlink():
             bits = (0o555 if path.is_dir() else 0o444) & ~mask

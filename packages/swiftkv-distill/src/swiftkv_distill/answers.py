@@ -75,9 +75,8 @@ def hf_dtype(device: str = "auto") -> str:
 
     from swiftkv_core.runtime import choose_dtype
 
-    if hf_device(device) == "cpu":
-        return "auto"
-    return str(choose_dtype("auto", torch.device(hf_device(device)))).removeprefix("torch.")
+    device = torch.device(hf_device(device))
+    return "auto" if device.type == "cpu" else str(choose_dtype("auto", device)).removeprefix("torch.")
 
 
 def backends() -> dict[str, object]:
