@@ -28,6 +28,10 @@ TINY = dict(
     pad_token_id=0,
 )
 
+# head_dim 32 (hidden 64 over 2 heads) for the tiny models that run flex_attention on a CPU: torch 2.13's compiled CPU
+# flex_attention is wrong below head_dim 32 on a CPU with AVX2 and no AVX-512 (swiftkv_core.runtime.check_flex_attention)
+FLEX_HEADS = dict(num_attention_heads=2, num_key_value_heads=1)
+
 
 def tiny_base(family: str = "llama", seed: int = 0, **overrides):
     """A randomly initialised 4-layer base model of ``family`` in eval mode."""

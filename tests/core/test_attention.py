@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from swiftkv_core.convert import convert
-from tests.conftest import tiny_base
+from tests.conftest import FLEX_HEADS, tiny_base
 from tests.flash_reference import flash_attention_2_on_the_reference
 
 IMPLEMENTATIONS = ["eager", "sdpa", "flex_attention", "flash_attention_2"]
@@ -51,7 +51,7 @@ def rows_through_layers_from_l(model, run) -> set[int]:
 
 @pytest.fixture(scope="module")
 def swift():
-    return convert(tiny_base("llama"), 2, 1)
+    return convert(tiny_base("llama", **FLEX_HEADS), 2, 1)
 
 
 def model_and_kernels(swift, implementation: str):
@@ -200,6 +200,27 @@ def test_flex_attention_runs_every_row_for_a_callers_own_4d_mask(swift):
     padding[0, :4] = 0
     kept = _kept_rows_mask({**mask_kwargs, "attention_mask": padding}, None, slice(-3, None), False)
     assert kept is not NO_SUBSET and kept.shape[-2:] == (3, 24)  # a BlockMask of the kept rows
+
+
+def test_flex_attention_is_refused_where_torchs_cpu_kernel_is_wrong(monkeypatch):
+    """On a CPU with AVX2 and no AVX-512, torch 2.13's compiled flex_attention is wrong below head_dim 32 (the
+    kept-rows tests above gave NaN logits with head_dim 16 there): such a model's forward is refused, with the fix,
+    before a layer runs. head_dim 32, a GPU and an AVX-512 CPU are not refused."""
+    from swiftkv_core.runtime import check_flex_attention
+
+    model = convert(tiny_base("llama"), 2, 1)
+    assert model.model.layers[0].self_attn.head_dim == 16
+    model.config._attn_implementation = "flex_attention"
+    ran = []
+    model.model.layers[0].register_forward_pre_hook(lambda *_: ran.append(True))
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX2")
+    with pytest.raises(ValueError, match=r"head_dim 16 .* Use attn_implementation='sdpa'"):
+        model(torch.randint(1, 128, (1, 8)))
+    assert not ran
+    check_flex_attention(32, torch.device("cpu"))
+    check_flex_attention(16, torch.device("cuda"))
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX512")
+    check_flex_attention(16, torch.device("cpu"))
 
 
 def test_a_plain_prompt_gives_sdpa_no_mask_and_the_kept_rows_only_theirs(monkeypatch):

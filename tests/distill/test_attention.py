@@ -12,7 +12,7 @@ from swiftkv_core.convert import convert
 from swiftkv_distill.build import attention_for, compile_layers
 from swiftkv_distill.data import collate, pack
 from swiftkv_distill.step import DistillationStep
-from tests.conftest import tiny_base
+from tests.conftest import FLEX_HEADS, tiny_base
 from tests.flash_reference import flash_attention_2_on_the_reference
 
 
@@ -69,7 +69,7 @@ def assert_same_gradients(got: dict, want: dict, atol: float, rtol: float) -> No
 
 
 def test_packed_rows_through_flex_attention_equal_the_dense_mask_on_cpu():
-    model = convert(tiny_base("llama"), 2, 1)
+    model = convert(tiny_base("llama", **FLEX_HEADS), 2, 1)
     batch = packed_batch()
     with torch.no_grad():
         dense = step_results(model, batch, "sdpa")
@@ -126,7 +126,7 @@ def test_compiled_layers_run_flex_attention_outside_their_graph():
     are the gpu test's below)."""
     from torch._dynamo.utils import counters
 
-    model = convert(tiny_base("llama"), 2, 1)
+    model = convert(tiny_base("llama", **FLEX_HEADS), 2, 1)
     batch = packed_batch()
     with torch.no_grad():
         eager = step_results(model, batch, "flex_attention")

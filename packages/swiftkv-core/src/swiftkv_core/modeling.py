@@ -67,6 +67,7 @@ from transformers.utils.generic import merge_with_config_defaults
 from transformers.utils.output_capturing import capture_outputs
 
 from .configuration import LlamaSwiftKVConfig, Qwen2SwiftKVConfig
+from .runtime import check_flex_attention
 
 
 def _rope(x: torch.Tensor, position_embeddings: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
@@ -333,6 +334,9 @@ class SwiftKVModelMixin:
         config = self.config
         if (input_ids is None) ^ (inputs_embeds is not None):
             raise ValueError("You must specify exactly one of input_ids or inputs_embeds")
+        if config._attn_implementation == "flex_attention" and not torch.compiler.is_compiling():
+            device = (input_ids if input_ids is not None else inputs_embeds).device
+            check_flex_attention(self.layers[0].self_attn.head_dim, device)
         if inputs_embeds is None:
             inputs_embeds = self.embed_tokens(input_ids)
         if use_cache and past_key_values is None:

@@ -96,6 +96,21 @@ def choose_dtype(requested: str, device: torch.device) -> torch.dtype:
     return DTYPES[requested]
 
 
+def check_flex_attention(head_dim: int, device: torch.device) -> None:
+    """Refuse flex_attention where torch's compiled kernel is wrong. On a CPU with AVX2 and no AVX-512, torch
+    2.13's compiled CPU flex_attention gives wrong outputs, NaN among them, for head dims below 32, at key lengths
+    under 128 that are not a multiple of 16 (24, 40, 56, 72); its eager kernel and sdpa are right, and so is
+    head_dim 32 or more (``benchmarks/results/flex-cpu-compiled-repro.py``). AVX-512 CPUs passed the same
+    shapes."""
+    if device.type != "cpu" or head_dim >= 32 or torch.backends.cpu.get_cpu_capability() != "AVX2":
+        return
+    raise ValueError(
+        f"attn_implementation='flex_attention' with head_dim {head_dim} gives wrong results on this CPU: torch "
+        f"{torch.__version__}'s compiled CPU flex_attention is wrong below head_dim 32 on a CPU with AVX2 and no "
+        "AVX-512. Use attn_implementation='sdpa' (the same outputs; the CPU default), or run on a GPU."
+    )
+
+
 def synchronize(device: torch.device | str) -> None:
     """Wait until the work queued on ``device`` is done (a no-op on the CPU, which runs eagerly)."""
     device = torch.device(device)
