@@ -16,15 +16,24 @@ PROMPTS = ["What is rain?", "Name a colour.", "Say hello to the world."]
 
 
 @pytest.mark.vllm
-def test_generate_answers_reproducible_and_independent_of_batching(tiny_llama):
+def test_generate_answers_reproducible_and_independent_of_batching(tiny_llama, capfd):
     """Seed per request: the same answers twice (in the child process and in-process), and a prompt's answer is
-    the same whether it is batched with others or alone (at the same seed)."""
+    the same whether it is batched with others or alone (at the same seed). The child's progress bar counts
+    vLLM's two phases each from 0 (before, the answers' bar began with the prompts being added, then fell back),
+    and ends on the answers, all of them."""
     from swiftkv_serve.answers import generate_answers, generate_in_process
 
     batched = generate_in_process(tiny_llama, PROMPTS, max_new_tokens=8, seed=5)
     assert len(batched) == len(PROMPTS) and all(isinstance(a, str) for a in batched)
     assert generate_in_process(tiny_llama, PROMPTS[1:2], max_new_tokens=8, seed=6) == batched[1:2]
-    assert generate_answers(tiny_llama, PROMPTS, max_new_tokens=8, seed=5, progress=False) == batched
+    capfd.readouterr()
+    assert generate_answers(tiny_llama, PROMPTS, max_new_tokens=8, seed=5, progress=True) == batched
+    bar = capfd.readouterr().err
+    states = [state.strip() for state in bar.split("\r") if state.startswith("teacher answers")]
+    assert any(state.startswith("teacher answers (vLLM): rendering prompts: 100%") for state in states), (
+        states
+    )
+    assert states[-1].startswith("teacher answers (vLLM): 100%") and " 3/3 " in states[-1], states
 
 
 def test_teacher_answers_cache_is_reused_and_keyed_by_model(tmp_path, monkeypatch, tiny_llama):

@@ -98,10 +98,9 @@ def choose_dtype(requested: str, device: torch.device) -> torch.dtype:
 
 def check_flex_attention(head_dim: int, device: torch.device) -> None:
     """Refuse flex_attention where torch's compiled kernel is wrong. On a CPU with AVX2 and no AVX-512, torch
-    2.13's compiled CPU flex_attention gives wrong outputs, NaN among them, for head dims below 32, at key lengths
-    under 128 that are not a multiple of 16 (24, 40, 56, 72); its eager kernel and sdpa are right, and so is
-    head_dim 32 or more (``benchmarks/results/flex-cpu-compiled-repro.py``). AVX-512 CPUs passed the same
-    shapes."""
+    2.13's compiled CPU flex_attention gives wrong outputs, NaN among them, for head dims below 32 at some key
+    lengths (24, 40, 56 and 72 of those tried); its eager kernel and sdpa are right, and so is head_dim 32 or more
+    (``benchmarks/results/flex-cpu-compiled-repro.py``). AVX-512 CPUs passed the same shapes."""
     if device.type != "cpu" or head_dim >= 32 or torch.backends.cpu.get_cpu_capability() != "AVX2":
         return
     raise ValueError(

@@ -38,7 +38,8 @@ def _sampling_params(count: int, max_new_tokens: int, temperature: float, top_p:
 
 
 def _progress_tqdm():
-    """A tqdm class for vLLM's ``use_tqdm`` that reports "PROGRESS done total" lines on stdout (to the parent)."""
+    """A tqdm class for vLLM's ``use_tqdm`` that reports "PROGRESS done total phase" lines on stdout (to the
+    parent). vLLM runs it once per phase: "Rendering prompts" (the requests added), then "Processed prompts"."""
     from tqdm import tqdm
 
     class ProgressLines(tqdm):
@@ -49,13 +50,17 @@ def _progress_tqdm():
 
         def update(self, n=1):
             result = super().update(n)
-            now = time.monotonic()
-            if now - self._last_report > 2 or self.n == self.total:
-                self._last_report = now
-                print(f"PROGRESS {self.n} {self.total}", flush=True)
+            if time.monotonic() - self._last_report > 2:
+                self._report()
             return result
 
+        def _report(self):
+            self._last_report = time.monotonic()
+            print(f"PROGRESS {self.n} {self.total} {self.desc}", flush=True)
+
         def close(self):
+            if not self.disable:  # the final count (iterating, tqdm counts the last items without update())
+                self._report()
             file = self.fp
             super().close()
             file.close()
@@ -154,11 +159,19 @@ def generate_answers(
     )
     # the engine core in the child itself (unless the caller's environment says otherwise)
     env_overrides = {"VLLM_ENABLE_V1_MULTIPROCESSING": os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "0")}
-    bar = tqdm(total=len(prompts), desc="teacher answers (vLLM)", unit="answer", disable=not progress)
+    title = "teacher answers (vLLM)"
+    bar = tqdm(total=len(prompts), desc=title, unit="answer", disable=not progress)
+    phase = ["Processed prompts"]
 
     def on_line(line: str) -> None:
-        parts = line.split()
-        if len(parts) == 3 and parts[0] == "PROGRESS" and parts[1].isdigit():
+        parts = line.split(maxsplit=3)
+        if len(parts) == 4 and parts[0] == "PROGRESS" and parts[1].isdigit() and parts[2].isdigit():
+            if parts[3] != phase[0]:  # a new phase starts its own count (vLLM's rendering, then the answers)
+                phase[0] = parts[3]
+                bar.reset(total=int(parts[2]))
+                generating = parts[3] == "Processed prompts"
+                bar.set_description(title if generating else f"{title}: {parts[3].lower()}")
+                bar.unit = "answer" if generating else "prompt"
             bar.update(int(parts[1]) - bar.n)
 
     try:
