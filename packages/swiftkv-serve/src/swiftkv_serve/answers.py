@@ -173,6 +173,8 @@ def generate_answers(
                 bar.set_description(title if generating else f"{title}: {parts[3].lower()}")
                 bar.unit = "answer" if generating else "prompt"
             bar.update(int(parts[1]) - bar.n)
+            if bar.n == bar.total:
+                bar.refresh()  # a phase's last count is drawn, however soon after the one before it came
 
     try:
         answers, _ = run_module_in_child(
