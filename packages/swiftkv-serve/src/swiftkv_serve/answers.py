@@ -160,8 +160,9 @@ def generate_answers(
     # the engine core in the child itself (unless the caller's environment says otherwise)
     env_overrides = {"VLLM_ENABLE_V1_MULTIPROCESSING": os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "0")}
     title = "teacher answers (vLLM)"
+    answering = "Processed prompts"  # vLLM's name for its last phase, the answers
     bar = tqdm(total=len(prompts), desc=title, unit="answer", disable=not progress)
-    phase = ["Processed prompts"]
+    phase = [answering]
 
     def on_line(line: str) -> None:
         parts = line.split(maxsplit=3)
@@ -169,9 +170,8 @@ def generate_answers(
             if parts[3] != phase[0]:  # a new phase starts its own count (vLLM's rendering, then the answers)
                 phase[0] = parts[3]
                 bar.reset(total=int(parts[2]))
-                generating = parts[3] == "Processed prompts"
-                bar.set_description(title if generating else f"{title}: {parts[3].lower()}")
-                bar.unit = "answer" if generating else "prompt"
+                bar.set_description(title if parts[3] == answering else f"{title}: {parts[3].lower()}")
+                bar.unit = "answer" if parts[3] == answering else "prompt"
             bar.update(int(parts[1]) - bar.n)
             if bar.n == bar.total:
                 bar.refresh()  # a phase's last count is drawn, however soon after the one before it came
