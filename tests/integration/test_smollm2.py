@@ -1,10 +1,16 @@
 """Integration: the real pretrained SmolLM2-135M-Instruct (30 layers), converted at l=15."""
 
+import os
+import shutil
+import subprocess
+import sys
+
 import pytest
 import torch
 from torch.testing import assert_close
 
 from swiftkv.cli import main
+from swiftkv_core.atomic import atomic_directory, exclusive
 from swiftkv_core.convert import convert, export_for_serving
 from swiftkv_core.flops import ModelShape, count_flops, prefill_flops_total
 
@@ -34,6 +40,30 @@ def test_default_model_is_the_real_pretrained_smollm2(smollm2):
     ids = tokenizer("The capital of France is", return_tensors="pt")
     out = model.generate(**ids, max_new_tokens=3, do_sample=False)
     assert "Paris" in tokenizer.decode(out[0, ids.input_ids.shape[1] :])
+
+
+def test_a_process_finding_the_default_model_being_materialised_waits_and_takes_it(smollm2_path, tmp_path):
+    """Two processes materialising the default model into an empty cache (the ranks of a `fabric run` on a fresh
+    machine): the later one, a real process, waits for the first one's lock and takes its result, neither
+    dequantising again nor deleting the first one's staging folder."""
+    cache = tmp_path / "cache"
+    target = cache / "models" / smollm2_path.name
+    code = "from swiftkv_core.default_model import default_model_path; print('PATH', default_model_path())"
+    env = {**os.environ, "SWIFTKV_CACHE_DIR": str(cache)}
+    with exclusive(target):  # this process is the first one
+        later = subprocess.Popen([sys.executable, "-c", code], env=env, text=True, stdout=subprocess.PIPE,
+                                 stderr=subprocess.STDOUT)  # fmt: skip
+        lines = []
+        for line in later.stdout:  # until it says it waits (or ends)
+            lines.append(line)
+            if line.startswith("Waiting for another process materialising"):
+                break
+        assert lines and lines[-1].startswith("Waiting"), "".join(lines)
+        with atomic_directory(target) as staging:  # the first one's result: the session's default model
+            shutil.copytree(smollm2_path, staging, dirs_exist_ok=True)
+    rest, _ = later.communicate(timeout=120)
+    assert later.returncode == 0, "".join(lines) + rest
+    assert f"PATH {target}\n" in rest and "Materialising" not in "".join(lines) + rest
 
 
 @torch.no_grad()

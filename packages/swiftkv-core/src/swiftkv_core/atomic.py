@@ -9,6 +9,7 @@ serving process or a colleague.
 
 from __future__ import annotations
 
+import fcntl
 import os
 import shutil
 import tempfile
@@ -59,6 +60,25 @@ def _readable_as_plain_writes(root: Path) -> None:
         if not path.is_symlink():
             bits = (0o555 if path.is_dir() else 0o444) & ~mask
             path.chmod(path.stat().st_mode & 0o7777 | bits)
+
+
+@contextmanager
+def exclusive(target: str | os.PathLike, waiting: str | None = None) -> Iterator[None]:
+    """Hold an exclusive lock on ``target`` for the block (``fcntl.flock`` on ``.NAME.lock`` beside it), so that
+    processes making the same thing take turns and each later one finds it made: the ranks of a ``fabric run``
+    that all materialise the default model into an empty cache. Without it, each ``atomic_directory`` would take
+    the other's staging folder for a killed run's leftover and delete it. ``waiting`` is printed if another process
+    holds the lock. The lock goes with its process: a killed holder leaves nothing to clear."""
+    target = Path(target)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with open(target.parent / f".{target.name}.lock", "a") as lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            if waiting:
+                print(waiting, flush=True)
+            fcntl.flock(lock, fcntl.LOCK_EX)
+        yield  # closing the file releases the lock
 
 
 def replace_directory(src: Path, dst: Path) -> None:

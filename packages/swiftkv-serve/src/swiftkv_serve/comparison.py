@@ -12,7 +12,7 @@ import json
 from collections.abc import Callable
 from pathlib import Path
 
-from swiftkv_core.atomic import atomic_write_text
+from swiftkv_core.atomic import atomic_write_text, exclusive
 
 from .bench import (
     MAX_NUM_BATCHED_TOKENS,
@@ -38,9 +38,11 @@ def converted_export(base: str | Path, num_key_value_layers: int) -> Path:
     base = resolve_model_path(base)
     out = cache_dir() / "bench" / f"{base.name}-swiftkv-l{num_key_value_layers}"
     if not (out / "config.json").is_file():
-        export_for_serving(
-            convert(base, num_key_value_layers), out, tokenizer=AutoTokenizer.from_pretrained(base)
-        )
+        with exclusive(out):  # one process at a time makes it; one that waited finds it made
+            if not (out / "config.json").is_file():
+                export_for_serving(
+                    convert(base, num_key_value_layers), out, tokenizer=AutoTokenizer.from_pretrained(base)
+                )
     return out
 
 
