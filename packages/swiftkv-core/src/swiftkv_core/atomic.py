@@ -14,7 +14,7 @@ import os
 import shutil
 import tempfile
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import IO
@@ -64,11 +64,9 @@ def _readable_as_plain_writes(root: Path) -> None:
 
 @contextmanager
 def exclusive(target: str | os.PathLike, waiting: str | None = None) -> Iterator[None]:
-    """Hold an exclusive lock on ``target`` for the block (``fcntl.flock`` on ``.NAME.lock`` beside it), so that
-    processes making the same thing take turns and each later one finds it made: the ranks of a ``fabric run``
-    that all materialise the default model into an empty cache. Without it, each ``atomic_directory`` would take
-    the other's staging folder for a killed run's leftover and delete it. ``waiting`` is printed if another process
-    holds the lock. The lock goes with its process: a killed holder leaves nothing to clear."""
+    """Hold an exclusive lock on ``target`` for the block (``fcntl.flock`` on ``.NAME.lock`` beside it): processes
+    that write the same folder take turns. ``waiting`` is printed if another process holds the lock. The lock goes
+    with its process: a killed holder leaves nothing to clear."""
     target = Path(target)
     target.parent.mkdir(parents=True, exist_ok=True)
     with open(target.parent / f".{target.name}.lock", "a") as lock:
@@ -79,6 +77,25 @@ def exclusive(target: str | os.PathLike, waiting: str | None = None) -> Iterator
                 print(waiting, flush=True)
             fcntl.flock(lock, fcntl.LOCK_EX)
         yield  # closing the file releases the lock
+
+
+def made_once(
+    target: str | os.PathLike,
+    is_made: Callable[[Path], bool],
+    make: Callable[[Path], None],
+    waiting: str | None = None,
+) -> Path:
+    """``target``, a folder of a cache: made by ``make(staging)`` (``atomic_directory``) unless ``is_made(target)``,
+    by one process at a time (``exclusive``); a process that waited for another finds it made. So the ranks of a
+    ``fabric run`` on an empty cache make it once, and none takes another's staging folder for a killed run's
+    leftover. A cache already made is only read: it may be read-only."""
+    target = Path(target)
+    if not is_made(target):
+        with exclusive(target, waiting):
+            if not is_made(target):
+                with atomic_directory(target) as staging:
+                    make(staging)
+    return target
 
 
 def replace_directory(src: Path, dst: Path) -> None:

