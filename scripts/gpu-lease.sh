@@ -25,9 +25,7 @@
 # then at once (within the 30 s) the correctness steps beside the quickstart (5 min; shared, so untimed),
 #   bash scripts/gpu-lease.sh run tests >$OUT/correctness.txt 2>&1 & bash scripts/gpu-lease.sh run quickstart; \
 #   wait; cat $OUT/correctness.txt
-# The next lease: tests and attention (not yet run on a GPU: compiled layers under FSDP2 on one GPU, which the GPU
-# recipes' compile_layers waits for; the Stopwatch against torch.cuda._sleep; flex_attention's gradients for kept
-# positions), then on an H100 distill (its compiled rows) or prefill.
+# A 15-minute lease as spent on 2026-11-27 (H100): bash scripts/gpu-lease.sh run attention tests distill (7.2 min).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
