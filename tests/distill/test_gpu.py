@@ -75,11 +75,18 @@ def test_fit_on_gpu_bf16_mixed_then_export_loads_on_cpu(tiny_model, text_file, t
     torch.testing.assert_close(got, want, rtol=1e-3, atol=1e-3)
 
 
-@pytest.mark.parametrize("compiled", [False, True])
-def test_fsdp2_strategy_on_one_gpu_matches_unsharded(compiled, tiny_model, text_file, tmp_path, fp32_matmuls):
+@pytest.mark.parametrize(
+    ("compiled", "recompute"),
+    [(False, 0), (True, 0), (True, 1)],
+    ids=["eager", "compiled", "compiled-recomputed"],
+)
+def test_fsdp2_strategy_on_one_gpu_matches_unsharded(
+    compiled, recompute, tiny_model, text_file, tmp_path, fp32_matmuls
+):
     """The GPU recipes' strategy (FSDP2 through ModelParallelStrategy, NCCL) on one GPU: the K/V fit into DTensor
     shards, the sharded steps and the gathered export give what the plain strategy gives; ``compiled``: the sharded
-    run with compiled layers (``model.compile_layers``, flex_attention's packed rows) against the plain eager one."""
+    run with compiled layers (``model.compile_layers``, flex_attention's packed rows; the 8B and 7B recipes),
+    ``recompute``: with activation checkpointing too (the 70B recipe), against the plain eager one."""
     from lightning.pytorch.strategies import ModelParallelStrategy
 
     from swiftkv_distill.export import trained_state_dict
@@ -94,12 +101,13 @@ def test_fsdp2_strategy_on_one_gpu_matches_unsharded(compiled, tiny_model, text_
         def on_train_end(self, trainer, pl_module):
             self.trained = trained_state_dict(pl_module)  # collective under FSDP2: before the teardown
 
-    def fit(strategy, compile_layers=False):
+    def fit(strategy, compile_layers=False, activation_checkpointing=0):
         L.seed_everything(0)
         module = SwiftKVDistillation(
             str(tiny_model),
             num_key_value_layers=2,
             compile_layers=compile_layers,
+            activation_checkpointing=activation_checkpointing,
             learning_rate=3e-3,
             warmup_fraction=0.0,
             min_lr_ratio=1.0,
@@ -128,7 +136,7 @@ def test_fsdp2_strategy_on_one_gpu_matches_unsharded(compiled, tiny_model, text_
         return record
 
     plain = fit("auto")
-    sharded = fit(ModelParallelStrategy(data_parallel_size=1, tensor_parallel_size=1), compiled)
+    sharded = fit(ModelParallelStrategy(data_parallel_size=1, tensor_parallel_size=1), compiled, recompute)
     rtol = 1e-3 if compiled else 1e-4  # compiled kernels sum in another order (test_module's tolerance)
     assert len(plain.losses) == len(sharded.losses) == 4
     torch.testing.assert_close(torch.tensor(sharded.losses), torch.tensor(plain.losses), rtol=rtol, atol=1e-6)
