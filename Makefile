@@ -7,8 +7,9 @@ setup:
 quickstart: setup
 	.venv/bin/swiftkv quickstart
 
+# two pytest-xdist workers, each running a test file at a time on its share of the cores (tests/conftest.py)
 test: setup
-	.venv/bin/python -m pytest
+	.venv/bin/python -m pytest -n 2 --dist loadfile
 
 test-fast: setup
 	.venv/bin/python -m pytest -m "not slow and not vllm and not distributed"

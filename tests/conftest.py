@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 from transformers import (
@@ -75,8 +77,29 @@ def smollm2(smollm2_path):
     )
 
 
+def pytest_configure(config):
+    """Under pytest-xdist (``make test`` runs two workers), each worker takes its share of the cores: the threads of
+    its torch and of the processes it starts, and the cores the vLLM engines it starts bind their threads to (vLLM
+    binds every engine to the same first cores by default, so two workers' engines would share one core)."""
+    worker, count = os.environ.get("PYTEST_XDIST_WORKER"), os.environ.get("PYTEST_XDIST_WORKER_COUNT")
+    if worker is None or count is None:
+        return
+    cores = sorted(os.sched_getaffinity(0))
+    mine = cores[int(worker.removeprefix("gw")) % len(cores) :: int(count)] or cores
+    os.environ["OMP_NUM_THREADS"] = str(len(mine))
+    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(map(str, mine))
+    torch.set_num_threads(len(mine))
+
+
 def pytest_collection_modifyitems(config, items):
-    """Tests marked ``gpu`` skip cleanly on machines without CUDA (ours and CI's)."""
+    """Tests marked ``gpu`` skip cleanly on machines without CUDA (ours and CI's). Under pytest-xdist the files with a
+    ``slow``, ``vllm`` or ``distributed`` test go first (in their order), so the short files fill the workers' ends
+    and the two finish together."""
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        heavy = {item.path for item in items if {"slow", "vllm", "distributed"} & item.keywords.keys()}
+        items.sort(
+            key=lambda item: item.path not in heavy
+        )  # stable: each file's tests stay together, in order
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU")

@@ -2,6 +2,7 @@
 the CPU recipe builds its objects; a recipe is found by name from any folder."""
 
 import json
+import logging
 import re
 from pathlib import Path
 
@@ -105,11 +106,16 @@ def test_gpu_recipe_strategy_is_fsdp2():
 
 
 def test_cli_fit_writes_logs_plot_summary_and_exports(
-    tmp_path, tiny_model, text_file, chat_file, recwarn, caplog
+    tmp_path, tiny_model, text_file, chat_file, recwarn, caplog, request
 ):
     from swiftkv_distill.cli import main
 
     out = tmp_path / "run"
+    # what Lightning says goes to its own logger, which propagates to the root (pytest's handler) or not depending
+    # on whether the root had a handler when lightning was first imported: listen on Lightning's logger itself
+    lightning_logger = logging.getLogger("lightning.pytorch")
+    lightning_logger.addHandler(caplog.handler)
+    request.addfinalizer(lambda: lightning_logger.removeHandler(caplog.handler))
     main(
         [
             "fit",

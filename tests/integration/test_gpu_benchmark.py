@@ -13,6 +13,8 @@ import pytest
 from swiftkv_core.flops import ModelShape, memory_aware_bound, prefill_flops_total
 from swiftkv_core.shapes import SHAPES
 
+pytestmark = pytest.mark.slow  # the module's fixture runs every measurement (minutes on a CPU)
+
 ROOT = Path(__file__).parents[2]
 OURS, WHOLE = "ours, dense mask (sdpa)", "whole teacher + whole student (sdpa)"
 AC = " + activation checkpointing"
