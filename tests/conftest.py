@@ -92,14 +92,7 @@ def pytest_configure(config):
 
 
 def pytest_collection_modifyitems(config, items):
-    """Tests marked ``gpu`` skip cleanly on machines without CUDA (ours and CI's). Under pytest-xdist the files with a
-    ``slow``, ``vllm`` or ``distributed`` test go first (in their order), so the short files fill the workers' ends
-    and the two finish together."""
-    if os.environ.get("PYTEST_XDIST_WORKER"):
-        heavy = {item.path for item in items if {"slow", "vllm", "distributed"} & item.keywords.keys()}
-        items.sort(
-            key=lambda item: item.path not in heavy
-        )  # stable: each file's tests stay together, in order
+    """Tests marked ``gpu`` skip cleanly on machines without CUDA (ours and CI's)."""
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU")
