@@ -85,7 +85,8 @@ def pytest_configure(config):
     if worker is None or count is None:
         return
     cores = sorted(os.sched_getaffinity(0))
-    mine = cores[int(worker.removeprefix("gw")) % len(cores) :: int(count)] or cores
+    first = int(worker.removeprefix("gw")) % len(cores)  # a core, so the share below is never empty
+    mine = cores[first :: int(count)]
     os.environ["OMP_NUM_THREADS"] = str(len(mine))
     os.environ["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(map(str, mine))
     torch.set_num_threads(len(mine))
