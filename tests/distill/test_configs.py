@@ -112,8 +112,11 @@ def test_cli_fit_writes_logs_plot_summary_and_exports(
 
     out = tmp_path / "run"
     # what Lightning says goes to its own logger, which propagates to the root (pytest's handler) or not depending
-    # on whether the root had a handler when lightning was first imported: listen on Lightning's logger itself
+    # on whether the root had a handler when lightning was first imported: listen on Lightning's logger itself.
+    # Its level is the one a fresh process has (INFO, set when lightning is imported): a quickstart test run
+    # earlier in this worker quietened it to ERROR
     lightning_logger = logging.getLogger("lightning.pytorch")
+    caplog.set_level(logging.INFO, logger=lightning_logger.name)
     lightning_logger.addHandler(caplog.handler)
     request.addfinalizer(lambda: lightning_logger.removeHandler(caplog.handler))
     main(
