@@ -230,7 +230,7 @@ def main(
     if tiny:
         shape, device = "tiny", "cpu"
         prefill_lengths, packed_prefill, repeats, decode_tokens = [256], (2, 256), 1, 4
-        distill_rows_per_step, distill_row_tokens, distill_segments, distill_steps = 2, 256, 4, 2
+        distill_rows_per_step, distill_row_tokens, distill_segments, distill_steps = 2, 128, 2, 1
     elif device == "cuda" and not torch.cuda.is_available():
         raise SystemExit(
             "benchmarks/gpu.py needs a CUDA GPU (or --device cpu, or --tiny true for the small CPU run)."

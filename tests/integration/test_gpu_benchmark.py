@@ -92,7 +92,7 @@ def test_distillation_step_rows_compare_against_the_whole_teacher_and_student(ti
     for frozen in ("fp32", "bf16"):
         assert rows[WHOLE, frozen]["speed_vs_whole_x"] == 1
     for r in rows.values():
-        assert r["tokens_per_s"] == pytest.approx(512 / r["step_s"])  # 2 rows x 256 tokens per step
+        assert r["tokens_per_s"] == pytest.approx(256 / r["step_s"])  # 2 rows x 128 tokens per step
         assert r["step_tflop"] > 0 and r["mfu"] == pytest.approx(
             r["step_tflop"] / r["step_s"]
         )  # of 1 TFLOP/s
@@ -100,7 +100,7 @@ def test_distillation_step_rows_compare_against_the_whole_teacher_and_student(ti
     for frozen in ("fp32", "bf16"):
         # both hold the weights, the optimizer state and at least the student's logits (49k vocabulary, fp32)
         whole, ours = rows[WHOLE, frozen]["peak_gib"], rows[OURS, frozen]["peak_gib"]
-        assert min(whole, ours) * 2**30 > 512 * 49152 * 4
+        assert min(whole, ours) * 2**30 > 256 * 49152 * 4
         assert ours < whole  # chunked logits: never the whole batch's
         for setup in (OURS, WHOLE):  # the recomputed layers keep less; the model FLOPs (MFU's) exclude them
             assert rows[setup + AC, frozen]["peak_gib"] < rows[setup, frozen]["peak_gib"]
