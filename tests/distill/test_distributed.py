@@ -46,16 +46,11 @@ def _config(tmp_path, tiny_model, text_file, name, batch_size, strategy, checkpo
             ],
         },
     }
-    if checkpoint_dir is not None:  # sharded (distributed) Lightning checkpoints every 2 steps
+    if checkpoint_dir is not None:  # sharded (distributed) Lightning checkpoints every 2 steps, all kept
         config["trainer"]["callbacks"].append(
             {
                 "class_path": "lightning.pytorch.callbacks.ModelCheckpoint",
-                "init_args": {
-                    "dirpath": str(checkpoint_dir),
-                    "save_last": True,
-                    "save_top_k": 0,
-                    "every_n_train_steps": 2,
-                },
+                "init_args": {"dirpath": str(checkpoint_dir), "save_top_k": -1, "every_n_train_steps": 2},
             }
         )
     config |= {
@@ -112,8 +107,9 @@ def test_two_process_fsdp2_matches_single_process(tmp_path, tiny_model, text_fil
         "init_args": {"data_parallel_size": 2, "tensor_parallel_size": 1},
     }
     single_cfg, single_out = _config(tmp_path, tiny_model, text_file, "single", batch_size=4, strategy="auto")
+    ckpt_dir = tmp_path / "ckpt"
     sharded_cfg, sharded_out = _config(
-        tmp_path, tiny_model, text_file, "sharded", batch_size=2, strategy=fsdp2, recompute=1
+        tmp_path, tiny_model, text_file, "sharded", 2, fsdp2, checkpoint_dir=ckpt_dir, recompute=1
     )
     app = str(ROOT / "apps" / "distill.py")
     subprocess.run(
@@ -135,18 +131,19 @@ def test_two_process_fsdp2_matches_single_process(tmp_path, tiny_model, text_fil
     generated = [p.read_text() for p in inductor.rglob("*.py")]
     assert any("def call(" in code and "silu" in code for code in generated), "no decoder layer was compiled"
 
-    # interrupted after 2 steps (sharded checkpoint), resumed to 4: the same weights as the uninterrupted run
-    ckpt_dir = tmp_path / "ckpt"
-    part_cfg, part_out = _config(
-        tmp_path, tiny_model, text_file, "part", 2, fsdp2, checkpoint_dir=ckpt_dir, recompute=1
-    )
-    launch = [fabric, "run", "--accelerator", "cpu", "--devices", "2", app, "--config", str(part_cfg)]
-    subprocess.run([*launch, "--trainer.max_steps", "2"], check=True, env=env, cwd=tmp_path, timeout=300)
-    assert (ckpt_dir / "last.ckpt").is_dir()  # a distributed checkpoint: one shard file per rank
+    # resumed from the sharded run's checkpoint after step 2 (a distributed checkpoint: one shard file per rank)
+    # to step 4: the same weights as the uninterrupted run
+    (step2,) = ckpt_dir.glob("*step=2.ckpt")
+    assert step2.is_dir() and len(list(step2.glob("*.distcp"))) == 2
+    resume_cfg, resume_out = _config(tmp_path, tiny_model, text_file, "resumed", 2, fsdp2, recompute=1)
     subprocess.run(
-        [*launch, "--ckpt_path", str(ckpt_dir / "last.ckpt")], check=True, env=env, cwd=tmp_path, timeout=300
-    )
-    resumed = _trained(part_out)
+        [fabric, "run", "--accelerator", "cpu", "--devices", "2", app, "--config", str(resume_cfg),
+         "--ckpt_path", str(step2)],
+        check=True, env=env, cwd=tmp_path, timeout=300,
+    )  # fmt: skip
+    # it trained steps 3 and 4 only (a run that ignored the checkpoint would train 4 steps to the same weights)
+    assert _losses(resume_out) == _losses(sharded_out)[2:]
+    resumed = _trained(resume_out)
     for name, value in _trained(sharded_out).items():
         torch.testing.assert_close(resumed[name], value, rtol=0, atol=0, msg=name)
 
