@@ -40,10 +40,16 @@ def inputs(tmp_path_factory):
     }
 
 
+@pytest.fixture(scope="module")
+def data_cache(tmp_path_factory):
+    return tmp_path_factory.mktemp("data-cache")
+
+
 @pytest.fixture(autouse=True)
-def own_data_cache(tmp_path, monkeypatch):
-    """The tiny teacher's answers go to a temporary data cache, not the user's."""
-    use_data_cache(monkeypatch, tmp_path / "data-cache")
+def own_data_cache(data_cache, monkeypatch):
+    """The tiny teacher's answers go to a temporary data cache, not the user's: this module's, so the first run
+    generates them and the later ones read them (as a user's second run would)."""
+    use_data_cache(monkeypatch, data_cache)
 
 
 def run_quickstart(inputs, out: Path, **overrides):
