@@ -1,6 +1,9 @@
 """The one definition of SwiftKV weight names, atomic writes, and the teacher/student switch."""
 
 import os
+import signal
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -54,6 +57,33 @@ def test_atomic_directory_replaces_only_on_success(tmp_path):
         raise RuntimeError("disk full")
     assert (target / "a.txt").read_text() == "first"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]  # no staging folder left behind
+
+
+def test_a_live_writers_staging_folder_is_left_alone_and_a_killed_ones_cleared(tmp_path):
+    """Two processes writing the same folder: the later one leaves the earlier one's staging folder alone while that
+    process lives (it holds a lock on it), and clears it once the process is killed."""
+    target = tmp_path / "out"
+    code = (
+        "import sys; from swiftkv_core.atomic import atomic_directory\n"
+        "with atomic_directory(sys.argv[1]) as staging:\n    (staging / 'a.txt').write_text('other')"
+    )
+    env = {**os.environ, "SWIFTKV_PAUSE_AT": "atomic-directory"}  # it stops with its folder staged, not moved
+    other = subprocess.Popen(
+        [sys.executable, "-c", code, str(target)], env=env, stderr=subprocess.PIPE, text=True
+    )
+    try:
+        assert other.stderr.readline().startswith("SWIFTKV_PAUSED atomic-directory")
+        (theirs,) = tmp_path.glob(".out.staging.*")
+        os.utime(theirs, (0, 0))  # old enough to be taken for abandoned, were it not locked
+        with atomic_directory(target) as staging:
+            _write(staging, "mine")
+        assert (target / "a.txt").read_text() == "mine" and (theirs / "a.txt").read_text() == "other"
+    finally:
+        other.send_signal(signal.SIGKILL)
+        other.wait()
+    with atomic_directory(target) as staging:  # the writer is gone: its folder is cleared
+        _write(staging, "again")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
 
 
 def test_atomic_directory_keeps_the_old_folder_if_the_final_move_fails(tmp_path, monkeypatch):

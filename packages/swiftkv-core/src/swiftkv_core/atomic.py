@@ -13,6 +13,7 @@ import fcntl
 import os
 import shutil
 import tempfile
+import time
 import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -29,10 +30,14 @@ def atomic_directory(target: str | os.PathLike) -> Iterator[Path]:
     On an error (or an interrupt) the staging folder is deleted and ``target`` is left as it was."""
     target = Path(target)
     target.parent.mkdir(parents=True, exist_ok=True)
-    for stale in target.parent.glob(f".{target.name}.staging.*"):  # left by a process killed mid-write
-        shutil.rmtree(stale, ignore_errors=True)
+    for stale in target.parent.glob(f".{target.name}.staging.*"):
+        if _abandoned(stale):  # left by a process killed mid-write; another live writer's is left alone
+            shutil.rmtree(stale, ignore_errors=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.staging.", dir=target.parent))
+    # locked while this process writes it: a later writer leaves it alone (the lock dies with this process)
+    claim = os.open(staging, os.O_RDONLY)
     try:
+        fcntl.flock(claim, fcntl.LOCK_EX)
         yield staging
         pause_point("atomic-directory")  # the whole new folder is staged; the old one is still in place
         _readable_as_plain_writes(staging)
@@ -40,6 +45,29 @@ def atomic_directory(target: str | os.PathLike) -> Iterator[Path]:
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
+    finally:
+        os.close(claim)
+
+
+ABANDONED_AFTER_S = 60.0  # far longer than a writer takes between creating its staging folder and locking it
+
+
+def _abandoned(folder: Path) -> bool:
+    """No live process writes ``folder``: no process holds its lock (``atomic_directory``'s writer does until it
+    ends, killed or not), and it was created or last changed ``ABANDONED_AFTER_S`` ago or more."""
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:  # gone already (its writer finished), or not a folder we can open
+        return False
+    try:
+        if time.time() - os.fstat(fd).st_mtime < ABANDONED_AFTER_S:
+            return False
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return True
+    except BlockingIOError:
+        return False
+    finally:
+        os.close(fd)  # releases the lock taken here
 
 
 def _umask() -> int:
