@@ -86,6 +86,25 @@ def test_a_live_writers_staging_folder_is_left_alone_and_a_killed_ones_cleared(t
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
 
 
+def test_atomic_directory_works_where_the_file_system_has_no_locks(tmp_path, monkeypatch):
+    """Some network file systems refuse ``flock`` (ENOLCK): the write goes on, an old staging folder is cleared by
+    its age alone. The refusal is made here (this machine's file systems all lock)."""
+    import errno
+
+    from swiftkv_core import atomic
+
+    def no_locks(fd, operation):
+        raise OSError(errno.ENOLCK, "No locks available")
+
+    monkeypatch.setattr(atomic.fcntl, "flock", no_locks)
+    old = tmp_path / ".out.staging.abandoned"
+    old.mkdir()
+    os.utime(old, (0, 0))
+    with atomic_directory(tmp_path / "out") as staging:
+        _write(staging, "first")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+
+
 def test_atomic_directory_keeps_the_old_folder_if_the_final_move_fails(tmp_path, monkeypatch):
     target = tmp_path / "out"
     with atomic_directory(target) as staging:

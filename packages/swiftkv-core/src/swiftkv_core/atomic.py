@@ -37,7 +37,7 @@ def atomic_directory(target: str | os.PathLike) -> Iterator[Path]:
     # locked while this process writes it: a later writer leaves it alone (the lock dies with this process)
     claim = os.open(staging, os.O_RDONLY)
     try:
-        fcntl.flock(claim, fcntl.LOCK_EX)
+        _lock(claim)
         yield staging
         pause_point("atomic-directory")  # the whole new folder is staged; the old one is still in place
         _readable_as_plain_writes(staging)
@@ -62,12 +62,21 @@ def _abandoned(folder: Path) -> bool:
     try:
         if time.time() - os.fstat(fd).st_mtime < ABANDONED_AFTER_S:
             return False
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        return True
-    except BlockingIOError:
-        return False
+        return _lock(fd, wait=False)
     finally:
         os.close(fd)  # releases the lock taken here
+
+
+def _lock(fd: int, wait: bool = True) -> bool:
+    """Lock ``fd`` exclusively; False if another process holds it (``wait=False``). Where the file system has no
+    locks (some network ones), True: the age alone then tells an abandoned staging folder."""
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
+    except BlockingIOError:
+        return False
+    except OSError:  # ENOLCK, EOPNOTSUPP: no locks here
+        pass
+    return True
 
 
 def _umask() -> int:
