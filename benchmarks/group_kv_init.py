@@ -38,34 +38,34 @@ def main(run: Path, layouts: list[str]) -> None:
     from swiftkv_core.configuration import validate_layers
     from swiftkv_core.convert import convert
 
-    quiet()
-    try:
-        quickstart = Run.open(run, needs=("teacher_answers",))
-    except QuickstartError as error:
-        raise SystemExit(f"--run: {error}") from None
-    path = quickstart.settings.model_identity["path"]
-    base = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    pairs = [tuple(int(v) for v in layout.split("/")) for layout in layouts]
-    for l, g in pairs:  # every layout checked before any compute
+    with quiet():  # the quickstart's output: no tips or harmless warnings
         try:
-            validate_layers(base.config.num_hidden_layers, l, g, allow_no_skip=False)
-        except ValueError as error:
-            raise SystemExit(f"--layouts {l}/{g}: {error}") from None
-    tokenizer, loaders, rows = AutoTokenizer.from_pretrained(path), held_out_loaders(quickstart, path), []
-    for l, g in pairs:
-        for member_metric in (False, True) if g > 1 else (True,):
-            started = time.perf_counter()
-            model = convert(base, l, g)
-            report = fit_kv_init(quickstart, model, tokenizer, member_metric=member_metric)
-            rows.append({"l": l, "g": g, "member_metric": member_metric, "explained": report["explained_mean"],
-                         **held_out_metrics(model, loaders, quickstart.device), "seconds": time.perf_counter() - started})  # fmt: skip
-            print(rows[-1], flush=True)
-            del model
-    result = {"run": str(run), "rows": rows,
-              "command": shlex.join([".venv/bin/python", "benchmarks/group_kv_init.py", *sys.argv[1:]])}  # fmt: skip
-    atomic_write_text(RESULTS / "group-kv-init.json", json.dumps(result, indent=2))
-    atomic_write_text(RESULTS / "group-kv-init.md", markdown(result))
-    print(markdown(result))
+            quickstart = Run.open(run, needs=("teacher_answers",))
+        except QuickstartError as error:
+            raise SystemExit(f"--run: {error}") from None
+        path = quickstart.settings.model_identity["path"]
+        base = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+        pairs = [tuple(int(v) for v in layout.split("/")) for layout in layouts]
+        for l, g in pairs:  # every layout checked before any compute
+            try:
+                validate_layers(base.config.num_hidden_layers, l, g, allow_no_skip=False)
+            except ValueError as error:
+                raise SystemExit(f"--layouts {l}/{g}: {error}") from None
+        tokenizer, loaders, rows = AutoTokenizer.from_pretrained(path), held_out_loaders(quickstart, path), []
+        for l, g in pairs:
+            for member_metric in (False, True) if g > 1 else (True,):
+                started = time.perf_counter()
+                model = convert(base, l, g)
+                report = fit_kv_init(quickstart, model, tokenizer, member_metric=member_metric)
+                rows.append({"l": l, "g": g, "member_metric": member_metric, "explained": report["explained_mean"],
+                             **held_out_metrics(model, loaders, quickstart.device), "seconds": time.perf_counter() - started})  # fmt: skip
+                print(rows[-1], flush=True)
+                del model
+        result = {"run": str(run), "rows": rows,
+                  "command": shlex.join([".venv/bin/python", "benchmarks/group_kv_init.py", *sys.argv[1:]])}  # fmt: skip
+        atomic_write_text(RESULTS / "group-kv-init.json", json.dumps(result, indent=2))
+        atomic_write_text(RESULTS / "group-kv-init.md", markdown(result))
+        print(markdown(result))
 
 
 def markdown(result: dict) -> str:

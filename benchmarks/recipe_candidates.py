@@ -54,63 +54,63 @@ def main(
     from swiftkv_distill.export import export
     from swiftkv_distill.recipe import budgeted_fit, parse_overrides
 
-    quiet()  # the quickstart's output: no tips or harmless warnings
-    try:
-        quickstart = Run.open(run, needs=("teacher_answers", "frontier", "distill", "evaluate"))
-    except QuickstartError as error:
-        raise SystemExit(f"--run: {error}") from None
-    if not (Path(run) / "chat_heldout.jsonl").is_file():
-        raise SystemExit(
-            f"--run {run}: no held-out chat prompts (chat_heldout.jsonl): run the quickstart with them."
-        )
-    settings, results, l = quickstart.settings, quickstart.results, quickstart.num_key_value_layers
-    try:  # every candidate checked before any training
-        parsed = [parse_overrides(c) for c in candidates]
-    except ValueError as error:
-        raise SystemExit(f"--candidates: {error}") from None
-    minutes = minutes or settings.budget_minutes
-    val_files = {"text": settings.heldout_text, "chat": [str(run / "chat_heldout.jsonl")]}
-    common = {  # the quickstart's distill stage (swiftkv.quickstart.stages.distill)
-        "model.model": str(run / "converted"),
-        "model.num_key_value_layers": l,
-        "model.key_value_group_size": settings.key_value_group_size,
-        "data.train_files": results["teacher_answers"]["train_files"],
-        "data.val_files": val_files,
-        "data.max_val_rows": settings.max_eval_rows,
-        "trainer.accelerator": settings.accelerator,
-        "trainer.devices": 1,
-    }
-    rows = [_baseline_row(results)]
-    checkpoints = {"converted": run / "converted"}
-    for index, (text, overrides) in enumerate(zip(candidates, parsed, strict=True)):
-        folder = Path(out) / (tag or "run") / f"candidate-{index}"
-        started = time.perf_counter()
-        built, summary = budgeted_fit(settings.recipe, folder, minutes * 60, {**common, **overrides})
-        export(built.module, folder / "distilled")
-        checkpoints[text] = folder / "distilled"
-        after = summary["after"]
-        rows.append({
-            "candidate": text, "steps": summary["global_step"], "tokens_per_s": summary["train_tokens_per_s"],
-            "train_minutes": summary["train_seconds"] / 60, "minutes": (time.perf_counter() - started) / 60,
-            "chat": after["chat/agreement"], "chat_kl": after["chat/kl"], "text": after["agreement"],
-            "text_kl": after["kl"],
-        })  # fmt: skip
-        print(f"{text}: {rows[-1]}", flush=True)
-    prompts = [r["prompt"] for r in load_records([str(run / "chat_heldout.jsonl")])]
-    greedy = greedy_prefix_agreement(checkpoints, prompts, tokens=GREEDY_TOKENS)["share"]
-    for row in rows[1:]:
-        row["greedy"] = greedy[row["candidate"]]
-    result = {
-        "run": str(run), "l": l, "g": settings.key_value_group_size, "minutes": minutes,
-        "greedy_prompts": len(prompts), "converted_greedy": greedy["converted"], "rows": rows,
-        "frontier": results["frontier"]["rows"],
-        "command": shlex.join([".venv/bin/python", "benchmarks/recipe_candidates.py", *sys.argv[1:]]),
-    }  # fmt: skip
-    name = f"recipe-candidates{'-' + tag if tag else ''}"
-    atomic_write_text(RESULTS / f"{name}.json", json.dumps(result, indent=2))
-    atomic_write_text(RESULTS / f"{name}.md", markdown(result, f"{name}.png"))
-    plot(result, RESULTS / f"{name}.png")
-    print(markdown(result, f"{name}.png"))
+    with quiet():  # the quickstart's output: no tips or harmless warnings
+        try:
+            quickstart = Run.open(run, needs=("teacher_answers", "frontier", "distill", "evaluate"))
+        except QuickstartError as error:
+            raise SystemExit(f"--run: {error}") from None
+        if not (Path(run) / "chat_heldout.jsonl").is_file():
+            raise SystemExit(
+                f"--run {run}: no held-out chat prompts (chat_heldout.jsonl): run the quickstart with them."
+            )
+        settings, results, l = quickstart.settings, quickstart.results, quickstart.num_key_value_layers
+        try:  # every candidate checked before any training
+            parsed = [parse_overrides(c) for c in candidates]
+        except ValueError as error:
+            raise SystemExit(f"--candidates: {error}") from None
+        minutes = minutes or settings.budget_minutes
+        val_files = {"text": settings.heldout_text, "chat": [str(run / "chat_heldout.jsonl")]}
+        common = {  # the quickstart's distill stage (swiftkv.quickstart.stages.distill)
+            "model.model": str(run / "converted"),
+            "model.num_key_value_layers": l,
+            "model.key_value_group_size": settings.key_value_group_size,
+            "data.train_files": results["teacher_answers"]["train_files"],
+            "data.val_files": val_files,
+            "data.max_val_rows": settings.max_eval_rows,
+            "trainer.accelerator": settings.accelerator,
+            "trainer.devices": 1,
+        }
+        rows = [_baseline_row(results)]
+        checkpoints = {"converted": run / "converted"}
+        for index, (text, overrides) in enumerate(zip(candidates, parsed, strict=True)):
+            folder = Path(out) / (tag or "run") / f"candidate-{index}"
+            started = time.perf_counter()
+            built, summary = budgeted_fit(settings.recipe, folder, minutes * 60, {**common, **overrides})
+            export(built.module, folder / "distilled")
+            checkpoints[text] = folder / "distilled"
+            after = summary["after"]
+            rows.append({
+                "candidate": text, "steps": summary["global_step"], "tokens_per_s": summary["train_tokens_per_s"],
+                "train_minutes": summary["train_seconds"] / 60, "minutes": (time.perf_counter() - started) / 60,
+                "chat": after["chat/agreement"], "chat_kl": after["chat/kl"], "text": after["agreement"],
+                "text_kl": after["kl"],
+            })  # fmt: skip
+            print(f"{text}: {rows[-1]}", flush=True)
+        prompts = [r["prompt"] for r in load_records([str(run / "chat_heldout.jsonl")])]
+        greedy = greedy_prefix_agreement(checkpoints, prompts, tokens=GREEDY_TOKENS)["share"]
+        for row in rows[1:]:
+            row["greedy"] = greedy[row["candidate"]]
+        result = {
+            "run": str(run), "l": l, "g": settings.key_value_group_size, "minutes": minutes,
+            "greedy_prompts": len(prompts), "converted_greedy": greedy["converted"], "rows": rows,
+            "frontier": results["frontier"]["rows"],
+            "command": shlex.join([".venv/bin/python", "benchmarks/recipe_candidates.py", *sys.argv[1:]]),
+        }  # fmt: skip
+        name = f"recipe-candidates{'-' + tag if tag else ''}"
+        atomic_write_text(RESULTS / f"{name}.json", json.dumps(result, indent=2))
+        atomic_write_text(RESULTS / f"{name}.md", markdown(result, f"{name}.png"))
+        plot(result, RESULTS / f"{name}.png")
+        print(markdown(result, f"{name}.png"))
 
 
 def _baseline_row(results: dict) -> dict:

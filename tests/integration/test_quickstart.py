@@ -370,3 +370,36 @@ def test_an_earlier_run_opens_read_only_with_its_finished_stages(tmp_path):
         Run.open(tmp_path, needs=("frontier", "distill"))
     with pytest.raises(QuickstartError, match="no state.json"):
         Run.open(tmp_path / "elsewhere")
+
+
+def test_quiet_silences_only_while_it_runs():
+    """The main job's ``quiet()``: Lightning's info lines, harmless warnings and per-file progress bars off inside;
+    afterwards the process logs and warns as before (a test worker that ran the quickstart once used to lose
+    Lightning's INFO lines for good)."""
+    import logging
+    import warnings
+
+    import datasets
+    from transformers.utils import logging as transformers_logging
+
+    from swiftkv.quickstart.run import quiet
+
+    lightning_logger = logging.getLogger("lightning.pytorch")
+    lightning_logger.setLevel(logging.INFO)
+    datasets.enable_progress_bars()
+    transformers_logging.enable_progress_bar()
+    filters_before = list(warnings.filters)
+    harmless = "Checkpoint directory /x exists and is not empty."
+    with quiet():
+        assert lightning_logger.level == logging.ERROR
+        assert datasets.are_progress_bars_disabled() and not transformers_logging.is_progress_bar_enabled()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.warn(harmless, UserWarning, stacklevel=1)
+        assert caught == []
+    assert lightning_logger.level == logging.INFO
+    assert warnings.filters == filters_before
+    assert not datasets.are_progress_bars_disabled() and transformers_logging.is_progress_bar_enabled()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        warnings.warn(harmless, UserWarning, stacklevel=1)
+    assert [str(w.message) for w in caught] == [harmless]

@@ -94,18 +94,18 @@ def main(
     from .stages import STAGES
 
     started = time.perf_counter()
-    quiet()
-    settings, run_dir = check(
-        model, out, accelerator, num_key_value_layers, key_value_group_size, budget_minutes, recipe, train_files,
-        heldout_text, heldout_chat_prompts, max_eval_rows, prompt_lengths, serve, serve_workloads,
-        serve_requests, serve_compile, threshold, eval_tasks, min_agreement,
-    )  # fmt: skip
-    run = Run(run_dir, settings, force)
-    chosen = f"{accelerator} -> {settings.accelerator}" if accelerator == "auto" else accelerator
-    print(f"swiftkv quickstart: {settings.model} -> SwiftKV l={settings.num_key_value_layers}, "
-          f"g={settings.key_value_group_size}, on {run.device_description()} (--accelerator "
-          f"{chosen}, recipe {settings.recipe}); output in {run_dir}", flush=True)  # fmt: skip
-    run.run_stages(STAGES)
+    with quiet():
+        settings, run_dir = check(
+            model, out, accelerator, num_key_value_layers, key_value_group_size, budget_minutes, recipe, train_files,
+            heldout_text, heldout_chat_prompts, max_eval_rows, prompt_lengths, serve, serve_workloads,
+            serve_requests, serve_compile, threshold, eval_tasks, min_agreement,
+        )  # fmt: skip
+        run = Run(run_dir, settings, force)
+        chosen = f"{accelerator} -> {settings.accelerator}" if accelerator == "auto" else accelerator
+        print(f"swiftkv quickstart: {settings.model} -> SwiftKV l={settings.num_key_value_layers}, "
+              f"g={settings.key_value_group_size}, on {run.device_description()} (--accelerator "
+              f"{chosen}, recipe {settings.recipe}); output in {run_dir}", flush=True)  # fmt: skip
+        run.run_stages(STAGES)
     minutes = (time.perf_counter() - started) / 60
     report = run_dir / "report.md"
     serving = run.path("distilled-serving")

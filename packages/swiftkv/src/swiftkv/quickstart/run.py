@@ -9,7 +9,8 @@ import os
 import shutil
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -164,25 +165,48 @@ class Run:
             self._save()
 
 
-def quiet() -> None:
-    """Only what a user can act on: Lightning's tips and info lines, and known-harmless warnings, are silenced."""
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    import lightning.pytorch  # noqa: F401  (sets its loggers' levels when imported: import first, then quieten)
-
-    for name in ("lightning.pytorch", "lightning.fabric", "lightning", "transformers", "vllm"):
-        logging.getLogger(name).setLevel(logging.ERROR)
-    for message in (
-        ".*litlogger.*",
-        ".*does not have many workers.*",
-        ".*Experiment logs directory .* exists and is not empty.*",
-        ".*Checkpoint directory .* exists and is not empty.*",
-        ".*max_steps.*",
-    ):
-        warnings.filterwarnings("ignore", message=message)
-    warnings.filterwarnings("ignore", category=DeprecationWarning)
-    warnings.filterwarnings("ignore", category=FutureWarning)
+@contextmanager
+def quiet() -> Iterator[None]:
+    """Only what a user can act on, while the block runs: Lightning's tips and info lines, known-harmless warnings
+    and per-file progress bars are silenced. Every level, filter and switch is put back afterwards, so a process
+    that goes on (a test worker, a notebook) logs as before."""
     import datasets
+    import lightning.pytorch  # noqa: F401  (sets its loggers' levels when imported: import first, then quieten)
     from transformers.utils import logging as transformers_logging
 
-    datasets.disable_progress_bars()  # "Generating train split" for every small file
-    transformers_logging.disable_progress_bar()  # "Loading weights" / "Writing model shards" for every load
+    loggers = [logging.getLogger(name) for name in _QUIET_LOGGERS]
+    levels = [logger.level for logger in loggers]
+    datasets_bars = not datasets.are_progress_bars_disabled()
+    transformers_bars = transformers_logging.is_progress_bar_enabled()
+    parallelism = os.environ.get("TOKENIZERS_PARALLELISM")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    try:
+        with warnings.catch_warnings():
+            for message in _HARMLESS_WARNINGS:
+                warnings.filterwarnings("ignore", message=message)
+            warnings.filterwarnings("ignore", category=DeprecationWarning)
+            warnings.filterwarnings("ignore", category=FutureWarning)
+            for logger in loggers:
+                logger.setLevel(logging.ERROR)
+            datasets.disable_progress_bars()  # "Generating train split" for every small file
+            transformers_logging.disable_progress_bar()  # "Loading weights" / "Writing model shards" for every load
+            yield
+    finally:
+        for logger, level in zip(loggers, levels, strict=True):
+            logger.setLevel(level)
+        if datasets_bars:
+            datasets.enable_progress_bars()
+        if transformers_bars:
+            transformers_logging.enable_progress_bar()
+        if parallelism is None:
+            os.environ.pop("TOKENIZERS_PARALLELISM", None)
+
+
+_QUIET_LOGGERS = ("lightning.pytorch", "lightning.fabric", "lightning", "transformers", "vllm")
+_HARMLESS_WARNINGS = (
+    ".*litlogger.*",
+    ".*does not have many workers.*",
+    ".*Experiment logs directory .* exists and is not empty.*",
+    ".*Checkpoint directory .* exists and is not empty.*",
+    ".*max_steps.*",
+)
