@@ -86,6 +86,39 @@ def test_a_live_writers_staging_folder_is_left_alone_and_a_killed_ones_cleared(t
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
 
 
+def test_a_writer_killed_between_its_two_moves_loses_nothing(tmp_path):
+    """A real process SIGKILLed inside ``replace_directory``, its old folder set aside and the new one not yet in
+    place: the next write puts the old one back first, so even a write that then fails leaves it there."""
+    target = tmp_path / "out"
+    with atomic_directory(target) as staging:
+        _write(staging, "first")
+    code = (
+        "import sys; from swiftkv_core.atomic import atomic_directory\n"
+        "with atomic_directory(sys.argv[1]) as staging:\n    (staging / 'a.txt').write_text('killed')"
+    )
+    env = {**os.environ, "SWIFTKV_PAUSE_AT": "replace-directory"}
+    other = subprocess.Popen(
+        [sys.executable, "-c", code, str(target)], env=env, stderr=subprocess.PIPE, text=True
+    )
+    try:
+        assert other.stderr.readline().startswith("SWIFTKV_PAUSED replace-directory")
+    finally:
+        other.send_signal(signal.SIGKILL)
+        other.wait()
+    assert (
+        not target.exists() and len(list(tmp_path.glob(".out.old.*"))) == 1
+    )  # the window this test is about
+    with pytest.raises(RuntimeError), atomic_directory(target) as staging:
+        raise RuntimeError("disk full")
+    assert (target / "a.txt").read_text() == "first"
+    (killed,) = tmp_path.glob(".out.staging.*")
+    os.utime(killed, (0, 0))  # old enough to be taken for abandoned (it is: no process holds its lock)
+    with atomic_directory(target) as staging:
+        _write(staging, "second")
+    assert (target / "a.txt").read_text() == "second"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+
+
 def test_atomic_directory_works_where_the_file_system_has_no_locks(tmp_path, monkeypatch):
     """Some network file systems refuse ``flock`` (ENOLCK): the write goes on, an old staging folder is cleared by
     its age alone. The refusal is made here (this machine's file systems all lock)."""

@@ -30,6 +30,7 @@ def atomic_directory(target: str | os.PathLike) -> Iterator[Path]:
     On an error (or an interrupt) the staging folder is deleted and ``target`` is left as it was."""
     target = Path(target)
     target.parent.mkdir(parents=True, exist_ok=True)
+    restore_set_aside(target)  # an earlier writer killed mid-move: its old folder goes back first
     for stale in target.parent.glob(f".{target.name}.staging.*"):
         if _abandoned(stale):  # left by a process killed mid-write; another live writer's is left alone
             shutil.rmtree(stale, ignore_errors=True)
@@ -137,18 +138,55 @@ def made_once(
 
 def replace_directory(src: Path, dst: Path) -> None:
     """Move the complete folder ``src`` to ``dst``. An existing ``dst`` is set aside beside it (never inside a folder
-    that a failure deletes) and put back if the move fails; it is deleted only once ``src`` is in place."""
-    if not dst.exists():
-        os.replace(src, dst)
-        return
-    old = dst.with_name(f".{dst.name}.old.{uuid.uuid4().hex[:8]}")
-    os.replace(dst, old)
+    that a failure deletes) and put back if the move fails; it is deleted only once ``src`` is in place. A process
+    killed between the two moves leaves ``dst`` set aside: the next write to ``dst`` puts it back first
+    (``restore_set_aside``)."""
+    with _swapping(dst):
+        _restore(dst)
+        if not dst.exists():
+            os.replace(src, dst)
+            return
+        old = dst.with_name(f".{dst.name}.old.{uuid.uuid4().hex[:8]}")
+        os.replace(dst, old)
+        pause_point("replace-directory")  # ``dst`` is set aside, the new folder not yet in its place
+        try:
+            os.replace(src, dst)
+        except BaseException:
+            os.replace(old, dst)
+            raise
+        trash = dst.with_name(f".{dst.name}.trash.{uuid.uuid4().hex[:8]}")
+        os.replace(old, trash)  # a deletion cut short is never taken for a folder to put back
+    shutil.rmtree(trash, ignore_errors=True)
+
+
+def restore_set_aside(dst: str | os.PathLike) -> None:
+    """Undo what a process killed inside ``replace_directory`` left: its ``dst`` set aside as ``.NAME.old.*`` is put
+    back if ``dst`` is missing, and deleted if the new one had taken its place; ``.NAME.trash.*`` is deleted."""
+    dst = Path(dst)
+    with _swapping(dst):
+        _restore(dst)
+
+
+@contextmanager
+def _swapping(dst: Path) -> Iterator[None]:
+    """The two moves of ``replace_directory`` and a restore take turns (a lock on the parent folder, held for
+    microseconds): a folder set aside while its owner lives is never taken for a killed process's leftover."""
+    fd = os.open(dst.parent, os.O_RDONLY)
     try:
-        os.replace(src, dst)
-    except BaseException:
-        os.replace(old, dst)
-        raise
-    shutil.rmtree(old, ignore_errors=True)
+        _lock(fd)
+        yield
+    finally:
+        os.close(fd)
+
+
+def _restore(dst: Path) -> None:
+    set_aside = list(
+        dst.parent.glob(f".{dst.name}.old.*")
+    )  # (one at most: each is put back before a new swap)
+    if set_aside and not dst.exists():
+        os.replace(set_aside.pop(), dst)
+    for leftover in set_aside + list(dst.parent.glob(f".{dst.name}.trash.*")):
+        shutil.rmtree(leftover, ignore_errors=True)
 
 
 @contextmanager

@@ -1,7 +1,7 @@
 """Named points where a fault test stops a real process to kill it there (failpoints, as etcd's gofail or TiKV's
 fail-rs): with ``SWIFTKV_PAUSE_AT=NAME`` (and ``SWIFTKV_PAUSE_AFTER=N``: at the N-th time the point is reached,
 default the first) the process prints ``SWIFTKV_PAUSED NAME`` on stderr and waits there until it is killed.
-Without the variable a point does nothing. ``tests/distill/test_kill.py`` uses them to SIGKILL a training run in
+Without the variable a point does nothing. ``tests/integration/test_kill.py`` uses them to SIGKILL a training run in
 the middle of a checkpoint, an export or a state write, and checks that nothing half-written is ever read back.
 """
 
