@@ -297,9 +297,11 @@ QUICK_FIT = [
 def load_export(export: Path) -> str:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as transformers_logging
 
     import swiftkv_core  # noqa: F401
 
+    transformers_logging.disable_progress_bar()  # one line per check in the log, not a "Loading weights" bar
     model = AutoModelForCausalLM.from_pretrained(export, dtype=torch.float32).eval()
     tokenizer = AutoTokenizer.from_pretrained(export)
     ids = tokenizer("The capital of France is", return_tensors="pt")["input_ids"]
