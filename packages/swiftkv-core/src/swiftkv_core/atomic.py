@@ -180,9 +180,8 @@ def _swapping(dst: Path) -> Iterator[None]:
 
 
 def _restore(dst: Path) -> None:
-    set_aside = list(
-        dst.parent.glob(f".{dst.name}.old.*")
-    )  # (one at most: each is put back before a new swap)
+    # one at most: a set-aside folder is put back before the next swap to the same target
+    set_aside = list(dst.parent.glob(f".{dst.name}.old.*"))
     if set_aside and not dst.exists():
         os.replace(set_aside.pop(), dst)
     for leftover in set_aside + list(dst.parent.glob(f".{dst.name}.trash.*")):
