@@ -105,9 +105,8 @@ def test_a_writer_killed_between_its_two_moves_loses_nothing(tmp_path):
     finally:
         other.send_signal(signal.SIGKILL)
         other.wait()
-    assert (
-        not target.exists() and len(list(tmp_path.glob(".out.old.*"))) == 1
-    )  # the window this test is about
+    # the window this test is about: the old folder set aside, the new one not in place
+    assert not target.exists() and len(list(tmp_path.glob(".out.old.*"))) == 1
     with pytest.raises(RuntimeError), atomic_directory(target) as staging:
         raise RuntimeError("disk full")
     assert (target / "a.txt").read_text() == "first"

@@ -139,10 +139,9 @@ def made_once(
 def replace_directory(src: Path, dst: Path) -> None:
     """Move the complete folder ``src`` to ``dst``. An existing ``dst`` is set aside beside it (never inside a folder
     that a failure deletes) and put back if the move fails; it is deleted only once ``src`` is in place. A process
-    killed between the two moves leaves ``dst`` set aside: the next write to ``dst`` puts it back first
+    killed between the two moves leaves ``dst`` set aside: ``atomic_directory`` puts it back before its next write
     (``restore_set_aside``)."""
     with _swapping(dst):
-        _restore(dst)
         if not dst.exists():
             os.replace(src, dst)
             return
@@ -164,28 +163,25 @@ def restore_set_aside(dst: str | os.PathLike) -> None:
     back if ``dst`` is missing, and deleted if the new one had taken its place; ``.NAME.trash.*`` is deleted."""
     dst = Path(dst)
     with _swapping(dst):
-        _restore(dst)
+        # one at most: a set-aside folder is put back before the next write to the same target
+        set_aside = list(dst.parent.glob(f".{dst.name}.old.*"))
+        if set_aside and not dst.exists():
+            os.replace(set_aside.pop(), dst)
+        for leftover in set_aside + list(dst.parent.glob(f".{dst.name}.trash.*")):
+            shutil.rmtree(leftover, ignore_errors=True)
 
 
 @contextmanager
 def _swapping(dst: Path) -> Iterator[None]:
-    """The two moves of ``replace_directory`` and a restore take turns (a lock on the parent folder, held for
-    microseconds): a folder set aside while its owner lives is never taken for a killed process's leftover."""
+    """The two moves of ``replace_directory`` and ``restore_set_aside`` take turns (a lock on the parent folder,
+    held for microseconds): a folder set aside while its owner lives is never taken for a killed process's
+    leftover."""
     fd = os.open(dst.parent, os.O_RDONLY)
     try:
         _lock(fd)
         yield
     finally:
         os.close(fd)
-
-
-def _restore(dst: Path) -> None:
-    # one at most: a set-aside folder is put back before the next swap to the same target
-    set_aside = list(dst.parent.glob(f".{dst.name}.old.*"))
-    if set_aside and not dst.exists():
-        os.replace(set_aside.pop(), dst)
-    for leftover in set_aside + list(dst.parent.glob(f".{dst.name}.trash.*")):
-        shutil.rmtree(leftover, ignore_errors=True)
 
 
 @contextmanager
