@@ -22,7 +22,7 @@ def build(length: int):
     mask_kwargs = dict(config=SimpleNamespace(_attn_implementation="flex_attention"), attention_mask=None,
                        inputs_embeds=torch.empty(rows, length, 1), past_key_values=None, position_ids=positions)  # fmt: skip
     keep = torch.randperm(length, generator=torch.Generator().manual_seed(0))[: length // 2].sort().values
-    return modeling._kept_rows_mask(mask_kwargs, None, keep, plain=False)
+    return modeling._kept_rows_mask(mask_kwargs, None, keep, plain=False, attention_kwargs={})
 
 
 build(256)  # warm-up: the compile, at a shape too small to matter

@@ -180,6 +180,48 @@ def test_packed_rows_given_one_row_of_positions_match_the_whole_forward(swift, i
     model.config._attn_implementation = "sdpa"
 
 
+@pytest.mark.parametrize("given", ["an all-ones mask", "a cache", "varlen arguments"])
+def test_flash_attention_runs_every_row_where_it_keeps_sequences_apart_by_itself(swift, given):
+    """ONE row of two packed sequences: transformers' flash path keeps them apart from the positions by itself, with
+    an all-ones mask or a cache too (not sdpa's rule), and a caller may give flash-attn's variable-length arguments
+    directly. Neither has a kept-rows form (the kept rows alone would attend across the sequences, or past the
+    arguments' rows): layers >= l run every row, and the kept logits are the whole forward's."""
+    model, kernels = model_and_kernels(swift, "flash_attention_2")
+    device = model.device.type
+    ids = torch.randint(1, 128, (1, 24), device=device)
+    positions = torch.cat([torch.arange(10), torch.arange(14)])[None].to(device)
+    cu = torch.tensor([0, 10, 24], dtype=torch.int32, device=device)
+    inputs = {
+        "an all-ones mask": dict(
+            position_ids=positions, attention_mask=torch.ones_like(ids), use_cache=False
+        ),
+        "a cache": dict(position_ids=positions, use_cache=True),
+        "varlen arguments": dict(cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=14, max_length_k=14),
+    }[given]
+    model.config._attn_implementation = "flash_attention_2"
+    with torch.no_grad(), kernels:
+        whole = model(ids, **inputs).logits
+        for keep in (3, 16):
+            out = {}
+            rows = rows_through_layers_from_l(
+                model,
+                lambda keep=keep, out=out: out.update(
+                    logits=model(ids, **inputs, logits_to_keep=keep).logits
+                ),
+            )
+            assert rows == {24}
+            torch.testing.assert_close(
+                out["logits"], whole[:, -keep:], atol=2e-5 if device == "cpu" else 2e-2, rtol=0
+            )
+    model.config._attn_implementation = "sdpa"
+    if (
+        given != "varlen arguments"
+    ):  # the sequences were kept apart, as sdpa keeps them without a mask or a cache
+        with torch.no_grad():
+            packed = model(ids, position_ids=positions, use_cache=False).logits
+        torch.testing.assert_close(whole, packed, atol=2e-5 if device == "cpu" else 2e-2, rtol=0)
+
+
 def test_flex_attention_runs_every_row_for_a_callers_own_4d_mask(swift):
     """flex_attention's kept-rows block mask reads a 2-D padding mask; a caller's 4-D mask (or BlockMask) has no
     kept-rows form here: layers >= l then run every row (``NO_SUBSET``), as they do without SwiftKV. The choice is
@@ -194,11 +236,12 @@ def test_flex_attention_runs_every_row_for_a_callers_own_4d_mask(swift):
     )
     block = torch.ones(2, 1, 24, 24, dtype=torch.bool).tril()
     assert (
-        _kept_rows_mask({**mask_kwargs, "attention_mask": block}, None, slice(-3, None), False) is NO_SUBSET
+        _kept_rows_mask({**mask_kwargs, "attention_mask": block}, None, slice(-3, None), False, {})
+        is NO_SUBSET
     )
     padding = torch.ones(2, 24, dtype=torch.long)
     padding[0, :4] = 0
-    kept = _kept_rows_mask({**mask_kwargs, "attention_mask": padding}, None, slice(-3, None), False)
+    kept = _kept_rows_mask({**mask_kwargs, "attention_mask": padding}, None, slice(-3, None), False, {})
     assert kept is not NO_SUBSET and kept.shape[-2:] == (3, 24)  # a BlockMask of the kept rows
 
 

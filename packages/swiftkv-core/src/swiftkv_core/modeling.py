@@ -343,8 +343,9 @@ class SwiftKVModelMixin:
             past_key_values = DynamicCache(config=config)
         past_seen = past_key_values.get_seq_length() if past_key_values is not None else 0
         length = inputs_embeds.shape[1]
+        implementation = config._attn_implementation
         plain = (
-            config._attn_implementation == "sdpa"
+            (implementation == "sdpa" or implementation.startswith("flash_attention"))
             and length > 1
             and _plain_prompt(attention_mask, position_ids, past_seen, length)
         )
@@ -363,11 +364,12 @@ class SwiftKVModelMixin:
         # does in eager mode (under torch.compile with torch < 2.13 transformers builds the mask for every prompt,
         # since dynamo folds torch.compiler.is_exporting() to True there, and the compiled sdpa leaves its flash
         # kernels)
-        causal_mask = None if plain and past_seen == 0 else create_causal_mask(**mask_kwargs)
-        if config._attn_implementation.startswith("flash_attention"):
+        sdpa_is_causal = plain and past_seen == 0 and implementation == "sdpa"
+        causal_mask = None if sdpa_is_causal else create_causal_mask(**mask_kwargs)
+        if implementation.startswith("flash_attention"):
             kwargs = {**_flash_varlen_kwargs(mask_kwargs), **kwargs}  # the caller's own win
         subset = config.swiftkv and keep is not None
-        subset_mask = _kept_rows_mask(mask_kwargs, causal_mask, keep, plain) if subset else None
+        subset_mask = _kept_rows_mask(mask_kwargs, causal_mask, keep, plain, kwargs) if subset else None
         context = LayerContext(
             attention_mask=causal_mask,
             position_embeddings=self.rotary_emb(inputs_embeds, position_ids=position_ids),
@@ -482,11 +484,12 @@ def _plain_prompt(attention_mask, position_ids, past_seen: int, length: int) -> 
 NO_SUBSET = object()  # ``_kept_rows_mask``: the attention implementation cannot run the kept rows alone
 
 
-def _kept_rows_mask(mask_kwargs: dict, causal_mask, keep, plain: bool):
+def _kept_rows_mask(mask_kwargs: dict, causal_mask, keep, plain: bool, attention_kwargs: dict):
     """The attention mask of layers ``>= l`` when they run for the kept query positions only, for the model's
     attention implementation; ``NO_SUBSET`` where it cannot express one (those layers then run for every position,
-    with the same outputs and no saving). ``plain``: an sdpa prompt whose mask follows from its positions
-    (``_plain_prompt``).
+    with the same outputs and no saving). ``plain``: a prompt whose mask follows from its positions
+    (``_plain_prompt``; worked out for sdpa and flash-attn only); ``attention_kwargs``: what every layer's attention
+    gets besides (flash-attn's variable-length arguments among them).
 
     - eager / sdpa: the full mask's kept rows, always explicit (sdpa's ``is_causal`` aligns the upper-left corner,
       which is wrong for a subset of the rows); for a ``plain`` prompt, only those rows are built (the full mask
@@ -495,10 +498,12 @@ def _kept_rows_mask(mask_kwargs: dict, causal_mask, keep, plain: bool):
     - flex_attention: a block mask of the kept rows (blocks a kept row cannot see are skipped);
     - flash_attention_*: flash-attn aligns its causal mask to the bottom-right corner, which is what the LAST rows
       need (``logits_to_keep=N``, what ``generate`` asks for); its mask is the padding mask as it is. Other row
-      subsets, and packed sequences, have no flash-attn form here.
+      subsets, and packed sequences, have no flash-attn form here: ours (``_flash_varlen_kwargs``), a caller's own
+      variable-length arguments, and those transformers' flash path finds by itself in ONE row with no padding (from
+      its positions, with a cache too: its rule, not sdpa's; an all-ones mask is no padding to it).
     """
     implementation = mask_kwargs["config"]._attn_implementation
-    if plain:
+    if plain and implementation == "sdpa":
         embeds, cache = mask_kwargs["inputs_embeds"], mask_kwargs["past_key_values"]
         past = cache.get_seq_length() if cache is not None else 0
         keys = torch.arange(past + embeds.shape[1], device=embeds.device)
@@ -514,7 +519,17 @@ def _kept_rows_mask(mask_kwargs: dict, causal_mask, keep, plain: bool):
             return NO_SUBSET  # a caller's own 4-D mask or BlockMask: no kept-rows form of it here
         return _kept_rows_block_mask(mask_kwargs, keep)
     if implementation.startswith("flash_attention") and isinstance(keep, slice):
-        return NO_SUBSET if _packed_sequences(mask_kwargs) is not None else causal_mask
+        if "cu_seq_lens_q" in attention_kwargs:
+            return NO_SUBSET
+        if plain:
+            return causal_mask
+        positions = mask_kwargs["position_ids"]
+        one_row_packed = (  # under torch.compile, any one row without padding: its positions are not read there
+            causal_mask is None
+            and positions.shape[0] == 1
+            and find_packed_sequence_indices(positions) is not None
+        )
+        return NO_SUBSET if one_row_packed or _packed_sequences(mask_kwargs) is not None else causal_mask
     return NO_SUBSET
 
 
