@@ -7,6 +7,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
 
 from swiftkv_core.weights import is_swiftkv_parameter, swiftkv_parameter_names
 from swiftkv_distill import DistillDataModule, LossSettings, SwiftKVDistillation
@@ -312,7 +313,8 @@ def test_activation_checkpointing_gives_the_same_step(tiny_model):
 def test_distillation_step_timer_waits_for_the_device(monkeypatch, tiny_model, text_file, tmp_path):
     """train/tokens_per_s of each step is timed from a clock read after the device finished what was queued before
     the step to one read after it finished the step's backward (module._now): each reading of the clock it uses
-    follows a synchronisation at once."""
+    follows a synchronisation at once. A checkpoint written at the step's end (Lightning runs the callbacks' batch-end
+    hooks before the module's) is not the step's time."""
     from swiftkv_core import runtime
 
     events = []
@@ -340,8 +342,18 @@ def test_distillation_step_timer_waits_for_the_device(monkeypatch, tiny_model, t
     monkeypatch.setattr(module, "training_step", training_step)
     monkeypatch.setattr(module, "on_after_backward", lambda: events.append(("backward", None)))
     monkeypatch.setattr(module, "log", logged)
+    save = module.on_save_checkpoint
+    monkeypatch.setattr(
+        module, "on_save_checkpoint", lambda c: (events.append(("checkpoint", None)), save(c))
+    )
     data = DistillDataModule(str(tiny_model), [str(text_file)], max_length=32, batch_size=2, max_train_rows=4)
-    quiet_trainer(tmp_path, max_steps=2, limit_val_batches=0).fit(module, data)
+    every_step = ModelCheckpoint(
+        dirpath=tmp_path / "checkpoints", every_n_train_steps=1, save_top_k=0, save_last=True
+    )
+    trainer = quiet_trainer(
+        tmp_path, max_steps=2, limit_val_batches=0, enable_checkpointing=True, callbacks=[every_step]
+    )
+    trainer.fit(module, data)
 
     synced = [value for before, (kind, value) in pairwise(events) if kind == "clock" and before[0] == "sync"]
     starts = [i for i, (kind, _) in enumerate(events) if kind == "step"]
@@ -352,8 +364,11 @@ def test_distillation_step_timer_waits_for_the_device(monkeypatch, tiny_model, t
         assert started in synced  # the step's clock started after a synchronisation
         backward = max(i for i in range(start, rate) if events[i][0] == "backward")
         stopped = started + tokens / events[rate][1]  # the clock reading the rate was computed from
-        after = [v for v in synced if events.index(("clock", v)) > backward]
-        assert any(abs(v - stopped) < 1e-6 for v in after), "timed before the step's backward was done"
+        checkpoint = next(i for i in range(start, rate) if events[i][0] == "checkpoint")
+        after = [v for v in synced if backward < events.index(("clock", v)) < checkpoint]
+        assert any(abs(v - stopped) < 1e-6 for v in after), (
+            "timed before the backward, or after the checkpoint"
+        )
 
 
 @pytest.mark.parametrize("accelerator", ["cpu", pytest.param("gpu", marks=pytest.mark.gpu)])

@@ -184,7 +184,7 @@ def test_an_interrupted_run_resumes_without_redoing_finished_steps(inputs, tmp_p
         if trainer.global_step == 3:
             raise RuntimeError("power cut")
 
-    monkeypatch.setattr(stages, "CHECKPOINT_EVERY_N_STEPS", 2)
+    monkeypatch.setattr(stages, "CHECKPOINT_SECONDS", 0)  # every step
     with pytest.MonkeyPatch.context() as patch, pytest.raises(RuntimeError, match="power cut"):
         patch.setattr(BudgetProgress, "on_train_batch_end", crash_at_step_3)
         run_quickstart(inputs, out, serve=False, budget_minutes=0.5)

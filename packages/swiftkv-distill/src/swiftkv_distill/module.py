@@ -157,6 +157,7 @@ class SwiftKVDistillation(L.LightningModule):
         self.last_val_step = -1
         self._tokens_seen = 0
         self._step_started: float | None = None
+        self._step_ended: float | None = None  # read after the optimizer step (optimizer_step)
         self._fit_started: float | None = None  # the clock (_now) at the first step, less resumed time
         self._resumed_seconds = 0.0  # train_seconds when the resumed checkpoint was written
 
@@ -249,9 +250,15 @@ class SwiftKVDistillation(L.LightningModule):
         if self._fit_started is None:  # a resumed run's clock goes on from the checkpoint's elapsed time
             self._fit_started = self._step_started - self._resumed_seconds
 
+    def optimizer_step(self, *args, **kwargs) -> None:
+        super().optimizer_step(*args, **kwargs)
+        # the step's end, before the callbacks' batch-end work (a checkpoint's write), which Lightning runs first
+        self._step_ended = self._now()
+
     def on_train_batch_end(self, outputs, batch, batch_idx) -> None:
         if self._step_started is not None:
-            seconds = self._now() - self._step_started
+            ended, self._step_ended = self._step_ended or self._now(), None
+            seconds = ended - self._step_started
             # real tokens (no padding), as _tokens_seen counts them
             tokens = int(batch["token_mask"].sum()) * self._world_size()
             self.log(

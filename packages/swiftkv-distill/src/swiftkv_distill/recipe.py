@@ -13,6 +13,7 @@ import os
 import sys
 import warnings
 from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 
 from jsonargparse import set_parsing_settings
@@ -245,14 +246,14 @@ def budgeted_fit(
     folder: Path,
     seconds: float | None = None,
     overrides: dict | None = None,
-    checkpoint_every: int | None = None,
+    checkpoint_seconds: float | None = None,
     steps: int | None = None,
 ) -> tuple[Built, dict]:
     """Distil with ``recipe`` for ``seconds`` of training (warm-up + cosine over that time; a live bar that stops
     the run when the time is spent), or for ``steps`` optimizer steps (the schedule over the steps), with logs in
-    ``folder/logs/version_0`` and no export. With ``checkpoint_every``, the trainable weights are checkpointed every
-    that many steps in ``folder/checkpoints`` and a run that finds ``last.ckpt`` there resumes from it. Returns what
-    was built and the run's summary (``RunReport``).
+    ``folder/logs/version_0`` and no export. With ``checkpoint_seconds``, the trainable weights are checkpointed in
+    ``folder/checkpoints`` at the first step end that many seconds after the last checkpoint (0: every step), and a
+    run that finds ``last.ckpt`` there resumes from it. Returns what was built and the run's summary (``RunReport``).
 
     The recipe's numerics (accelerator, precision, clipping, validation cadence) stay; its length, loggers,
     callbacks and output folder are replaced by these. A bf16 precision on a CPU without native bf16 trains in
@@ -271,11 +272,13 @@ def budgeted_fit(
     if seconds is not None:
         callbacks.insert(0, {"class_path": "swiftkv_distill.callbacks.BudgetProgress",
                              "init_args": {"budget_seconds": seconds}})  # fmt: skip
-    if checkpoint_every:
+    checkpointing = checkpoint_seconds is not None
+    if checkpointing:
         callbacks.insert(0, {
             "class_path": "lightning.pytorch.callbacks.ModelCheckpoint",
             "init_args": {"dirpath": str(folder / "checkpoints"), "save_last": True, "save_top_k": 0,
-                          "every_n_train_steps": checkpoint_every},
+                          "train_time_interval": str(timedelta(seconds=checkpoint_seconds)),  # "0:01:00"
+                          "every_n_train_steps": None},  # not the recipe's (jsonargparse merges the two)
         })  # fmt: skip
     run = {
         "model.schedule_seconds": seconds,
@@ -287,13 +290,13 @@ def budgeted_fit(
         "trainer.logger": {"class_path": "lightning.pytorch.loggers.CSVLogger",
                            "init_args": {"save_dir": str(folder), "name": "logs", "version": 0}},
         "trainer.callbacks": callbacks,
-        "trainer.enable_checkpointing": bool(checkpoint_every),
+        "trainer.enable_checkpointing": checkpointing,
         "trainer.enable_progress_bar": steps is not None,  # BudgetProgress is the bar of a run in seconds
         "trainer.enable_model_summary": False,
         "trainer.num_sanity_val_steps": 0,
     }  # fmt: skip
     built = build(recipe, {**run, **given, "trainer.precision": precision})
-    resume = last_checkpoint(built.trainer) if checkpoint_every else None
+    resume = last_checkpoint(built.trainer) if checkpointing else None
     if resume:
         print(f"   resuming from {resume}", flush=True)
     with told_out_of_memory(built.trainer, built.module, built.datamodule):
