@@ -247,6 +247,7 @@ def main(
     result = {"shape": shape, "num_key_value_layers": l, "num_hidden_layers": model.config.num_hidden_layers,
               "device": name, "peak_bf16_tflops": peak, "hbm_tbps": tbps, "versions": stack_versions(),
               "command": shlex.join(["python3", "benchmarks/gpu.py", *sys.argv[1:]])}  # fmt: skip
+    out = Path(out or RESULTS / f"gpu-{shape}")
     if "prefill" in parts:
         lengths = prefill_lengths or [2048, 8192, 32768]
         bandwidth = tbps * 1e12 if tbps else None
@@ -256,11 +257,14 @@ def main(
             result["prefill"] += prefill_rows(
                 model, compiled_lengths, tuple(packed_prefill), repeats, prefill_compile, bandwidth
             )
+        write(result, out, show=False)  # each part's figures kept as it ends: a later part may fail
     if "decode" in parts:
         result["decode"] = decode_tpot(model, prefill_lengths[0] if prefill_lengths else 2048, decode_tokens)
+        write(result, out, show=False)
     del model
     if "kv_cache" in parts:
         result["kv_cache"] = kv_bytes(shape, l, device, dtype, 512 if tiny else 2048, num_hidden_layers)
+        write(result, out, show=False)
     if "distill" in parts:
         # fp32 master weights, bf16 autocast (the recipes' bf16-mixed), the frozen weights (the teacher) in fp32
         # as Lightning keeps them, then in bf16 (``frozen_dtype: bfloat16``)
@@ -277,19 +281,20 @@ def main(
                              activation_checkpointing, compile_layers)  # fmt: skip
             result["distill"] += rows
             del model
-    out = out or RESULTS / f"gpu-{shape}"
-    write(result, Path(out))
+            write(result, out, show=False)
+    write(result, out)
     return result
 
 
-def write(result: dict, out: Path) -> None:
+def write(result: dict, out: Path, show: bool = True) -> None:
     from swiftkv_core.atomic import atomic_write_text
 
     atomic_write_text(
         out.parent / f"{out.name}.json", json.dumps(result, indent=2)
     )  # not with_suffix: "3.1-8b"
     atomic_write_text(out.parent / f"{out.name}.md", markdown(result))
-    print(markdown(result))
+    if show:
+        print(markdown(result))
 
 
 def markdown(r: dict) -> str:
@@ -342,12 +347,23 @@ def markdown(r: dict) -> str:
             "",
             "| setup | frozen weights | tokens/s | step (s) | peak GiB | MFU | speed vs whole | memory vs whole |",
             "|---|---|---|---|---|---|---|---|",
-            *(f"| {d['setup']} | {d['frozen']} | {d['tokens_per_s']:,.0f} | {d['step_s']:.3f} | "
-              f"{d['peak_gib']:.2f} | {'-' if d['mfu'] is None else format(d['mfu'], '.0%')} | "
-              f"{d['speed_vs_whole_x']:.2f}x | {d['memory_vs_whole_x']:.2f}x |" for d in r["distill"]),
+            *(_distill_row(d) for d in r["distill"]),
             "",
         ]  # fmt: skip
     return "\n".join(lines)
+
+
+def _distill_row(d: dict) -> str:
+    """A distillation step's row of the page: a setup out of device memory says so, and its ratios are none."""
+    if "out_of_memory" in d:
+        return f"| {d['setup']} | {d['frozen']} | out of memory | - | - | - | - | - |"
+    return (f"| {d['setup']} | {d['frozen']} | {d['tokens_per_s']:,.0f} | {d['step_s']:.3f} | {d['peak_gib']:.2f} | "
+            f"{_or_dash(d['mfu'], '.0%')} | {_or_dash(d['speed_vs_whole_x'], '.2f', 'x')} | "
+            f"{_or_dash(d['memory_vs_whole_x'], '.2f', 'x')} |")  # fmt: skip
+
+
+def _or_dash(value: float | None, spec: str, unit: str = "") -> str:
+    return "-" if value is None else format(value, spec) + unit
 
 
 if __name__ == "__main__":

@@ -20,11 +20,16 @@ OURS, WHOLE = "ours, dense mask (sdpa)", "whole teacher + whole student (sdpa)"
 AC = " + activation checkpointing"
 
 
-@pytest.fixture(scope="module")
-def tiny_result(tmp_path_factory):
+def load_benchmark():
     spec = importlib.util.spec_from_file_location("gpu_benchmark", ROOT / "benchmarks" / "gpu.py")
     benchmark = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(benchmark)
+    return benchmark
+
+
+@pytest.fixture(scope="module")
+def tiny_result(tmp_path_factory):
+    benchmark = load_benchmark()
     out = tmp_path_factory.mktemp("gpu") / "gpu-tiny-3.1"  # a dot in the name, as in gpu-llama-3.1-8b
     benchmark.main(  # a bandwidth and a peak as no CPU has in the tables (the memory-aware bound's, MFU's inputs)
         tiny=True,
@@ -106,3 +111,46 @@ def test_distillation_step_rows_compare_against_the_whole_teacher_and_student(ti
             assert rows[setup + AC, frozen]["peak_gib"] < rows[setup, frozen]["peak_gib"]
             assert rows[setup + AC, frozen]["step_tflop"] == rows[setup, frozen]["step_tflop"]
     assert "## Distillation step" in markdown and result["command"].startswith("python3 benchmarks/gpu.py")
+
+
+def test_a_setup_out_of_device_memory_is_a_row_and_the_others_still_run(monkeypatch, tmp_path):
+    """A distillation setup that does not fit the device (the whole teacher + student with fp32 frozen weights needs
+    more than an 80 GB H100 holds) is a row saying so, not the end of the run: the other setups are measured, their
+    ratios to the whole are none, and the page says it. No CPU runs out of device memory: a stand-in raises CUDA's
+    error in the whole setup's KL, which ours does not compute with."""
+    import torch
+
+    def kl_div(*args, **kwargs):
+        raise torch.OutOfMemoryError(
+            "CUDA out of memory. Tried to allocate 9.00 GiB.\nIf reserved but unallocated"
+        )
+
+    monkeypatch.setattr(torch.nn.functional, "kl_div", kl_div)
+    out = tmp_path / "gpu-oom"
+    result = load_benchmark().main(tiny=True, out=out, parts=["distill"], frozen=["bf16"])
+    rows = {r["setup"]: r for r in result["distill"]}
+    assert rows[WHOLE] == {"setup": WHOLE, "frozen": "bf16", "speed_vs_whole_x": None, "memory_vs_whole_x": None,
+                           "out_of_memory": "CUDA out of memory. Tried to allocate 9.00 GiB."}  # fmt: skip
+    assert rows[OURS]["tokens_per_s"] > 0 and rows[OURS]["peak_gib"] > 0
+    assert rows[OURS]["speed_vs_whole_x"] is None and rows[OURS]["memory_vs_whole_x"] is None
+    page = (tmp_path / "gpu-oom.md").read_text()
+    assert (
+        f"| {WHOLE} | bf16 | out of memory |" in page
+        and f"| {OURS} | bf16 | {rows[OURS]['tokens_per_s']:,.0f} |" in page
+    )
+
+
+def test_each_part_is_written_as_it_ends(monkeypatch, tmp_path):
+    """A part that fails (here the distillation's data, by a stand-in) leaves the parts before it on disk."""
+    import swiftkv_distill.bench
+
+    def no_data(*args, **kwargs):
+        raise RuntimeError("the data went away")
+
+    monkeypatch.setattr(swiftkv_distill.bench, "packed_batches", no_data)
+    out = tmp_path / "gpu-parts"
+    with pytest.raises(RuntimeError, match="went away"):
+        load_benchmark().main(tiny=True, out=out, parts=["kv_cache", "distill"])
+    written = json.loads((tmp_path / "gpu-parts.json").read_text())
+    assert written["kv_cache"] and "distill" not in written
+    assert "## KV cache" in (tmp_path / "gpu-parts.md").read_text()

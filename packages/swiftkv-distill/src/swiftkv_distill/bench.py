@@ -61,14 +61,14 @@ def step_rows(
     compiled: bool = False,
 ) -> list[dict]:
     """Tokens/s, peak memory and MFU of a distillation step: ours (dense-mask sdpa, and the device's packed
-    attention) and a whole teacher + a whole student forward on the same weights (``frozen``: their dtype);
+    attention) and a whole teacher + a whole student forward on the same weights (``frozen``: their dtype); a setup
+    that runs out of device memory gives a row saying so (``out_of_memory``: the error's first line);
     ``checkpointing``: also both with activation checkpointing of every layer (``build.checkpoint_activations``);
     ``compiled``: then both with every decoder layer compiled (``build.compile_layers``, once; the last rows, as a
     compiled layer stays compiled)."""
     import torch.nn.functional as F
 
     from swiftkv_core.flops import count_flops
-    from swiftkv_core.runtime import PeakMemory, Stopwatch
 
     from .build import attention_for, checkpoint_activations, compile_layers
     from .step import DistillationStep, LossSettings
@@ -120,18 +120,18 @@ def step_rows(
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
 
-        for batch in batches[:warmup]:
-            one_step(batch)
-        watch = Stopwatch(device).start()
-        for batch in batches[warmup : warmup + steps]:
-            one_step(batch)
-        seconds = watch.stop() / steps
-        # one more step, untimed (a CPU's meter follows every tensor), for the peak tensor memory: weights, optimizer
-        # state, the step's activations, gradients and temporaries
-        state = [t for s in optimizer.state.values() for t in s.values() if torch.is_tensor(t)]
-        with PeakMemory(device, resident=[*model.parameters(), *model.buffers(), *state]) as meter:
-            one_step(batches[warmup + steps])
-        peak_gib = meter.peak_bytes / 2**30
+        # a setup that does not fit in the device's memory is a result too, and the next ones run
+        try:
+            seconds, peak_gib = _time_and_peak(one_step, batches, warmup, steps, model, optimizer)
+        except torch.OutOfMemoryError as error:
+            seconds, out_of_memory = None, str(error).splitlines()[0]
+        if seconds is None:  # out of the except block, the error's frames and their tensors are gone
+            rows.append({"setup": name, "frozen": frozen, "out_of_memory": out_of_memory})
+            print(json.dumps(rows[-1]), flush=True)
+            del optimizer, one_step  # its state (one_step holds the optimizer)
+            model.zero_grad(set_to_none=True)
+            torch.cuda.empty_cache()
+            continue
         # FlopCounterMode sees no FLOPs inside a compiled flex_attention, nor in sdpa's GQA path: count eager's,
         # without the recomputed layers (the model's FLOPs: what MFU counts), once per loss, a sequence at a time
         # (their sum is the batch's; eager attention over a whole 8k batch beside the whole teacher + student
@@ -155,6 +155,31 @@ def step_rows(
         print(json.dumps(rows[-1]), flush=True)
         del optimizer
     model.config._attn_implementation = "sdpa"
-    whole_row = next(r for r in rows if r["setup"] == "whole teacher + whole student (sdpa)")
-    return [{**r, "speed_vs_whole_x": r["tokens_per_s"] / whole_row["tokens_per_s"],
-             "memory_vs_whole_x": r["peak_gib"] / whole_row["peak_gib"]} for r in rows]  # fmt: skip
+    whole = next(r for r in rows if r["setup"] == "whole teacher + whole student (sdpa)")
+
+    def vs_whole(row: dict, key: str) -> float | None:  # none where either ran out of memory
+        return row[key] / whole[key] if key in row and key in whole else None
+
+    return [{**r, "speed_vs_whole_x": vs_whole(r, "tokens_per_s"), "memory_vs_whole_x": vs_whole(r, "peak_gib")}
+            for r in rows]  # fmt: skip
+
+
+def _time_and_peak(
+    one_step, batches: list[dict], warmup: int, steps: int, model, optimizer
+) -> tuple[float, float]:
+    """Seconds per step (after ``warmup`` steps, over ``steps``) and the peak tensor memory in GiB of one more step,
+    untimed (a CPU's meter follows every tensor): weights, optimizer state, the step's activations, gradients and
+    temporaries."""
+    from swiftkv_core.runtime import PeakMemory, Stopwatch
+
+    device = model.device
+    for batch in batches[:warmup]:
+        one_step(batch)
+    watch = Stopwatch(device).start()
+    for batch in batches[warmup : warmup + steps]:
+        one_step(batch)
+    seconds = watch.stop() / steps
+    state = [t for s in optimizer.state.values() for t in s.values() if torch.is_tensor(t)]
+    with PeakMemory(device, resident=[*model.parameters(), *model.buffers(), *state]) as meter:
+        one_step(batches[warmup + steps])
+    return seconds, meter.peak_bytes / 2**30
