@@ -257,7 +257,12 @@ def test_the_frontier_sweeps_l_and_auto_picks_the_smallest_predicted_to_clear_th
 def test_the_main_job_takes_the_gpu_when_there_is_one(monkeypatch):
     import torch
 
-    from swiftkv.quickstart.settings import DEVICE_DEFAULTS, QuickstartError, choose_accelerator
+    from swiftkv.quickstart.settings import (
+        DEVICE_DEFAULTS,
+        QuickstartError,
+        choose_accelerator,
+        cpu_fallback_note,
+    )
     from swiftkv_distill.recipe import parse
 
     assert choose_accelerator("auto", cuda_available=False) == "cpu"
@@ -271,6 +276,15 @@ def test_the_main_job_takes_the_gpu_when_there_is_one(monkeypatch):
     assert choose_accelerator("auto", cuda_available=True, bf16=False) == "cpu"
     with pytest.raises(QuickstartError, match="no bf16.*--accelerator cpu"):
         choose_accelerator("gpu", cuda_available=True, bf16=False)
+    # where auto falls back to the CPU on a machine meant for a GPU, the start says why
+    assert "T4 has no bf16" in cpu_fallback_note("auto", True, False, "13.0", "Tesla T4")
+    note = cpu_fallback_note(
+        "auto", False, False, "13.0", None
+    )  # the CUDA image without --gpus, or an old driver
+    assert "built for CUDA 13.0 but sees no GPU" in note and "--gpus all" in note and "driver" in note
+    assert cpu_fallback_note("auto", False, False, None, None) is None  # a CPU build of torch: nothing to say
+    assert cpu_fallback_note("cpu", False, False, "13.0", None) is None  # asked for
+    assert cpu_fallback_note("auto", True, True, "13.0", "NVIDIA H100") is None
     gpu, cpu = (parse(DEVICE_DEFAULTS[device]["recipe"]) for device in ("gpu", "cpu"))
     assert (gpu.trainer.accelerator, gpu.trainer.precision, gpu.model.attn_implementation) == (
         "gpu",

@@ -81,6 +81,12 @@ def docker_serve_command(serving: Path, accelerator: str) -> str:
     return f"docker run --shm-size 1g -p 8000:8000 {mount} swiftkv-serve:cpu /model"
 
 
+def _device_name(prefill: dict) -> str:
+    """The machine the headline's figures come from, without a dtype: the prefill ran in the run's dtype, the held-out
+    quality in the trained weights' own (``step.evaluate``). A run older than the name gives the prefill's entry."""
+    return prefill.get("device_name", prefill.get("device", "this machine"))
+
+
 def _pct(x: float) -> str:
     return f"{100 * x:.1f}%"
 
@@ -93,7 +99,7 @@ def _markdown(root: Path, settings: dict, results: dict, versions: dict, head: d
         f"# SwiftKV on {Path(s['model_identity']['path']).name}: l = {l} of {L} layers ({_pct(head['skipped_fraction'])} of the layers skipped "
         f"in prefill), AcrossKV g = {g}",
         "",
-        f"## Headline (measured in this run, on {results['prefill'].get('device', 'this machine')})",
+        f"## Headline (measured in this run, on {_device_name(results['prefill'])})",
         "",
     ]
     if "prefill" in head:

@@ -82,10 +82,9 @@ def check(
 
     cuda = torch.cuda.is_available()
     bf16 = cuda and gpu_computes_bf16()
-    if accelerator == "auto" and cuda and not bf16:
-        print(
-            f"note: {torch.cuda.get_device_name()} has no bf16 (the GPU recipe's precision): running on the CPU"
-        )
+    gpu_name = torch.cuda.get_device_name() if cuda else None
+    if note := cpu_fallback_note(accelerator, cuda, bf16, torch.version.cuda, gpu_name):
+        print(note)
     accelerator = choose_accelerator(accelerator, cuda, bf16)
     recipe = recipe or DEVICE_DEFAULTS[accelerator]["recipe"]
     budget_minutes = (
@@ -206,6 +205,24 @@ def choose_accelerator(requested: str, cuda_available: bool, bf16: bool = True) 
             "A100, L4, H100 or newer."
         )
     return "gpu" if requested == "gpu" or (requested == "auto" and cuda_available and bf16) else "cpu"
+
+
+def cpu_fallback_note(
+    requested: str, cuda_available: bool, bf16: bool, cuda_build: str | None, gpu_name: str | None
+) -> str | None:
+    """Why ``--accelerator auto`` runs on the CPU where a GPU was likely meant (a GPU without bf16; torch built for
+    CUDA but seeing no GPU: no ``--gpus all``, or a host driver too old for torch's CUDA), or None."""
+    if requested != "auto":
+        return None
+    if cuda_available and not bf16:
+        return f"note: {gpu_name} has no bf16 (the GPU recipe's precision): running on the CPU"
+    if not cuda_available and cuda_build:
+        return (
+            f"note: this torch is built for CUDA {cuda_build} but sees no GPU: running on the CPU (in a container, "
+            f"give it the GPU with docker run --gpus all; the host's NVIDIA driver must support CUDA {cuda_build}: "
+            "nvidia-smi shows the CUDA version it supports)"
+        )
+    return None
 
 
 def estimated_step_seconds(config, tokens: int, accelerator: str = "cpu") -> float:

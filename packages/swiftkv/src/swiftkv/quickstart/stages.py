@@ -213,6 +213,7 @@ def prefill(run: Run) -> dict:
         sample_prompt_ids,
         time_prefill_off_on,
     )
+    from swiftkv_core.runtime import device_description
 
     model, tokenizer = load(run.path("distilled"), dtype=run.dtype, device=run.device)
     shape, l, g = (
@@ -244,7 +245,8 @@ def prefill(run: Run) -> dict:
     for r in rows:
         print(f"   {r['prompt_tokens']:>5} tokens: {r['off_s'] * 1e3:7.1f} -> {r['on_s'] * 1e3:7.1f} ms, "
               f"{r['speedup_x']:.2f}x (FLOPs bound {r['flops_bound_x']:.2f}x; {r['forward']})")  # fmt: skip
-    return {"rows": rows, "threads": torch.get_num_threads(), "device": run.device_description()}
+    return {"rows": rows, "threads": torch.get_num_threads(), "device": run.device_description(),
+            "device_name": device_description(run.device)}  # fmt: skip
 
 
 def serve(run: Run) -> dict:
