@@ -180,6 +180,32 @@ def test_packed_rows_given_one_row_of_positions_match_the_whole_forward(swift, i
     model.config._attn_implementation = "sdpa"
 
 
+@pytest.mark.parametrize("implementation", ["flex_attention", "flash_attention_2"])
+def test_packed_rows_over_several_blocks_match_sdpa(swift, implementation):
+    """Rows longer than flex_attention's 128-token blocks (blocks a sequence cannot see skipped, blocks cut by a
+    sequence's start masked), a one-token sequence, a row ending in padding (collate's: positions restarting, its own
+    sequence), positions given per row: the whole forward and the kept rows have sdpa's logits (its dense mask)."""
+    model, kernels = model_and_kernels(swift, implementation)
+    device = model.device.type
+    lengths = ([130, 1, 169], [200, 60, 40])  # the second row's last 40: padding
+    positions = torch.stack([torch.cat([torch.arange(n) for n in row]) for row in lengths]).to(device)
+    ids = torch.randint(1, 128, (2, 300), device=device)
+    ids[1, 260:] = 0
+    atol = 2e-5 if device == "cpu" else 2e-2
+    with torch.no_grad(), kernels:
+        model.config._attn_implementation = "sdpa"
+        whole = model(ids, position_ids=positions, use_cache=False).logits
+        model.config._attn_implementation = implementation
+        out = model(ids, position_ids=positions, use_cache=False).logits
+        torch.testing.assert_close(out, whole, atol=atol, rtol=0)
+        keeps = [5] if implementation.startswith("flash") else [5, torch.tensor([0, 129, 130, 131, 250, 299])]
+        for keep in keeps:
+            kept = slice(-keep, None) if isinstance(keep, int) else keep.to(device)
+            out = model(ids, position_ids=positions, use_cache=False, logits_to_keep=keep).logits
+            torch.testing.assert_close(out, whole[:, kept], atol=atol, rtol=0)
+    model.config._attn_implementation = "sdpa"
+
+
 @pytest.mark.parametrize("given", ["an all-ones mask", "a cache", "varlen arguments"])
 def test_flash_attention_runs_every_row_where_it_keeps_sequences_apart_by_itself(swift, given):
     """ONE row of two packed sequences: transformers' flash path keeps them apart from the positions by itself, with
