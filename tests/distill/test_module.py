@@ -371,6 +371,33 @@ def test_distillation_step_timer_waits_for_the_device(monkeypatch, tiny_model, t
         )
 
 
+def test_train_seconds_stop_where_training_stops(monkeypatch, tiny_model, text_file, tmp_path):
+    """The final evaluation (``on_train_end``) is not training: ``train_seconds`` (the summary's, and its tokens/s
+    over the run) stops before it, and stays put after the fit."""
+    module = SwiftKVDistillation(
+        str(tiny_model), num_key_value_layers=2, kv_init="published", evaluate_before_training=False
+    )
+    evaluate, seen = module.evaluate, {}
+
+    def final_evaluation(loader):
+        seen["started"] = module._now() - module._fit_started
+        return evaluate(loader)
+
+    monkeypatch.setattr(module, "evaluate", final_evaluation)
+    data = DistillDataModule(
+        str(tiny_model), [str(text_file)], val_files=[str(text_file)], max_length=32, batch_size=2,
+        max_train_rows=8, max_val_rows=2,
+    )  # fmt: skip
+    quiet_trainer(tmp_path, max_steps=2, num_sanity_val_steps=0).fit(
+        module, data
+    )  # ends mid-epoch: no validation
+    assert "started" in seen  # the final evaluation ran
+    trained = module.train_seconds
+    assert 0 < trained <= seen["started"]
+    time.sleep(0.01)
+    assert module.train_seconds == trained  # it no longer follows the clock
+
+
 @pytest.mark.parametrize("accelerator", ["cpu", pytest.param("gpu", marks=pytest.mark.gpu)])
 def test_compiled_layers_train_as_the_eager_ones(accelerator, tiny_model, text_file, tmp_path, fp32_matmuls):
     """compile_layers=True: a real fit (the least-squares K/V init through its hooks, eager; then training and the

@@ -157,8 +157,9 @@ class SwiftKVDistillation(L.LightningModule):
         self.last_val_step = -1
         self._tokens_seen = 0
         self._step_started: float | None = None
-        self._step_ended: float | None = None  # read after the optimizer step (optimizer_step)
+        self._step_ended: float | None = None  # after the optimizer step, before the callbacks' batch end
         self._fit_started: float | None = None  # the clock (_now) at the first step, less resumed time
+        self._fit_ended: float | None = None  # the clock when training stopped, before the final evaluation
         self._resumed_seconds = 0.0  # train_seconds when the resumed checkpoint was written
 
     # --- model -------------------------------------------------------------------------------------------------
@@ -236,9 +237,11 @@ class SwiftKVDistillation(L.LightningModule):
 
     @property
     def train_seconds(self) -> float:
-        """Wall time since the first training step, summed over a resume's interrupted runs (the schedule's clock
-        under ``schedule_seconds``)."""
-        return self._resumed_seconds if self._fit_started is None else self._now() - self._fit_started
+        """Wall time since the first training step, until training stopped (the final evaluation is not training),
+        summed over a resume's interrupted runs (the schedule's clock under ``schedule_seconds``)."""
+        if self._fit_started is None:
+            return self._resumed_seconds
+        return (self._now() if self._fit_ended is None else self._fit_ended) - self._fit_started
 
     def _now(self) -> float:
         """The clock of the training timers, read once the device's queued work is done (a GPU step is timed by
@@ -252,19 +255,15 @@ class SwiftKVDistillation(L.LightningModule):
 
     def optimizer_step(self, *args, **kwargs) -> None:
         super().optimizer_step(*args, **kwargs)
-        # the step's end, before the callbacks' batch-end work (a checkpoint's write), which Lightning runs first
-        self._step_ended = self._now()
+        self._step_ended = self._now()  # before the callbacks' batch-end work (a checkpoint's write)
 
     def on_train_batch_end(self, outputs, batch, batch_idx) -> None:
+        log = dict(on_step=True, on_epoch=False, batch_size=1)
         if self._step_started is not None:
             ended, self._step_ended = self._step_ended or self._now(), None
-            seconds = ended - self._step_started
-            # real tokens (no padding), as _tokens_seen counts them
-            tokens = int(batch["token_mask"].sum()) * self._world_size()
-            self.log(
-                "train/tokens_per_s", tokens / max(seconds, 1e-9), on_step=True, on_epoch=False, batch_size=1
-            )
-        self.log("train/tokens_seen", float(self._tokens_seen), on_step=True, on_epoch=False, batch_size=1)
+            tokens = int(batch["token_mask"].sum()) * self._world_size()  # real tokens, as _tokens_seen
+            self.log("train/tokens_per_s", tokens / max(ended - self._step_started, 1e-9), **log)
+        self.log("train/tokens_seen", float(self._tokens_seen), **log)
 
     def configure_optimizers(self):
         hp = self.hparams
@@ -409,6 +408,7 @@ class SwiftKVDistillation(L.LightningModule):
 
     def on_train_end(self) -> None:
         """Make sure the final weights are measured: validate once more unless the last validation was at the end."""
+        self._fit_ended = self._now()
         if self.last_val_step == self.global_step or self.trainer.limit_val_batches == 0:
             return
         loader = self._val_loader()
