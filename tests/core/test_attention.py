@@ -1,8 +1,8 @@
 """The SwiftKV prefill with each attention implementation: layers >= l run for the kept rows only (what makes
-prefill cheaper), and the logits equal sdpa's. flex_attention compiles its kernels on first use (about ten seconds
-a shape on a CPU). flash_attention_2 runs flash-attn where it is installed with a GPU; elsewhere transformers' flash
-path runs on the CPU with flash-attn's kernels written in plain PyTorch (``tests/flash_reference.py``), which a
-``gpu`` test compares with flash-attn."""
+prefill cheaper), and the logits equal sdpa's, on a Llama (g=1) and, for the main cases, a Qwen2 with AcrossKV (g=2).
+flex_attention compiles its kernels on first use (about ten seconds a shape on a CPU). flash_attention_2 runs
+flash-attn where it is installed with a GPU; elsewhere transformers' flash path runs on the CPU with flash-attn's
+kernels written in plain PyTorch (``tests/flash_reference.py``), which a ``gpu`` test compares with flash-attn."""
 
 from __future__ import annotations
 
@@ -54,6 +54,14 @@ def swift():
     return convert(tiny_base("llama", **FLEX_HEADS), 2, 1)
 
 
+@pytest.fixture(scope="module", params=["llama-g1", "qwen2-g2"])
+def swift_family(request, swift):
+    """The Llama (g=1) above, and a Qwen2 (q/k/v biases) with AcrossKV (g=2: layers 2 and 3 share one K/V)."""
+    if request.param == "llama-g1":
+        return swift
+    return convert(tiny_base("qwen2", **FLEX_HEADS), 2, 2)
+
+
 def model_and_kernels(swift, implementation: str):
     """The model to run ``implementation`` on and the kernels' context: for flash_attention_2 a bf16 copy on the GPU
     (flash-attn takes no fp32) where flash-attn is installed, else the CPU model on the reference kernels."""
@@ -66,8 +74,8 @@ def model_and_kernels(swift, implementation: str):
 
 @pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
 @pytest.mark.parametrize("keep", [1, 3], ids=lambda k: f"last{k}")
-def test_kept_rows_only_and_the_same_logits_as_sdpa(swift, implementation, keep):
-    model, kernels = model_and_kernels(swift, implementation)
+def test_kept_rows_only_and_the_same_logits_as_sdpa(swift_family, implementation, keep):
+    model, kernels = model_and_kernels(swift_family, implementation)
     device = model.device.type
     ids = torch.randint(1, 128, (2, 40), device=device)
     mask = torch.ones_like(ids)
@@ -151,11 +159,11 @@ def test_any_kept_positions_with_a_cache_match_sdpa(swift, implementation):
 
 
 @pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
-def test_packed_rows_given_one_row_of_positions_match_the_whole_forward(swift, implementation):
+def test_packed_rows_given_one_row_of_positions_match_the_whole_forward(swift_family, implementation):
     """Two rows of two packed sequences each, their positions given as ONE row for the whole batch (transformers
     widens it): the kept rows (the last ones, then any) have the logits of sdpa's whole forward there. flash-attn has
     no kept-rows form for packed rows (every row runs layers >= l); the others run the kept rows alone."""
-    model, kernels = model_and_kernels(swift, implementation)
+    model, kernels = model_and_kernels(swift_family, implementation)
     device = model.device.type
     ids = torch.randint(1, 128, (2, 24), device=device)
     positions = torch.cat([torch.arange(10), torch.arange(14)])[None].to(device)
