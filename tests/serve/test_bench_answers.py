@@ -1,6 +1,7 @@
-"""swiftkv_serve.comparison (the serving comparison as a library) and swiftkv_serve.answers (a teacher's answers
-with vLLM, the distillation's "vllm" answer backend), with the teacher-answers cache of swiftkv_distill.answers.
-Correctness only, never timings."""
+"""swiftkv_serve.bench's child process (one that fails) and swiftkv_serve.answers (a teacher's answers with vLLM, the
+distillation's "vllm" answer backend), with the teacher-answers cache of swiftkv_distill.answers. Correctness only,
+never timings. The whole serving comparison (both models, their ratios, the plot) runs in the main job's test,
+tests/integration/test_quickstart.py."""
 
 from __future__ import annotations
 
@@ -82,48 +83,6 @@ def test_teacher_answers_cache_is_reused_and_keyed_by_model(tmp_path, monkeypatc
     assert len({entry, entry_copy, entry_changed}) == 3
     hf_entry, _ = answers.teacher_answers_cache_file(records, str(tiny_llama), 8, backend="hf")
     assert hf_entry != entry and "-hf-" in hf_entry.name
-
-
-@pytest.mark.vllm
-def test_compare_serving_tiny(tmp_path, tiny_llama, tiny_swiftkv):
-    """Two short bursts per model, each model in a child process: the ratios are the per-model numbers' ratios,
-    KV capacity grows by L / (l + (L - l) / g), every request produced its tokens, and the plot is written."""
-    from swiftkv_serve.comparison import compare_serving, plot_serving
-
-    workloads = {"24/4": (24, 4), "40/2": (40, 2)}
-    lines = []
-    results = compare_serving(
-        tiny_llama,
-        tiny_swiftkv,
-        workloads,
-        num_requests=2,
-        max_num_seqs=2,
-        compile=False,
-        kv_cache_gib=0.25,
-        progress=lines.append,
-    )
-    json.dumps(results)  # JSON-able
-    (stock_label, stock), (swift_label, swift) = results["runs"].items()
-    assert stock_label == "stock vLLM (base)" and swift_label == "SwiftKV l=4"
-    assert not stock["kv_sharing_fast_prefill"] and swift["kv_sharing_fast_prefill"]
-    assert results["num_key_value_layers"] == 4 and results["num_hidden_layers"] == 8
-    assert results["max_model_len"] == 256 and stock["max_model_len"] == 256
-    for name, (prompt_len, out_len) in workloads.items():
-        a, b = stock["workloads"][name], swift["workloads"][name]
-        for run in (a, b):
-            assert run["num_requests"] == 2
-            assert run["combined_tok_s"] * run["wall_s"] == pytest.approx(2 * (prompt_len + out_len))
-            assert run["output_tok_s"] * run["wall_s"] == pytest.approx(2 * out_len)
-        ratios = results["ratios_swiftkv_over_stock"][name]
-        assert ratios["combined_throughput_x"] == pytest.approx(b["combined_tok_s"] / a["combined_tok_s"])
-        assert ratios["ttft_lower_x"] == pytest.approx(a["ttft_mean_s"] / b["ttft_mean_s"])
-        assert ratios["tpot_lower_x"] == pytest.approx(a["tpot_mean_s"] / b["tpot_mean_s"])
-    assert results["kv_capacity_x"] == pytest.approx(swift["kv_cache_tokens"] / stock["kv_cache_tokens"])
-    assert results["kv_capacity_x"] == pytest.approx(8 / (4 + 4 / 2), rel=0.02)  # l=4 of 8, g=2
-    assert any(line.startswith("SwiftKV l=4: burst 40/2") for line in lines)
-
-    plot_serving(results, tmp_path / "serve.png")
-    assert (tmp_path / "serve.png").read_bytes()[:4] == b"\x89PNG"
 
 
 @pytest.mark.vllm
