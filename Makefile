@@ -7,9 +7,10 @@ setup:
 quickstart: setup
 	.venv/bin/swiftkv quickstart
 
-# two pytest-xdist workers, each running a test file at a time on its share of the cores (tests/conftest.py)
+# two pytest-xdist workers, each running a test file at a time on its share of the cores, longest files first
+# (tests/conftest.py)
 test: setup
-	.venv/bin/python -m pytest -n 2 --dist loadfile
+	.venv/bin/python -m pytest -n 2 --dist loadfile --no-loadscope-reorder
 
 test-fast: setup
 	.venv/bin/python -m pytest -m "not slow and not vllm and not distributed"

@@ -92,8 +92,33 @@ def pytest_configure(config):
     torch.set_num_threads(len(mine))
 
 
+# Seconds of one worker's time for the longest test files (`make test` on the 2-core CI machine, 2026-11-28;
+# benchmarks/results/test-suite-workers.md). The workers take whole files in the order of the collection, longest
+# first (`--no-loadscope-reorder` keeps it), so the run ends on short files, both workers busy until then; the files
+# not named here are shorter and follow in their own order. Out-of-date figures only make the order less good.
+LONGEST_FILES = {
+    "tests/integration/test_quickstart.py": 400,
+    "tests/serve/test_compose.py": 370,
+    "tests/serve/test_offline.py": 350,
+    "tests/integration/test_kill.py": 275,
+    "tests/distill/test_distributed.py": 230,
+    "tests/integration/test_gpu_benchmark.py": 140,
+    "tests/integration/test_eval.py": 120,
+    "tests/serve/test_soak.py": 120,
+    "tests/core/test_attention.py": 115,
+    "tests/serve/test_bench_answers.py": 105,
+    "tests/serve/test_server.py": 80,
+    "tests/serve/test_serve_command.py": 75,
+    "tests/serve/test_parallel.py": 70,
+    "tests/distill/test_attention.py": 65,
+    "tests/integration/test_smollm2.py": 50,
+}
+
+
 def pytest_collection_modifyitems(config, items):
-    """Tests marked ``gpu`` skip cleanly on machines without CUDA (ours and CI's)."""
+    """The longest test files first (a stable sort: each file's tests stay together, in their order). Tests marked
+    ``gpu`` skip cleanly on machines without CUDA (ours and CI's)."""
+    items.sort(key=lambda item: -LONGEST_FILES.get(item.nodeid.split("::")[0], 0))
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU")
