@@ -193,3 +193,37 @@ def test_shard_id_attribute_is_what_the_merged_linears_read():
     mine = with_shard_id(torch.zeros(2), 1)
     assert mine.shard_id == tensor.shard_id == 1
     assert 'getattr(loaded_weight, "shard_id"' in inspect.getsource(MergedColumnParallelLinear.load_weights)
+
+
+def test_fast_prefill_warning_is_vllm_configs_and_dropped_for_swiftkv_models_only():
+    """vLLM's config still logs the warning, on the logger the plugin's filter is on; the filter drops it while a
+    SwiftKV model's config is finalised, not another model's, and lets other lines through. (The server's log
+    without it: tests/integration/test_quickstart.py.)"""
+    import logging
+
+    from transformers import LlamaConfig
+    from vllm.config import VllmConfig
+
+    from swiftkv_core import LlamaSwiftKVConfig
+    from swiftkv_serve.vllm_internals import FAST_PREFILL_WARNING, drop_fast_prefill_warning
+
+    assert FAST_PREFILL_WARNING in inspect.getsource(VllmConfig.__post_init__)
+    assert VllmConfig.__module__ == "vllm.config.vllm"
+    drop_fast_prefill_warning()
+    drop_fast_prefill_warning()  # idempotent
+    logger = logging.getLogger("vllm.config.vllm")
+    assert len([f for f in logger.filters if type(f).__name__ == "_WithoutFastPrefillWarning"]) == 1
+
+    def passes(message: str, hf_config) -> bool:
+        self = object.__new__(VllmConfig)  # what VllmConfig.__post_init__ holds as `self` when it logs
+        object.__setattr__(self, "model_config", SimpleNamespace(hf_config=hf_config))
+        return bool(
+            logger.filter(logger.makeRecord(logger.name, logging.WARNING, __file__, 0, message, (), None))
+        )
+
+    warning = FAST_PREFILL_WARNING + " for correctness and to realize prefill savings."
+    assert not passes(warning, LlamaSwiftKVConfig(num_hidden_layers=4, num_key_value_layers=2))
+    assert passes(warning, LlamaConfig(num_hidden_layers=4))
+    assert passes(
+        "Some other warning about --kv-sharing-fast-prefill.", LlamaSwiftKVConfig(num_hidden_layers=4)
+    )

@@ -125,8 +125,11 @@ def check_request(vllm_config, sampling_params) -> None:
 
 
 def register_engine_config_hooks(architectures: Iterable[str]) -> None:
-    """Have vLLM apply ``update_engine_config`` to each architecture, and ``check_request`` (idempotent)."""
-    from .vllm_internals import install_request_check, register_config_hook
+    """Have vLLM apply ``update_engine_config`` to each architecture, and ``check_request``; and drop vLLM's
+    warning that fast prefill "requires changes on model side" for SwiftKV models, which are that side
+    (idempotent)."""
+    from .vllm_internals import drop_fast_prefill_warning, install_request_check, register_config_hook
 
     register_config_hook(architectures, update_engine_config)
     install_request_check(check_request)
+    drop_fast_prefill_warning()

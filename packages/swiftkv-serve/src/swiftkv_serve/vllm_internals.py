@@ -22,10 +22,14 @@ which is what to read first on a vLLM upgrade.
 - ``compile_unit_tag``: ``set_model_tag``, which names the two torch.compile units (as vLLM's Gemma3n does).
 - ``with_shard_id``: the ``shard_id`` attribute that ``WeightsMapper`` puts on a stacked weight and the merged
   linears' ``load_weights`` read: how a group leader's K/V reaches its shard of the fused projection.
+- ``drop_fast_prefill_warning``: a filter on the logger of ``VllmConfig`` (``vllm.config.vllm``) for its warning
+  that fast prefill "requires changes on model side", which a SwiftKV model is.
 """
 
 from __future__ import annotations
 
+import logging
+import sys
 from collections.abc import Callable, Iterable
 from functools import cache, wraps
 
@@ -176,3 +180,38 @@ def with_shard_id(tensor: torch.Tensor, shard_id: int | str) -> torch.Tensor:
     """``tensor`` marked for shard ``shard_id`` of a merged linear, as ``WeightsMapper`` marks stacked weights."""
     tensor.shard_id = shard_id
     return tensor
+
+
+# --- vLLM's log ---
+FAST_PREFILL_WARNING = "--kv-sharing-fast-prefill requires changes on model side"
+
+
+class _WithoutFastPrefillWarning(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (str(record.msg).startswith(FAST_PREFILL_WARNING) and _finalising_a_swiftkv_config())
+
+
+def _finalising_a_swiftkv_config() -> bool:
+    """Whether the ``VllmConfig`` being finalised up the call stack (its ``__post_init__`` logs the warning) is a
+    SwiftKV model's."""
+    from vllm.config import VllmConfig
+
+    from swiftkv_core.configuration import SwiftKVConfigMixin
+
+    frame = sys._getframe(1)
+    while frame is not None:
+        config = frame.f_locals.get("self")
+        if isinstance(config, VllmConfig):
+            return isinstance(getattr(config.model_config, "hf_config", None), SwiftKVConfigMixin)
+        frame = frame.f_back
+    return False
+
+
+def drop_fast_prefill_warning() -> None:
+    """Drop the warning ``VllmConfig`` logs for an engine with ``kv_sharing_fast_prefill`` on, that it "requires
+    changes on model side for correctness and to realize prefill savings", where the model is a SwiftKV model: it
+    is that model side, and the warning reads like a fault to its users. Other models keep the warning. Installed by
+    the plugin in every vLLM process (the server's, the engine core's: each finalises the config). Idempotent."""
+    logger = logging.getLogger("vllm.config.vllm")
+    if not any(isinstance(f, _WithoutFastPrefillWarning) for f in logger.filters):
+        logger.addFilter(_WithoutFastPrefillWarning())
