@@ -101,6 +101,7 @@ def test_quickstart_report_is_complete_and_consistent(inputs, tmp_path, capsys):
     assert stock_label == "stock vLLM (base)" and swift_label == "SwiftKV l=4"
     assert not stock_run["kv_sharing_fast_prefill"] and swift_run["kv_sharing_fast_prefill"]
     assert serve["num_key_value_layers"] == 4 and serve["num_hidden_layers"] == 8
+    assert serve["max_model_len"] == stock_run["max_model_len"] == swift_run["max_model_len"] == 256
     assert list(head["serving"]) == ["96/8", "40/2"]
     for workload, ratios in head["serving"].items():
         prompt_len, out_len = map(int, workload.split("/"))
