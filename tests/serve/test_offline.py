@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
+import io
+import logging
 import re
 
 import pytest
@@ -13,6 +16,22 @@ from tests.serve.conftest import PROMPT_LENGTHS, greedy, random_prompts, vllm_en
 pytestmark = pytest.mark.vllm
 
 MAX_TOKENS = 12
+
+
+@contextlib.contextmanager
+def vllm_log():
+    """What vLLM's own log handler prints meanwhile, in its format and at its level."""
+    from vllm.config.logging import LoggingConfig
+    from vllm.logger import configure_logging_if_needed
+
+    configure_logging_if_needed(LoggingConfig())  # as an engine's config does first: a no-op there then
+    [handler] = logging.getLogger("vllm").handlers
+    log = io.StringIO()
+    stream = handler.setStream(log)
+    try:
+        yield log
+    finally:
+        handler.setStream(stream)
 
 
 @pytest.fixture(scope="module")
@@ -69,14 +88,20 @@ def test_prompt_logprobs_rejected(tiny_engine):
 
 def test_fast_prefill_off_serves_prompt_logprobs_of_the_swiftkv_model(tiny_swiftkv):
     """``swiftkv_fast_prefill: false``: every layer runs for every prompt token, the greedy outputs are the SwiftKV
-    model's (HF's, as with fast prefill), and prompt logprobs are served: its own, as its HF forward has them."""
+    model's (HF's, as with fast prefill), and prompt logprobs are served: its own, as its HF forward has them. The
+    plugin says so in vLLM's log, through vLLM's own handler and format."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
     from swiftkv_core.generation import load
 
     prompts = random_prompts()
-    with vllm_engine(tiny_swiftkv, additional_config={"swiftkv_fast_prefill": False}) as llm:
+    with (
+        vllm_log() as log,
+        vllm_engine(tiny_swiftkv, additional_config={"swiftkv_fast_prefill": False}) as llm,
+    ):
+        line = r"INFO .*\[engine_config.py:\d+\] SwiftKV: fast prefill off \(swiftkv_fast_prefill=false\)"
+        assert re.search(line, log.getvalue())
         assert not llm.llm_engine.vllm_config.cache_config.kv_sharing_fast_prefill
         tokens = greedy(llm, prompts, MAX_TOKENS)
         scored = llm.generate(

@@ -22,7 +22,16 @@ ARCHITECTURES = {
     "Qwen2SwiftKVForCausalLM": "swiftkv_serve.model:Qwen2SwiftKVForCausalLM",
 }
 
-logger = logging.getLogger(__name__)
+
+def plugin_logger(module: str) -> logging.Logger:
+    """The logger of one of this package's modules, inside vLLM's logger tree (``vllm.swiftkv_serve...``): its
+    records go through vLLM's handler, format and level (``VLLM_LOGGING_LEVEL``, ``VLLM_LOGGING_CONFIG_PATH``,
+    ``VLLM_CONFIGURE_LOGGING``). vLLM configures the ``vllm`` logger only, so under the package's own name a line
+    had no handler: INFO lines were dropped, warnings printed bare by Python's last-resort handler."""
+    return logging.getLogger(f"vllm.{module}")
+
+
+logger = plugin_logger(__name__)
 
 
 class UnsupportedVLLMVersion(RuntimeError):
@@ -69,7 +78,6 @@ def register() -> None:
         # A plugin that raises here would take every vLLM process down, including ones that serve other
         # models: refuse loudly instead, and let a SwiftKV checkpoint fail with vLLM's "unknown architecture".
         logger.error("%s", error)
-        print(f"[swiftkv-serve] {error}", flush=True)
         return
 
     from vllm import ModelRegistry

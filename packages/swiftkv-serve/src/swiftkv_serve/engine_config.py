@@ -19,12 +19,13 @@ the same outputs, no prefill saving, and prompt logprobs are served (scoring pro
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Iterable
 
 from swiftkv_core.configuration import SwiftKVConfigMixin
 
-logger = logging.getLogger(__name__)
+from . import plugin_logger
+
+logger = plugin_logger(__name__)
 
 FAST_PREFILL_OPTION = "swiftkv_fast_prefill"
 PROMPT_LOGPROBS_MESSAGE = (

@@ -38,7 +38,6 @@ from torch import nn
 from vllm.compilation.decorators import support_torch_compile
 from vllm.config import VllmConfig
 from vllm.distributed import get_pp_group, get_tensor_model_parallel_world_size
-from vllm.logger import init_logger
 from vllm.model_executor.layers.attention import Attention
 from vllm.model_executor.layers.layernorm import RMSNorm
 from vllm.model_executor.layers.linear import (
@@ -57,6 +56,7 @@ from vllm.transformers_utils.config import set_default_rope_theta
 
 from swiftkv_core.weights import is_teacher_projection, match_swiftkv_kv
 
+from . import plugin_logger
 from .engine_config import fast_prefill_requested
 from .vllm_internals import (
     attend,
@@ -67,7 +67,7 @@ from .vllm_internals import (
     write_kv,
 )
 
-logger = init_logger(__name__)
+logger = plugin_logger(__name__)
 
 
 class Biases(NamedTuple):
