@@ -9,6 +9,7 @@ flash-attn is installed on a GPU, a test compares it with this."""
 from __future__ import annotations
 
 import contextlib
+import functools
 
 import torch
 
@@ -86,16 +87,32 @@ def flash_attn_varlen_func(
 
 
 @contextlib.contextmanager
-def flash_attention_2_on_the_reference():
-    """transformers' ``flash_attention_2`` path with this module's kernels (and transformers' own pad/unpad)."""
+def flash_attention_2_on_the_reference(half_only: bool = False):
+    """transformers' ``flash_attention_2`` path with this module's kernels (and transformers' own pad/unpad). Yields
+    the dtype of each kernel call's queries. ``half_only``: fp32 is refused, as flash-attn refuses it (it computes in
+    fp16 and bf16 only); the tests that compare the path's masking with sdpa's exactly run it in fp32."""
     import transformers.modeling_flash_attention_utils as fa
 
+    seen: list[torch.dtype] = []
+
+    def checked(kernel):
+        @functools.wraps(kernel)  # transformers reads the kernels' signatures to decide what to pass
+        def call(q, *args, **kwargs):
+            seen.append(q.dtype)
+            if half_only and q.dtype not in (torch.float16, torch.bfloat16):
+                raise RuntimeError(
+                    "FlashAttention only support fp16 and bf16 data type"
+                )  # flash-attn's words
+            return kernel(q, *args, **kwargs)
+
+        return call
+
     def reference_imports(implementation, *_args, **_kwargs):
-        return flash_attn_func, flash_attn_varlen_func, None, fa._pad_input, fa._unpad_input
+        return checked(flash_attn_func), checked(flash_attn_varlen_func), None, fa._pad_input, fa._unpad_input
 
     original = fa._lazy_imports
     fa._lazy_imports, fa._loaded_implementation = reference_imports, None
     try:
-        yield
+        yield seen
     finally:
         fa._lazy_imports, fa._loaded_implementation = original, None

@@ -5,14 +5,18 @@ only: PyTorch's CPU flex_attention is forward-only; flash-attn's path on the CPU
 
 from __future__ import annotations
 
+import importlib.util
+
 import pytest
 import torch
 
 from swiftkv_core.convert import convert
+from swiftkv_distill import DistillDataModule, SwiftKVDistillation
 from swiftkv_distill.build import attention_for, compile_layers
 from swiftkv_distill.data import collate, pack
 from swiftkv_distill.step import DistillationStep
 from tests.conftest import FLEX_HEADS, tiny_base
+from tests.distill.conftest import quiet_trainer
 from tests.flash_reference import flash_attention_2_on_the_reference
 
 
@@ -158,7 +162,56 @@ def test_compiled_layers_give_the_eager_step_on_gpu(implementation, fp32_matmuls
     assert_same_gradients(compiled["grads"], eager["grads"], atol=1e-5, rtol=1e-3)
 
 
-def test_the_run_picks_fast_packed_attention_for_its_device():
+def test_the_gpu_recipes_flash_attention_with_fp32_weights_evaluates_and_fits_kv_in_fp32(
+    tiny_model, text_file, tmp_path, monkeypatch
+):
+    """The GPU recipes: fp32 weights, bf16-mixed, flash-attn where it is installed. The training steps compute in
+    bf16 under autocast and attend through flash-attn. The evaluations (in the weights' own dtype) and the K/V fit's
+    teacher pass (outside autocast) compute in fp32, which flash-attn refuses: they attend with sdpa, so the figures
+    before training are the sdpa run's, exactly. flash-attn's kernels: the reference, refusing fp32 as flash-attn
+    does (before, the first evaluation raised its error)."""
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False)
+
+    def fit(attention: str):
+        dm = DistillDataModule(
+            str(tiny_model), [str(text_file)], max_length=32, batch_size=2, val_fraction=0.2
+        )
+        module = SwiftKVDistillation(
+            str(tiny_model),
+            num_key_value_layers=2,
+            attn_implementation=attention,
+            kv_init_weighting="uniform",
+        )
+        trainer = quiet_trainer(
+            tmp_path / attention, max_steps=2, precision="bf16-mixed", num_sanity_val_steps=0
+        )
+        with pytest.warns(UserWarning, match="bf16 is emulated here"):
+            trainer.fit(module, dm)
+        assert torch.isfinite(trainer.callback_metrics["train/loss"])
+        return module
+
+    sdpa = fit("sdpa")
+    with flash_attention_2_on_the_reference(half_only=True) as seen:
+        flash = fit("flash_attention_2")
+    assert seen and set(seen) == {torch.bfloat16}  # the training steps attended through flash-attn, in bf16
+    assert (
+        flash.swiftkv_model.config._attn_implementation == "flash_attention_2"
+    )  # as configured, after the passes
+    assert flash.kv_init_report["tokens"] == sdpa.kv_init_report["tokens"] > 0
+    assert flash.before_metrics == sdpa.before_metrics
+    assert flash.init_metrics == sdpa.init_metrics
+    assert set(flash.last_val_metrics) == set(sdpa.last_val_metrics)
+    # training in fp32 with flash-attn asked for by name: refused before any weight is read, saying what to set
+    dm = DistillDataModule(str(tiny_model), [str(text_file)], max_length=32, batch_size=2)
+    fp32 = SwiftKVDistillation(
+        str(tiny_model), num_key_value_layers=2, attn_implementation="flash_attention_2"
+    )
+    with pytest.raises(ValueError, match="flash_attention_2 computes in fp16 and bf16 only"):
+        quiet_trainer(tmp_path / "fp32", max_steps=1).fit(fp32, dm)
+
+
+def test_the_run_picks_fast_packed_attention_for_its_device(monkeypatch):
     assert attention_for("cpu") == "sdpa"  # fastest on a CPU; packed rows get a dense mask there
     assert attention_for("cuda") in (
         "flex_attention",
@@ -167,3 +220,15 @@ def test_the_run_picks_fast_packed_attention_for_its_device():
     assert attention_for("cuda", "sdpa") == "sdpa"  # a recipe may ask for one
     with pytest.raises(ValueError, match="attn_implementation must be one of"):
         attention_for("cpu", "flash")
+    with pytest.raises(ValueError, match="flash_attention_2 computes in fp16 and bf16 only.*bf16-mixed"):
+        attention_for("cuda", "flash_attention_2", half=False)
+    find_spec = importlib.util.find_spec  # flash-attn installed (it has no CPU build)
+    monkeypatch.setattr(
+        importlib.util,
+        "find_spec",
+        lambda name, *args: object() if name == "flash_attn" else find_spec(name, *args),
+    )
+    assert attention_for("cuda") == "flash_attention_2"
+    assert (
+        attention_for("cuda", half=False) == "flex_attention"
+    )  # training in fp32: flash-attn computes no fp32

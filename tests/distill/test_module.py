@@ -11,7 +11,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 
 from swiftkv_core.weights import is_swiftkv_parameter, swiftkv_parameter_names
 from swiftkv_distill import DistillDataModule, LossSettings, SwiftKVDistillation
-from swiftkv_distill.build import attention_for, compile_layers
+from swiftkv_distill.build import attention_for, checkpoint_activations, compile_layers
 from swiftkv_distill.data import collate, pack
 from swiftkv_distill.loss import distillation_kl
 from tests.distill.conftest import quiet_trainer
@@ -308,6 +308,9 @@ def test_activation_checkpointing_gives_the_same_step(tiny_model):
     assert grads.keys() == plain_grads.keys() and grads
     for name, grad in plain_grads.items():
         assert_close(grads[name], grad, rtol=0, atol=0, msg=name)
+    checkpoint_activations(model, 0)  # off again (benchmarks/gpu.py's setups after an out-of-memory one)
+    assert not model.is_gradient_checkpointing
+    assert not any(layer.gradient_checkpointing for layer in model.model.layers)
 
 
 def test_distillation_step_timer_waits_for_the_device(monkeypatch, tiny_model, text_file, tmp_path):

@@ -58,18 +58,27 @@ def check_precision(device: torch.device, trainer) -> None:
 ATTENTION = ("auto", "sdpa", "eager", "flex_attention", "flash_attention_2")
 
 
-def attention_for(device: torch.device | str, requested: str = "auto") -> str:
+def attention_for(device: torch.device | str, requested: str = "auto", half: bool = True) -> str:
     """The attention implementation a run uses on ``device``. ``auto``: on a GPU flash-attn's where it is installed
-    (variable-length kernels: packed sequences attend only within themselves), else PyTorch's ``flex_attention``
-    (a block mask built from the packed segments: the blocks across sequences are skipped); on a CPU ``sdpa``
-    (fastest there; packed sequences get a dense mask). Each also runs in compiled layers (``compile_layers``)."""
+    (variable-length kernels: packed sequences attend only within themselves) and the training steps compute in
+    fp16 or bf16 (``half``; flash-attn computes in nothing else), else PyTorch's ``flex_attention`` (a block mask
+    built from the packed segments: the blocks across sequences are skipped); on a CPU ``sdpa`` (fastest there;
+    packed sequences get a dense mask). Each also runs in compiled layers (``compile_layers``). Asked for by name,
+    flash-attn in fp32 is refused, saying what to set."""
     if requested not in ATTENTION:
         raise ValueError(f"attn_implementation must be one of {ATTENTION}, got {requested!r}.")
+    if requested == "flash_attention_2" and not half:
+        raise ValueError(
+            "attn_implementation: flash_attention_2 computes in fp16 and bf16 only, and this run's training steps "
+            "compute in fp32: set trainer.precision: bf16-mixed (fp32 weights, bf16 compute), or "
+            "model.attn_implementation: flex_attention (or auto) to train in fp32."
+        )
     if requested != "auto":
         return requested
     if torch.device(device).type != "cuda":
         return "sdpa"
-    return "flash_attention_2" if importlib.util.find_spec("flash_attn") is not None else "flex_attention"
+    flash = half and importlib.util.find_spec("flash_attn") is not None
+    return "flash_attention_2" if flash else "flex_attention"
 
 
 def check_frozen_dtype(frozen: str, trainer, sharded: bool) -> None:
@@ -99,15 +108,17 @@ def check_activation_checkpointing(every_n_layers: int) -> None:
 
 def checkpoint_activations(model, every_n_layers: int) -> None:
     """Activation checkpointing (HF's gradient checkpointing, non-reentrant) of every ``every_n_layers``-th decoder
-    layer (0: none): a layer run with a graph keeps only its input and recomputes the rest in the backward pass.
-    In a distillation step only the student's layers >= l run with a graph: per token and layer >= l, its
-    activations less (a layer's input kept instead) for one more forward of it."""
+    layer (0: none, switched off where it was on): a layer run with a graph keeps only its input and recomputes the
+    rest in the backward pass. In a distillation step only the student's layers >= l run with a graph: per token and
+    layer >= l, its activations less (a layer's input kept instead) for one more forward of it."""
     check_activation_checkpointing(every_n_layers)
     if every_n_layers:
         model.gradient_checkpointing_enable({"use_reentrant": False}, every_n_layers=every_n_layers)
         # HF makes the embeddings' output require grad, for reentrant checkpoints; without it the layers < l keep
         # running without a graph (nothing there trains; non-reentrant checkpoints need no such input)
         model.disable_input_require_grads()
+    elif model.is_gradient_checkpointing:
+        model.gradient_checkpointing_disable()
 
 
 def compile_layers(model, enabled: bool = True) -> None:
@@ -185,7 +196,9 @@ def distillation_step(hp, device: torch.device, trainer, sharded: bool, settings
     alone (``build_swiftkv_model``)."""
     from .step import DistillationStep
 
-    attention = attention_for(device, hp.attn_implementation)
+    precision = str(trainer.precision) if trainer is not None else "32-true"
+    half = precision.startswith(("bf16", "16")) or hp.model_dtype in ("bfloat16", "float16")
+    attention = attention_for(device, hp.attn_implementation, half)
     model = build_swiftkv_model(hp.model, hp.num_key_value_layers, hp.key_value_group_size, DTYPES[hp.model_dtype],
                                 attention, hp.lora_rank, hp.lora_prefix, weights)  # fmt: skip
     model.train()  # dropout is 0 in these families; train() only matters for the module flags

@@ -56,6 +56,31 @@ class LossSettings:
             raise ValueError(f"chunk_size must be >= 1, got {self.chunk_size}.")
 
 
+@contextlib.contextmanager
+def attention_that_computes_here(model):
+    """flash-attn computes in fp16 and bf16 only: handed fp32 it raises ("FlashAttention only support fp16 and bf16
+    data type"), and transformers hands it fp32 where neither autocast nor the weights say otherwise. A pass of a
+    model set to flash attention that computes in fp32 (evaluation in the fp32 weights' own dtype, the K/V fit's
+    teacher pass outside autocast: the GPU recipes' fp32 weights) attends with sdpa meanwhile: the same attention,
+    exact in fp32, packed sequences kept apart by sdpa's dense mask. Under the recipes' bf16 autocast (the training
+    steps) flash stays."""
+    config = model.config
+    implementation = config._attn_implementation or ""
+    device = next(model.parameters()).device.type
+    if torch.is_autocast_enabled(device):
+        dtype = torch.get_autocast_dtype(device)
+    else:  # as transformers' flash path reads it: the weights' (the lowest where frozen ones are held lower)
+        dtype = min({p.dtype for p in model.parameters()}, key=lambda dtype: torch.finfo(dtype).bits)
+    swap = "flash" in implementation and dtype not in (torch.float16, torch.bfloat16)
+    if swap:
+        config._attn_implementation = "sdpa"
+    try:
+        yield
+    finally:
+        if swap:
+            config._attn_implementation = implementation
+
+
 @dataclass
 class Evaluation:
     """The validation statistics of one batch (temperature 1, no gradient)."""
@@ -175,7 +200,11 @@ class DistillationStep(nn.Module):
         precision than the trained ones (``frozen_dtype``) compute in theirs."""
         dtypes = {p.dtype for p in self.model.parameters()}
         low = min(dtypes, key=lambda dtype: torch.finfo(dtype).bits)
-        with torch.autocast(batch["input_ids"].device.type, dtype=low, enabled=len(dtypes) > 1):
+        device = batch["input_ids"].device.type
+        with (
+            torch.autocast(device, dtype=low, enabled=len(dtypes) > 1),
+            attention_that_computes_here(self.model),
+        ):
             return self._evaluate(batch)
 
     def _evaluate(self, batch: dict) -> Evaluation:
@@ -195,8 +224,9 @@ class DistillationStep(nn.Module):
     @torch.no_grad()
     def teacher_pass(self, batch: dict) -> None:
         """The prefix and the teacher's layers only: what the K/V least-squares fit (kv_init.py) observes through
-        its hooks on the layers."""
-        self._prefix_and_teacher(batch, None)
+        its hooks on the layers (outside autocast: in the weights' dtype)."""
+        with attention_that_computes_here(self.model):
+            self._prefix_and_teacher(batch, None)
 
 
 @torch.no_grad()
