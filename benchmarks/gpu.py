@@ -216,7 +216,7 @@ def main(
             name; H100 SXM 3.35, H200 4.8; none on a CPU).
         out: output prefix (default benchmarks/results/gpu-<shape>).
     """
-    from swiftkv_core.runtime import device_description, stack_versions
+    from swiftkv_core.runtime import device_description, release_device_memory, stack_versions
     from swiftkv_core.weights import cast_frozen
     from swiftkv_distill.bench import packed_batches, step_rows
 
@@ -262,6 +262,7 @@ def main(
         result["decode"] = decode_tpot(model, prefill_lengths[0] if prefill_lengths else 2048, decode_tokens)
         write(result, out, show=False)
     del model
+    release_device_memory(device)  # the compiled prefill's graphs and CUDA graph pools went on holding memory
     if "kv_cache" in parts:
         result["kv_cache"] = kv_bytes(shape, l, device, dtype, 512 if tiny else 2048, num_hidden_layers)
         write(result, out, show=False)
@@ -281,6 +282,7 @@ def main(
                              activation_checkpointing, compile_layers)  # fmt: skip
             result["distill"] += rows
             del model
+            release_device_memory(device)
             write(result, out, show=False)
     write(result, out)
     return result

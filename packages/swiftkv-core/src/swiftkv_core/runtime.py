@@ -137,6 +137,22 @@ def device_memory_bytes(device: torch.device | str) -> int | None:
     return min(total, int(limit)) if limit.isdigit() else total
 
 
+def release_device_memory(device: torch.device | str) -> None:
+    """Between two jobs in one process on a GPU (the main job's stages, a benchmark's parts): give back what the
+    finished one held (objects only reference cycles still keep, such as a Lightning trainer and its module;
+    torch.compile's graphs with their CUDA graphs' memory pools; the caching allocator's free blocks, which another
+    process, vLLM, may need), and start the peak-memory count afresh, so that the next job's peak is its own. Nothing
+    on a CPU."""
+    if torch.device(device).type != "cuda":
+        return
+    import gc
+
+    torch._dynamo.reset()
+    gc.collect()
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats(device)
+
+
 class Stopwatch:
     """Seconds of device work: ``start()`` and ``stop()`` each wait for ``device`` before reading the clock.
 

@@ -132,7 +132,7 @@ class Run:
         where = device_description("cuda" if gpu else "cpu")
         if gpu:
             total, peak = torch.cuda.get_device_properties(0).total_memory, torch.cuda.max_memory_allocated()
-            where += f" ({total / 2**30:.0f} GiB; {peak / 2**30:.1f} GiB of tensors at this process's peak)"
+            where += f" ({total / 2**30:.0f} GiB; {peak / 2**30:.1f} GiB of tensors at the stage's peak)"
         free = "free the GPU (another process on it?)" if gpu else "free memory (other processes?)"
         smaller = "or one on the CPU (--accelerator cpu) " if gpu else ""
         first_line = str(error).partition("\n")[0]
@@ -144,8 +144,11 @@ class Run:
         )
 
     def run_stages(self, stages: list[Stage]) -> None:
-        """Each stage in order, announced; one finished earlier (its results in state.json) is reused."""
+        """Each stage in order, announced; one finished earlier (its results in state.json) is reused. On a GPU, each
+        starts with the memory the ones before it held given back (``release_device_memory``)."""
         import torch
+
+        from swiftkv_core.runtime import release_device_memory
 
         for index, stage in enumerate(stages, 1):
             header = f"== {index}/{len(stages)} {stage.name.replace('_', ' ')}"
@@ -153,6 +156,7 @@ class Run:
                 print(f"{header}: done earlier, reused", flush=True)
                 continue
             print(header, flush=True)
+            release_device_memory(self.device)
             started = time.perf_counter()
             try:
                 result = stage.run(self)

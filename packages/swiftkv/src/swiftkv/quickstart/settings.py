@@ -17,6 +17,9 @@ DEVICE_DEFAULTS = {
 HELDOUT_CHAT_PROMPTS = "dataset:chat_prompts_heldout"  # answered together with dataset:chat_answers
 DEFAULT_PROMPT_LENGTHS = [256, 512, 1024, 2048, 4096]
 DEFAULT_WORKLOADS = ["2000/200", "500/500"]
+# what the serving stage imports, and what to call it: the plugin can be importable without vLLM (a source tree on
+# PYTHONPATH, or swiftkv-serve installed without its [cpu] / [cuda] extra)
+SERVING_NEEDS = (("swiftkv_serve", "the swiftkv-serve package"), ("vllm", "vLLM"))
 
 
 class QuickstartError(ValueError):
@@ -157,15 +160,16 @@ def check(
             )
     if eval_tasks and importlib.util.find_spec("lm_eval") is None:
         raise QuickstartError("--eval_tasks needs lm-evaluation-harness: pip install 'swiftkv[eval]'.")
-    servable = importlib.util.find_spec("swiftkv_serve") is not None
-    if serve and not servable:
+    missing = next((what for module, what in SERVING_NEEDS if importlib.util.find_spec(module) is None), None)
+    if serve and missing:
         raise QuickstartError(
-            "--serve true needs the swiftkv-serve package (pip install swiftkv-serve[cpu]); or --serve false."
+            f"--serve true needs {missing}, not installed here: pip install 'swiftkv-serve[cpu]' (or [cuda] on a "
+            "GPU), or --serve false."
         )
     if serve is None:
-        serve = servable
-        if not servable:
-            print("note: swiftkv-serve is not installed here: the serving stage is skipped (--serve false)")
+        serve = missing is None
+        if missing:
+            print(f"note: {missing} is not installed here: the serving stage is skipped (--serve false)")
     settings = Settings(
         model=str(model), accelerator=accelerator, num_key_value_layers=l, key_value_group_size=g, budget_minutes=budget_minutes,
         recipe=str(recipe), train_files=train_files, heldout_text=heldout_text,

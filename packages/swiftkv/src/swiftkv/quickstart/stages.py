@@ -240,8 +240,6 @@ def prefill(run: Run) -> dict:
         rows.append({"prompt_tokens": length, "off_s": times[False], "on_s": times[True],
                      "speedup_x": times[False] / times[True], "flops_bound_x": bound,
                      "forward": "compiled, CUDA graphs" if forward is not None else "eager"})  # fmt: skip
-    if run.device.type == "cuda":
-        torch._dynamo.reset()  # the compiled graphs, and their CUDA graphs' memory, end with the stage
     for r in rows:
         print(f"   {r['prompt_tokens']:>5} tokens: {r['off_s'] * 1e3:7.1f} -> {r['on_s'] * 1e3:7.1f} ms, "
               f"{r['speedup_x']:.2f}x (FLOPs bound {r['flops_bound_x']:.2f}x; {r['forward']})")  # fmt: skip
@@ -256,16 +254,6 @@ def serve(run: Run) -> dict:
         return {"skipped": "--serve false"}
     from swiftkv_serve.comparison import compare_serving
 
-    if run.device.type == "cuda":
-        # vLLM starts only if the GPU has its memory budget free (gpu_memory_utilization of the total): give back
-        # what this process's allocator still caches from the stages before (training; the prefill stage has
-        # dropped its compiled graphs and their CUDA graphs' pools, torch._dynamo.reset)
-        import gc
-
-        import torch
-
-        gc.collect()
-        torch.cuda.empty_cache()
     workloads = {w: tuple(int(x) for x in w.split("/")) for w in s.serve_workloads}
     results = compare_serving(
         Path(s.model_identity["path"]),
