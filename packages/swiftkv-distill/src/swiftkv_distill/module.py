@@ -259,20 +259,19 @@ class SwiftKVDistillation(L.LightningModule):
 
     def on_train_batch_end(self, outputs, batch, batch_idx) -> None:
         log = dict(on_step=True, on_epoch=False, batch_size=1)
+        ended, self._step_ended = self._step_ended or self._now(), None
         if self._step_started is not None:
-            ended, self._step_ended = self._step_ended or self._now(), None
             tokens = int(batch["token_mask"].sum()) * self._world_size()  # real tokens, as _tokens_seen
             self.log("train/tokens_per_s", tokens / max(ended - self._step_started, 1e-9), **log)
         self.log("train/tokens_seen", float(self._tokens_seen), **log)
+        # stopped by a callback (a spent budget): Lightning validates next, inside its training loop, not training
+        if self.trainer.should_stop:
+            self._fit_ended = ended
 
     def configure_optimizers(self):
         hp = self.hparams
-        optimizer = torch.optim.AdamW(
-            self.trainable_parameters(),
-            lr=hp.learning_rate,
-            betas=tuple(hp.betas),
-            weight_decay=hp.weight_decay,
-        )
+        optimizer = torch.optim.AdamW(self.trainable_parameters(), lr=hp.learning_rate, betas=tuple(hp.betas),
+                                      weight_decay=hp.weight_decay)  # fmt: skip
         total = max(1, int(self._trainer.estimated_stepping_batches)) if self._trainer is not None else 1
         floor = max(1.0 / (total + 1), FIRST_STEP_FLOOR)
 
@@ -408,7 +407,7 @@ class SwiftKVDistillation(L.LightningModule):
 
     def on_train_end(self) -> None:
         """Make sure the final weights are measured: validate once more unless the last validation was at the end."""
-        self._fit_ended = self._now()
+        self._fit_ended = self._fit_ended or self._now()  # unless a callback's stop ended training already
         if self.last_val_step == self.global_step or self.trainer.limit_val_batches == 0:
             return
         loader = self._val_loader()
@@ -446,4 +445,4 @@ class SwiftKVDistillation(L.LightningModule):
         self.kv_init_report = checkpoint.get("kv_init_report", {})
         self._resumed_seconds = checkpoint.get("train_seconds", 0.0)
         self._tokens_seen = checkpoint.get("tokens_seen", 0)
-        self._fit_started = None  # set at the next step, from _resumed_seconds
+        self._fit_started = self._fit_ended = None  # set at the next step, from _resumed_seconds; at the stop
