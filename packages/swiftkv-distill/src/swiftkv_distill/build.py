@@ -41,10 +41,15 @@ def warn_if_bf16_emulated(device: torch.device, precision: str) -> None:
         )
 
 
+def trainer_precision(trainer) -> str:
+    """The Lightning trainer's precision (``bf16-mixed``, ``32-true``...); ``32-true`` without a trainer."""
+    return str(trainer.precision) if trainer is not None else "32-true"
+
+
 def check_precision(device: torch.device, trainer) -> None:
     """A bf16 precision on a GPU that computes bf16 (compute capability 8.0 or more): on a V100 or T4 autocast would
     emulate it, slowly, or fail mid-run. Raised before any weight is read."""
-    precision = str(trainer.precision) if trainer is not None else "32-true"
+    precision = trainer_precision(trainer)
     if device.type != "cuda" or not precision.startswith("bf16"):
         return
     if not gpu_computes_bf16():
@@ -84,7 +89,7 @@ def attention_for(device: torch.device | str, requested: str = "auto", half: boo
 def check_frozen_dtype(frozen: str, trainer, sharded: bool) -> None:
     """Frozen weights in another dtype than the trained ones need autocast (a mixed precision) and one device
     (``trainer``: the Lightning trainer, or None; ``sharded``: whether the module has an FSDP2 device mesh)."""
-    precision = str(trainer.precision) if trainer is not None else "32-true"
+    precision = trainer_precision(trainer)
     if not precision.endswith("-mixed"):
         raise ValueError(
             f"frozen_dtype={frozen} needs a mixed precision (trainer.precision bf16-mixed), got {precision}: "
@@ -196,7 +201,7 @@ def distillation_step(hp, device: torch.device, trainer, sharded: bool, settings
     alone (``build_swiftkv_model``)."""
     from .step import DistillationStep
 
-    precision = str(trainer.precision) if trainer is not None else "32-true"
+    precision = trainer_precision(trainer)
     half = precision.startswith(("bf16", "16")) or hp.model_dtype in ("bfloat16", "float16")
     attention = attention_for(device, hp.attn_implementation, half)
     model = build_swiftkv_model(hp.model, hp.num_key_value_layers, hp.key_value_group_size, DTYPES[hp.model_dtype],
