@@ -118,8 +118,12 @@ def main(
     device = choose_device(device)
     dtype = choose_dtype(dtype, device)
     with tempfile.TemporaryDirectory(prefix="swiftkv-eval-") as folder:
+        from lm_eval.tasks import TaskManager
+
         paths = [str(local_task_folder(Path(folder)))] + ([str(include_path)] if include_path else [])
-        settings = (tasks, paths, limit, num_fewshot, batch_size, device, dtype, backend)
+        # one index of lm-eval's task files for both models (building it takes 10-20 s on a 2-core CPU)
+        task_manager = TaskManager(include_path=paths)
+        settings = (tasks, task_manager, limit, num_fewshot, batch_size, device, dtype, backend)
         results = {  # the teacher: the full checkpoint with SwiftKV off, or the given base model
             "teacher": evaluate(teacher or model, False, *settings),
             "SwiftKV": evaluate(model, True, *settings),
@@ -133,11 +137,10 @@ def main(
 
 
 def evaluate(
-    model_path, swiftkv: bool, tasks, include_paths, limit, num_fewshot, batch_size, device, dtype, backend
+    model_path, swiftkv: bool, tasks, task_manager, limit, num_fewshot, batch_size, device, dtype, backend
 ) -> dict:
     """lm-eval's results of ``model_path`` (SwiftKV on or off where it is a SwiftKV checkpoint)."""
     from lm_eval import simple_evaluate
-    from lm_eval.tasks import TaskManager
 
     if backend == "vllm":
         from lm_eval.models.vllm_causallms import VLLM
@@ -157,7 +160,7 @@ def evaluate(
             lm.swiftkv(swiftkv)
         harness = HFLM(pretrained=lm, tokenizer=tokenizer, batch_size=batch_size, device=str(device))
     output = simple_evaluate(model=harness, tasks=tasks, limit=limit, num_fewshot=num_fewshot,
-                             task_manager=TaskManager(include_path=include_paths), log_samples=False)  # fmt: skip
+                             task_manager=task_manager, log_samples=False)  # fmt: skip
     return output["results"]
 
 
