@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import gc
 import os
 import random
 from pathlib import Path
@@ -53,8 +52,7 @@ def vllm_engine(path: Path | str, **kwargs):
         with contextlib.suppress(Exception):
             llm.llm_engine.engine_core.shutdown()
         del llm
-        gc.collect()
-        cleanup_dist_env_and_memory()
+        cleanup_dist_env_and_memory()  # collects the engine's garbage too
 
 
 def greedy(llm, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:

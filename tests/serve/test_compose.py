@@ -2,11 +2,11 @@
 preemption: greedy outputs equal to plain SwiftKV decoding, and the engine's own counters show that each feature
 really did something (drafts accepted, prefix-cache hits mid-prompt, preemptions), or equality would prove nothing.
 
-The speculative engines run in child processes: vLLM 0.32's CPU kernel-override scan at every engine start
+The engines run in one child process: vLLM 0.32's CPU kernel-override scan at every engine start
 (``triton_utils/dispatcher.py``, ``_rebind_kernels``) reads ``vars()`` of every module attribute and crashes on
 llvmlite's ``ffi.lib`` (its ``__getattr__`` answers ``__dict__`` too), which the n-gram proposer imports with numba.
-So no engine can start in a process after an n-gram engine; the child hides that module while its own engines
-start, and the test process never imports numba.
+So no engine can start in a process after an n-gram engine; the child hides that module while its engines start,
+and the test process never imports numba.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from multiprocessing import get_context
 import pytest
 
 from tests.serve.checkpoints import swiftkv_checkpoint
-from tests.serve.conftest import greedy, random_prompts, vllm_engine
+from tests.serve.conftest import greedy, vllm_engine
 
 pytestmark = pytest.mark.vllm
 
@@ -40,6 +40,13 @@ FEATURES_OF = {
     "smollm2-l24-g2": ("plain", "ngram+prefix-caching"),
 }
 MODELS = tuple(FEATURES_OF)
+# KV-cache pressure on the tiny Llama (pressure_prompts): 8 KV blocks of 128 tokens, with prefix caching alone and
+# with n-gram speculation too; the unpressured reference is its plain engine
+PRESSURED, PRESSURE_TOKENS = "llama-l4-g2", 60
+PRESSURE = {
+    feature: {**FEATURES[feature], "num_gpu_blocks_override": 8}
+    for feature in ("prefix-caching", "ngram+prefix-caching")
+}
 COUNTERS = (
     "vllm:spec_decode_num_draft_tokens",
     "vllm:spec_decode_num_accepted_tokens",
@@ -88,9 +95,13 @@ def engine(path, **options):
         yield llm
 
 
-def run_features(jobs: dict[str, tuple[str, list[list[int]]]]) -> dict[str, dict[str, list[dict]]]:
-    """In the child process: each model's feature sets (``FEATURES_OF``), two passes with prefix caching."""
-    results: dict[str, dict[str, list[dict]]] = {}
+def run_all(jobs: dict[str, tuple[str, list[list[int]]]], pressure: list[list[int]]) -> dict[str, dict]:
+    """In the child process: each model's feature sets (``FEATURES_OF``), two passes with prefix caching; then the
+    tiny Llama's ``pressure`` prompts, unpressured on its plain engine and in 8 KV blocks with each ``PRESSURE``
+    feature set, the latter with n-gram also read the serving benchmark's way (``swiftkv_serve.bench``)."""
+    from swiftkv_serve.bench import engine_counters, spec_decode_stats
+
+    results: dict[str, dict] = {"pressure": {}}
     for name, (path, prompts) in jobs.items():
         results[name] = {}
         for feature in FEATURES_OF[name]:
@@ -98,6 +109,15 @@ def run_features(jobs: dict[str, tuple[str, list[list[int]]]]) -> dict[str, dict
             with engine(path, **options) as llm:
                 passes = 2 if options.get("enable_prefix_caching") else 1
                 results[name][feature] = runs(llm, prompts, passes)
+                if name == PRESSURED and feature == "plain":
+                    results["pressure"]["plain"] = runs(llm, pressure, 1, PRESSURE_TOKENS)[0]
+    for feature, options in PRESSURE.items():
+        with engine(jobs[PRESSURED][0], **options) as llm:
+            before = engine_counters()
+            results["pressure"][feature] = run = runs(llm, pressure, 1, PRESSURE_TOKENS)[0]
+            if "speculative_config" in options:
+                burst = {"num_requests": len(pressure), "output_tokens": sum(map(len, run["tokens"]))}
+                run["spec_decode"] = spec_decode_stats(before, engine_counters(), burst)
     return results
 
 
@@ -143,7 +163,7 @@ def feature_runs(tiny_swiftkv, tiny_qwen2_swiftkv, smollm2, checkpoints):
         "smollm2-l24-g2": (str(smollm2_swiftkv), smollm2_prompts(smollm2_swiftkv)),
     }
     with ProcessPoolExecutor(max_workers=1, mp_context=get_context("spawn")) as pool:
-        return pool.submit(run_features, jobs).result()
+        return pool.submit(run_all, jobs, pressure_prompts(seed=14)).result()
 
 
 @pytest.mark.parametrize(
@@ -178,28 +198,7 @@ def test_each_feature_was_exercised(feature_runs, model):
         assert run["kv_cache_usage"] == 0  # every block released once the engine is idle
 
 
-# --- KV-cache pressure: preemption and recomputation (in this process: no n-gram engine) ---
-@pytest.fixture(scope="module")
-def pressure_runs(tiny_swiftkv):
-    """The same requests unpressured and with 8 KV blocks of 128 tokens: 8 prompts of 110 tokens fill them,
-    and each needs a second block after 18 output tokens, so running requests are preempted and recomputed."""
-    prompts = random_prompts(lengths=(110,) * 8, seed=13)
-    results = {}
-    for name, options in {"unpressured": {}, "pressured": {"num_gpu_blocks_override": 8}}.items():
-        with engine(tiny_swiftkv, enable_prefix_caching=True, **options) as llm:
-            results[name] = runs(llm, prompts, 1, max_tokens=60)[0]
-    return results
-
-
-def test_preemption_under_kv_pressure_keeps_outputs_and_frees_blocks(pressure_runs):
-    unpressured, pressured = pressure_runs["unpressured"], pressure_runs["pressured"]
-    assert unpressured["vllm:num_preemptions"] == 0
-    assert pressured["vllm:num_preemptions"] > 0
-    assert pressured["tokens"] == unpressured["tokens"]
-    assert pressured["kv_cache_usage"] == unpressured["kv_cache_usage"] == 0
-
-
-# --- all at once: preemption under KV pressure with n-gram speculation and prefix caching (child process) ---
+# --- KV-cache pressure: preemption and recomputation, alone and with n-gram speculation and prefix caching ---
 def pressure_prompts(seed: int) -> list[list[int]]:
     """8 prompts: one shared 128-token block (prefix-cache hits), then 100 tokens of a pattern of their own,
     repeated (continuations the n-gram proposer finds in the prompt). In 8 KV blocks of 128 tokens, the shared
@@ -209,39 +208,20 @@ def pressure_prompts(seed: int) -> list[list[int]]:
     return [shared + [rng.randrange(100, 49000) for _ in range(10)] * 10 for _ in range(8)]
 
 
-def run_pressure_with_features(path: str, prompts: list[list[int]], max_tokens: int) -> dict[str, dict]:
-    """In the child process: plain SwiftKV decoding, then n-gram + prefix caching in 8 KV blocks, the latter
-    also read the serving benchmark's way (``swiftkv_serve.bench.engine_counters``, ``spec_decode_stats``)."""
-    from swiftkv_serve.bench import engine_counters, spec_decode_stats
-
-    results = {}
-    with engine(path) as llm:
-        results["plain"] = runs(llm, prompts, 1, max_tokens)[0]
-    options = {"enable_prefix_caching": True, "speculative_config": SPECULATION, "num_gpu_blocks_override": 8}
-    with engine(path, **options) as llm:
-        before = engine_counters()
-        results["pressured"] = run = runs(llm, prompts, 1, max_tokens)[0]
-        burst = {"num_requests": len(prompts), "output_tokens": sum(map(len, run["tokens"]))}
-        run["spec_decode"] = spec_decode_stats(before, engine_counters(), burst)
-    return results
-
-
-@pytest.fixture(scope="module")
-def pressure_feature_runs(tiny_swiftkv):
-    with ProcessPoolExecutor(max_workers=1, mp_context=get_context("spawn")) as pool:
-        return pool.submit(
-            run_pressure_with_features, str(tiny_swiftkv), pressure_prompts(seed=14), 60
-        ).result()
-
-
-def test_preemption_with_ngram_and_prefix_caching_keeps_outputs_and_frees_blocks(pressure_feature_runs):
-    plain, pressured = pressure_feature_runs["plain"], pressure_feature_runs["pressured"]
+@pytest.mark.parametrize("feature", PRESSURE)
+def test_preemption_under_kv_pressure_keeps_outputs_and_frees_blocks(feature_runs, feature):
+    plain, pressured = feature_runs["pressure"]["plain"], feature_runs["pressure"][feature]
     assert pressured["tokens"] == plain["tokens"]
     assert plain["vllm:num_preemptions"] == 0 < pressured["vllm:num_preemptions"]
-    assert pressured["vllm:spec_decode_num_accepted_tokens"] > 0
     assert pressured["vllm:prefix_cache_hits"] > 0
     assert pressured["kv_cache_usage"] == plain["kv_cache_usage"] == 0
-    # The benchmark's reading of the same engine: the same counters, fewer decode steps than decode tokens.
+
+
+def test_the_benchmarks_reading_of_speculation_under_kv_pressure(feature_runs):
+    """The serving benchmark's reading of the pressured n-gram engine: the same counters, fewer decode steps than
+    decode tokens."""
+    pressured = feature_runs["pressure"]["ngram+prefix-caching"]
+    assert pressured["vllm:spec_decode_num_accepted_tokens"] > 0
     spec = pressured["spec_decode"]
     assert spec["draft_tokens"] == pressured["vllm:spec_decode_num_draft_tokens"]
     assert spec["accepted_tokens"] == pressured["vllm:spec_decode_num_accepted_tokens"]
