@@ -56,6 +56,12 @@ class LossSettings:
             raise ValueError(f"chunk_size must be >= 1, got {self.chunk_size}.")
 
 
+def lowest_dtype(model) -> torch.dtype:
+    """The lowest-precision dtype of ``model``'s parameters: the frozen ones' where they are held lower
+    (``frozen_dtype``), else the weights' one dtype."""
+    return min({p.dtype for p in model.parameters()}, key=lambda dtype: torch.finfo(dtype).bits)
+
+
 @contextlib.contextmanager
 def attention_that_computes_here(model):
     """flash-attn computes in fp16 and bf16 only: handed fp32 it raises ("FlashAttention only support fp16 and bf16
@@ -67,10 +73,8 @@ def attention_that_computes_here(model):
     config = model.config
     implementation = config._attn_implementation or ""
     device = next(model.parameters()).device.type
-    if torch.is_autocast_enabled(device):
-        dtype = torch.get_autocast_dtype(device)
-    else:  # as transformers' flash path reads it: the weights' (the lowest where frozen ones are held lower)
-        dtype = min({p.dtype for p in model.parameters()}, key=lambda dtype: torch.finfo(dtype).bits)
+    # as transformers' flash path reads it: autocast's dtype, else the weights'
+    dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else lowest_dtype(model)
     swap = "flash" in implementation and dtype not in (torch.float16, torch.bfloat16)
     if swap:
         config._attn_implementation = "sdpa"
@@ -198,11 +202,10 @@ class DistillationStep(nn.Module):
         weights' own dtype even when training runs under autocast (``bf16-mixed``): the held-out figures measure
         the model that is exported, and compare across training precisions. Frozen weights held in a lower
         precision than the trained ones (``frozen_dtype``) compute in theirs."""
-        dtypes = {p.dtype for p in self.model.parameters()}
-        low = min(dtypes, key=lambda dtype: torch.finfo(dtype).bits)
-        device = batch["input_ids"].device.type
+        low, device = lowest_dtype(self.model), batch["input_ids"].device.type
+        mixed = any(p.dtype != low for p in self.model.parameters())
         with (
-            torch.autocast(device, dtype=low, enabled=len(dtypes) > 1),
+            torch.autocast(device, dtype=low, enabled=mixed),
             attention_that_computes_here(self.model),
         ):
             return self._evaluate(batch)
