@@ -243,6 +243,11 @@ def run_one_model(
         asyncio.run(bursts())
     finally:
         engine.shutdown()
+        # vLLM keeps the traceback of an optional import that failed (torchcodec) on the first import of its
+        # multimodal modules, made from this frame: the frame, and the engine with it, would live until the
+        # interpreter's teardown, where AsyncLLM.__del__ shuts it down again and fails ("TypeError: 'NoneType'
+        # object is not callable", a line a failing child's error report would show beside the real error).
+        engine = None
     return results
 
 
