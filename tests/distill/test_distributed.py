@@ -1,5 +1,5 @@
 """Two CPU processes (gloo), FSDP2 through Lightning's ModelParallelStrategy, launched like a cluster job
-(`fabric run apps/distill.py`, `lightning run` before Lightning 2.6), with activation checkpointing and compiled
+(`fabric run apps/distill.py`; `lightning run model` before Lightning 2.3), with activation checkpointing and compiled
 layers (``compile_layers``): the same losses and the same distilled weights as one unsharded eager process."""
 
 import csv
