@@ -14,6 +14,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from .atomic import atomic_file, atomic_write_text
+
 
 @torch.inference_mode()
 def layer_input_similarity(model, tokenizer, texts: Sequence[str], max_length: int = 512) -> list[float]:
@@ -77,7 +79,7 @@ def write_similarity_report(
         "skipped_fraction": (num_layers - recommended) / num_layers,
         "num_hidden_layers": num_layers,
     }
-    (out_dir / "similarity.json").write_text(json.dumps(result, indent=2))
+    atomic_write_text(out_dir / "similarity.json", json.dumps(result, indent=2))
     fig, ax = plt.subplots(figsize=(7, 4))
     ax.plot(range(len(similarity)), similarity, marker="o", ms=3, label="input similarity (Eq. 1)")
     ax.axhline(threshold, color="gray", ls="--", label=f"threshold {threshold}")
@@ -95,6 +97,7 @@ def write_similarity_report(
     ax.set_title(title or "SwiftKV layer input similarity")
     ax.legend(loc="lower right")
     fig.tight_layout()
-    fig.savefig(out_dir / "similarity.png", dpi=120)
+    with atomic_file(out_dir / "similarity.png", "wb") as f:
+        fig.savefig(f, format="png", dpi=120)
     plt.close(fig)
     return result
