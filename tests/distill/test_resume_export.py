@@ -34,12 +34,13 @@ def _run(
     interrupt_at=None,
     schedule_seconds=None,
     extra_callbacks=(),
+    learning_rate=3e-3,
 ):
     L.seed_everything(0)
     module = SwiftKVDistillation(
         str(tiny_model),
         num_key_value_layers=2,
-        learning_rate=3e-3,
+        learning_rate=learning_rate,
         warmup_fraction=0.2,
         hidden_loss_weight=0.5,
         early_exit=early_exit,
@@ -81,6 +82,16 @@ def test_resume_mid_epoch_equals_uninterrupted(tiny_model, text_file, tmp_path):
     assert expected.keys() == got.keys()
     for name in expected:
         torch.testing.assert_close(got[name], expected[name], rtol=0, atol=0, msg=name)
+
+
+def test_resuming_with_other_settings_is_refused_naming_them(tiny_model, text_file, tmp_path):
+    """The restored optimizer would go on at the old learning rate while the run reported the new one."""
+    _run(tiny_model, text_file, tmp_path, max_steps=3, interrupt_at=1)
+    ckpt = tmp_path / "ckpt" / "last.ckpt"
+    with pytest.raises(
+        ValueError, match=r"model\.learning_rate 0\.003 -> 0\.001.*another trainer\.default_root_dir"
+    ):
+        _run(tiny_model, text_file, tmp_path, max_steps=3, ckpt_path=ckpt, learning_rate=1e-3)
 
 
 def test_export_round_trip(tiny_model, text_file, tmp_path):

@@ -4,6 +4,7 @@ against the device's memory, then built once), and the training precision a CPU 
 from __future__ import annotations
 
 import importlib.util
+import json
 import warnings
 
 import torch
@@ -144,6 +145,45 @@ def compile_layers(model, enabled: bool = True) -> None:
         layer.self_attn.flex_outside_compiled_graph = True
         if layer._compiled_call_impl is None:  # nn.Module.compile()'s wrapper, set once
             layer.compile()
+
+
+# what a resumed run may change: how fast or in how much memory it runs, and what it validates on (the same training)
+RESUMABLE_CHANGES = {"evaluate_before_training", "reshard_after_forward", "attn_implementation", "compile_layers",
+                     "activation_checkpointing", "logits_chunk_size", "num_workers", "val_batch_size", "val_files",
+                     "max_val_rows"}  # fmt: skip
+
+
+def check_same_run(checkpoint: dict, module_settings: dict, data_settings: dict | None) -> None:
+    """Refuse to resume from ``checkpoint`` with settings that change the training: the restored optimizer and
+    schedule would go on with the old ones while the run reported the new ones. Names each change and the way out."""
+    changed = []
+    for prefix, saved, now in (
+        ("model", checkpoint.get("hyper_parameters", {}), module_settings),
+        ("data", checkpoint.get("datamodule_hyper_parameters", {}), data_settings or {}),
+    ):
+        for key in sorted((saved.keys() & now.keys()) - RESUMABLE_CHANGES):
+            # compared as JSON: a tuple equals its list
+            if json.dumps(saved[key], default=str) != json.dumps(now[key], default=str):
+                changed.append(f"{prefix}.{key} {saved[key]!r} -> {now[key]!r}")
+    if changed:
+        raise ValueError(
+            f"the checkpoint to resume from was written with other settings ({'; '.join(changed)}): run with its "
+            "settings to continue it, or give another trainer.default_root_dir to start a new run."
+        )
+
+
+KV_INITS = ("least_squares", "published")
+KV_INIT_WEIGHTINGS = ("attention", "uniform")
+
+
+def check_kv_init(kv_init: str, tokens: int, ridge: float, weighting: str) -> None:
+    """The K/V initialisation's settings (``model.kv_init*``), checked before any weight is loaded."""
+    if kv_init not in KV_INITS:
+        raise ValueError(f"kv_init must be one of {KV_INITS}, got {kv_init!r}.")
+    if weighting not in KV_INIT_WEIGHTINGS:
+        raise ValueError(f"kv_init_weighting must be one of {KV_INIT_WEIGHTINGS}, got {weighting!r}.")
+    if tokens < 1 or ridge < 0:
+        raise ValueError(f"kv_init_tokens must be >= 1 and kv_init_ridge >= 0, got {tokens} and {ridge}.")
 
 
 def check_lora(lora_rank: int, lora_prefix: bool) -> None:

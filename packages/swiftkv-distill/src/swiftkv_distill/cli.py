@@ -15,13 +15,31 @@ def main(args=None) -> None:
     import argparse
     import os
 
+    from lightning.fabric.utilities.exceptions import MisconfigurationException
+
     try:
         make_cli(args)
     except (ValueError, FileNotFoundError, argparse.ArgumentError, OutOfMemory) as error:
         if os.environ.get("SWIFTKV_DEBUG"):
             raise
         raise SystemExit(f"swiftkv distill: {' '.join(str(error).split())}") from None
+    except MisconfigurationException as error:  # Lightning's: trainer settings this machine cannot run
+        if os.environ.get("SWIFTKV_DEBUG"):
+            raise
+        raise SystemExit(f"swiftkv distill: the trainer settings: {_with_fix(str(error))}") from None
     _end_process_group()
+
+
+def _with_fix(message: str) -> str:
+    """Lightning's message, and the fix where it gives none."""
+    message = " ".join(message.split())
+    if "gpu backend" in message:
+        message += (
+            " (trainer.accelerator gpu, and no CUDA GPU is visible here). Use a CPU recipe (--config "
+            "smollm2-135m-cpu) or --trainer.accelerator cpu, or run on a GPU machine (docker run --gpus all "
+            "swiftkv-train:cuda ...)."
+        )
+    return message
 
 
 def _end_process_group() -> None:

@@ -122,6 +122,14 @@ class DistillDataModule(L.LightningDataModule):
             raise DataError(f"val_fraction must be in [0, 1), got {val_fraction}.")
         if chat_tokens not in CHAT_TOKENS:
             raise DataError(f"chat_tokens must be one of {list(CHAT_TOKENS)}, got {chat_tokens!r}.")
+        for name, value in {"batch_size": batch_size, "val_batch_size": val_batch_size or 1}.items():
+            if value < 1:
+                raise DataError(
+                    f"{name} must be a positive integer (rows per step and process), got {value}."
+                )
+        for name, value in {"max_train_rows": max_train_rows, "max_val_rows": max_val_rows}.items():
+            if value < 0:
+                raise DataError(f"{name} must be >= 0 (0: all rows), got {value}.")
         self.save_hyperparameters()
         self.model_path = model
         self.train_files = list(train_files)
@@ -191,6 +199,17 @@ class DistillDataModule(L.LightningDataModule):
         if not self.train_rows:
             raise DataError("No training rows after tokenisation.")
 
+    def check_batches(self, processes: int) -> None:
+        """Refuse training rows too few for one batch on each of ``processes``: every process drops its last,
+        incomplete batch, so the fit would run no step and export the untrained model as if distilled."""
+        rows, batch_size = len(self.train_rows), self.hparams.batch_size
+        if rows < batch_size * processes:
+            raise DataError(
+                f"{rows} training row(s) of up to {self.hparams.max_length} tokens make no batch of "
+                f"batch_size {batch_size} on {processes} process(es): give more training data, or a smaller "
+                "data.batch_size."
+            )
+
     def _rows(self, records: list[dict]) -> list[dict]:
         encoded = [encode_record(r, self.tokenizer, self.hparams.chat_tokens) for r in records]
         shape = pack if self.hparams.pack else unpacked
@@ -232,6 +251,8 @@ class DistillDataModule(L.LightningDataModule):
         return trainer.fit_loop.epoch_loop.batch_progress.current.processed if trainer is not None else 0
 
     def train_dataloader(self) -> DataLoader:
+        trainer = getattr(self, "trainer", None)
+        self.check_batches(trainer.world_size if trainer is not None else 1)
         dataset = RowsDataset(self.train_rows)
         return ResumableDataLoader(
             dataset,

@@ -21,16 +21,16 @@ from .build import (
     attention_for,
     check_activation_checkpointing,
     check_fits,
+    check_kv_init,
     check_lora,
     check_precision,
+    check_same_run,
     compile_layers,
     distillation_step,
     warn_if_bf16_emulated,
 )
-from .schedule import FIRST_STEP_FLOOR, lr_factor, run_progress
+from .schedule import FIRST_STEP_FLOOR, check_optimizer_settings, lr_factor, run_progress
 from .step import DistillationStep, LossSettings, ValidationMetrics, is_trained_name
-
-_KV_INITS = ("least_squares", "published")
 
 
 class SwiftKVDistillation(L.LightningModule):
@@ -121,12 +121,10 @@ class SwiftKVDistillation(L.LightningModule):
         compile_layers: bool = False,
     ):
         super().__init__()
-        if kv_init not in _KV_INITS:
-            raise ValueError(f"kv_init must be one of {_KV_INITS}, got {kv_init!r}.")
-        if kv_init_tokens < 1 or kv_init_ridge < 0:
-            raise ValueError(
-                f"kv_init_tokens must be >= 1 and kv_init_ridge >= 0, got {kv_init_tokens} and {kv_init_ridge}."
-            )
+        check_kv_init(kv_init, kv_init_tokens, kv_init_ridge, kv_init_weighting)
+        check_optimizer_settings(
+            learning_rate, weight_decay, betas, warmup_fraction, min_lr_ratio, schedule_seconds
+        )
         if not 0 < position_fraction <= 1:
             raise ValueError(f"position_fraction must be in (0, 1], got {position_fraction}.")
         check_lora(lora_rank, lora_prefix)  # these and an unknown attention fail before any weight is loaded
@@ -437,6 +435,8 @@ class SwiftKVDistillation(L.LightningModule):
         checkpoint["tokens_seen"] = self._tokens_seen
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
+        datamodule = getattr(self._trainer, "datamodule", None)
+        check_same_run(checkpoint, self.hparams, datamodule.hparams if datamodule is not None else None)
         self.configure_model()  # load_from_checkpoint() does not call it; a no-op inside trainer.fit
         if "state_dict" in checkpoint:  # ours holds the trained weights only (FSDP2's shards load apart):
             checkpoint["state_dict"] = self.state_dict() | checkpoint["state_dict"]  # the rest as just built

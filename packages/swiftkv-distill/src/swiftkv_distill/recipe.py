@@ -49,6 +49,7 @@ class DistillCLI(LightningCLI):
         if self.trainer.world_size == 1:
             self.datamodule.prepare_data()
             self.datamodule.setup("fit")
+            self.datamodule.check_batches(1)
 
     def fit(self, model, datamodule=None, ckpt_path=None, **kwargs) -> None:
         """``Trainer.fit``, continuing from the last checkpoint in the run's checkpoint folder when no

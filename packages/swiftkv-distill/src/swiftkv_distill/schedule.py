@@ -7,6 +7,32 @@ import math
 FIRST_STEP_FLOOR = 0.01  # the smallest warm-up factor: never a zero learning rate at the first step
 
 
+def check_optimizer_settings(
+    learning_rate: float,
+    weight_decay: float,
+    betas: tuple[float, float],
+    warmup_fraction: float,
+    min_lr_ratio: float,
+    schedule_seconds: float | None,
+) -> None:
+    """Refuse, before any weight is loaded, optimizer and schedule settings that AdamW or the schedule cannot use
+    (or would use silently wrong: a negative ``min_lr_ratio`` ends the cosine at a negative learning rate)."""
+    problems = [
+        f"learning_rate must be >= 0, got {learning_rate}" if not learning_rate >= 0 else "",
+        f"weight_decay must be >= 0, got {weight_decay}" if not weight_decay >= 0 else "",
+        f"betas must be two numbers in [0, 1), got {betas}"
+        if len(betas) != 2 or not all(0 <= b < 1 for b in betas)
+        else "",
+        f"warmup_fraction must be in [0, 1), got {warmup_fraction}" if not 0 <= warmup_fraction < 1 else "",
+        f"min_lr_ratio must be in [0, 1], got {min_lr_ratio}" if not 0 <= min_lr_ratio <= 1 else "",
+        f"schedule_seconds must be > 0, got {schedule_seconds}"
+        if schedule_seconds is not None and not schedule_seconds > 0
+        else "",
+    ]
+    if problems := [p for p in problems if p]:
+        raise ValueError("model." + "; model.".join(problems) + ".")
+
+
 def warmup_cosine(progress: float, warmup_fraction: float, min_lr_ratio: float) -> float:
     """Learning-rate factor at ``progress`` (0..1) through the run: linear warm-up, then cosine to ``min_lr_ratio``."""
     progress = min(progress, 1.0)
