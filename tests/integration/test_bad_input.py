@@ -10,6 +10,7 @@ import re
 import shutil
 
 import pytest
+import torch
 
 from swiftkv.cli import main
 from swiftkv_core.convert import convert, save_checkpoint
@@ -31,6 +32,7 @@ def files(tmp_path_factory):
     (root / "malformed.jsonl").write_text('{"text": "a sentence"}\n{"text": unquoted\n')
     (root / "empty.jsonl").write_text("")
     (root / "recipe.yaml").write_text("trainer: [accelerator: cpu\nmodel: {\n")
+    (root / "bad-values.yaml").write_text("model:\n  lora_rank: -1\n")
     write_jsonl(root / "no-prompts.jsonl", [{"text": "no prompt here"}])
     write_jsonl(root / "text.jsonl", [{"text": "Rain fell on the harbour all night."}] * 8)
     return {
@@ -38,9 +40,11 @@ def files(tmp_path_factory):
         "MISSING": str(root / "missing"), "MALFORMED": str(root / "malformed.jsonl"),
         "EMPTY": str(root / "empty.jsonl"), "RECIPE": str(root / "recipe.yaml"),
         "NOPROMPTS": str(root / "no-prompts.jsonl"), "TEXT": str(root / "text.jsonl"), "OUT": str(root / "out"),
+        "BADVALUES": str(root / "bad-values.yaml"),
     }  # fmt: skip
 
 
+NO_GPU = not torch.cuda.is_available()
 FIT = ["distill", "fit", "--config", "smollm2-135m-cpu", "--model.model", "TINY", "--model.num_key_value_layers", "2",
        "--trainer.default_root_dir", "OUT", "--trainer.max_steps", "1", "--data.val_files", "[TEXT]"]  # fmt: skip
 QUICK = ["quickstart", "--model", "TINY", "--out", "OUT", "--serve", "false"]
@@ -69,6 +73,10 @@ CASES = [  # (arguments, what the error must say)
     (["convert", "--out_dir", "OUT", "--model", "TINY", "--kv_init_text_files", "[MISSING]"], "not found"),
     (["convert", "--out_dir", "OUT", "--model", "SWIFTKV"], "give its base model"),
     (["convert", "--out_dir", "OUT", "--model", "MISSING.gguf"], "no such GGUF file"),
+    (["convert", "--out_dir", "TINY", "--model", "TINY"], "is \\(or holds\\) the model being converted"),
+    (["convert", "--out_dir", "NOCONFIG", "--model", "TINY"], "not a checkpoint folder.*give a new folder"),
+    (["convert", "--out_dir", "TEXT", "--model", "TINY"], "is a file"),
+    (["analyze", "--out_dir", "TEXT", "--model", "TINY"], "is a file"),
     (["analyze", "--out_dir", "OUT", "--model", "TINY", "--text_files", "[MISSING]"], "not found"),
     (["analyze", "--out_dir", "OUT", "--model", "TINY", "--threshold", "1.5"], r"\(0, 1\]"),
     (["analyze", "--out_dir", "OUT", "--model", "MISSING"], "does not exist"),
@@ -91,9 +99,17 @@ CASES = [  # (arguments, what the error must say)
     ([*FIT, "--model.num_key_value_layers", "9"], "out of range"),
     ([*FIT, "--model.model", "TRUNCATED"], "not whole"),
     ([*FIT, "--model.model_dtype", "float8"], "model_dtype must be one of"),
+    ([*FIT, "--model.kv_init_weighting", "attn"], "kv_init_weighting must be one of"),
+    (
+        [*FIT, "--model.min_lr_ratio", "-0.5", "--model.learning_rate", "-1"],
+        "learning_rate must be >= 0.*min_lr",
+    ),
     ([*FIT, "--data.train_files", "[MALFORMED]"], "malformed.jsonl could not be read"),
     ([*FIT, "--data.train_files", "[EMPTY]"], "empty.jsonl is empty"),
     ([*FIT, "--data.max_length", "1"], "max_length must be >= 2"),
+    ([*FIT, "--data.batch_size", "0"], "batch_size must be a positive integer"),
+    *([([*FIT, "--trainer.accelerator", "gpu"], "no CUDA GPU is visible here")] if NO_GPU else []),
+    ([*FIT, "--data.train_files", "[TEXT]", "--data.batch_size", "64"], "make no batch of batch_size 64"),
     (["prepare-data", "answer", "--prompts", "NOPROMPTS", "--out", "OUT"], "no {'prompt': ...} records"),
     (["prepare-data", "prepare_data", "--names", "[brown, chat]"], "unknown data sets"),
     ([*QUICK, "--budget_minutes", "-1"], "too small to run one distillation step"),
@@ -101,7 +117,17 @@ CASES = [  # (arguments, what the error must say)
     ([*QUICK, "--key_value_group_size", "0"], "positive integer"),
     ([*QUICK, "--train_files", "[MALFORMED]"], "could not be read"),
     ([*QUICK, "--accelerator", "tpu"], "choose one of"),
-    ([*QUICK, "--serve_workloads", '["2000"]'], "PROMPT/OUTPUT"),
+    ([*QUICK, "--max_eval_rows", "-1"], ">= 0 \\(0: all\\)"),
+    ([*QUICK, "--serve_requests", "0"], "positive integer"),
+    ([*QUICK, "--prompt_lengths", "[0, 512]"], "each a positive integer"),
+    ([*QUICK, "--threshold", "0"], r"\(0, 1\]"),
+    ([*QUICK, "--recipe", "BADVALUES"], "--recipe .*bad-values.yaml: lora_rank must be an integer >= 0"),
+    ([*QUICK, "--eval_tasks", "[capitols]"], r"\['capitols'\] name no lm-eval task"),
+    (
+        ["eval", "--model", "SWIFTKV", "--tasks", "[swiftkv_capitals, capitols]"],
+        r"--tasks: \['capitols'\] name no",
+    ),
+    (["quickstart", "--model", "TINY", "--out", "OUT", "--serve_workloads", '["2000"]'], "PROMPT/OUTPUT"),
     (["quickstart", "--model", "SWIFTKV", "--out", "OUT"], "give its base model"),
     (["serve", "TINY"], "not a SwiftKV checkpoint"),
     (["serve", "MISSING"], "no config.json"),

@@ -19,6 +19,8 @@ from __future__ import annotations
 import json
 import math
 import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 TASKS_DIR = Path(__file__).parent / "eval_tasks"
@@ -117,12 +119,9 @@ def main(
         raise ValueError(f"--include_path {include_path}: not a folder of lm-eval task YAMLs.")
     device = choose_device(device)
     dtype = choose_dtype(dtype, device)
-    with tempfile.TemporaryDirectory(prefix="swiftkv-eval-") as folder:
-        from lm_eval.tasks import TaskManager
-
-        paths = [str(local_task_folder(Path(folder)))] + ([str(include_path)] if include_path else [])
-        # one index of lm-eval's task files for both models (building it takes 10-20 s on a 2-core CPU)
-        task_manager = TaskManager(include_path=paths)
+    # one index of lm-eval's task files for both models (building it takes 10-20 s on a 2-core CPU)
+    with task_index(include_path) as task_manager:
+        check_task_names(tasks, task_manager, "--tasks")  # before any weight is read
         settings = (tasks, task_manager, limit, num_fewshot, batch_size, device, dtype, backend)
         results = {  # the teacher: the full checkpoint with SwiftKV off, or the given base model
             "teacher": evaluate(teacher or model, False, *settings),
@@ -134,6 +133,26 @@ def main(
                        "num_fewshot": num_fewshot, "device": str(device), "dtype": str(dtype).removeprefix("torch."),
                        "backend": backend})  # fmt: skip
     return out.with_suffix(".md")
+
+
+@contextmanager
+def task_index(include_path: Path | None = None) -> Iterator:
+    """lm-eval's ``TaskManager`` over its own tasks, ``LOCAL_TASKS`` and the YAMLs in ``include_path``."""
+    from lm_eval.tasks import TaskManager
+
+    with tempfile.TemporaryDirectory(prefix="swiftkv-eval-") as folder:
+        paths = [str(local_task_folder(Path(folder)))] + ([str(include_path)] if include_path else [])
+        yield TaskManager(include_path=paths)
+
+
+def check_task_names(tasks: list[str], task_manager, option: str) -> None:
+    """Refuse task names (or glob patterns) that name no task, group or tag lm-eval knows."""
+    unknown = [t for t in tasks if not Path(t).is_file() and not task_manager.match_tasks([t])]
+    if unknown:
+        raise ValueError(
+            f"{option}: {unknown} name no lm-eval task here. `swiftkv lm-eval ls tasks` lists them (e.g. "
+            f"{', '.join(LOCAL_TASKS)}, arc_challenge, hellaswag); your own YAMLs: --include_path."
+        )
 
 
 def evaluate(

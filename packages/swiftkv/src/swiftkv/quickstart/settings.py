@@ -112,6 +112,20 @@ def check(
         )
     if not 0 < min_agreement < 1:
         raise QuickstartError(f"--min_agreement {min_agreement}: a share of tokens in (0, 1), e.g. 0.85.")
+    if not 0 < threshold <= 1:
+        raise QuickstartError(
+            f"--threshold {threshold}: a cosine similarity in (0, 1], e.g. 0.9 (the paper's)."
+        )
+    if max_eval_rows < 0:
+        raise QuickstartError(
+            f"--max_eval_rows {max_eval_rows}: held-out rows per evaluation, >= 0 (0: all)."
+        )
+    if serve_requests < 1:
+        raise QuickstartError(f"--serve_requests {serve_requests}: requests per burst, a positive integer.")
+    if any(n < 1 for n in prompt_lengths or []):
+        raise QuickstartError(
+            f"--prompt_lengths {prompt_lengths}: prompt token counts, each a positive integer."
+        )
     try:
         check_checkpoint(path, L // 2 if l == "auto" else l, 1 if l == "auto" else g, kind="base")
         if l == "auto" and not frontier_sweep(L, g, None):
@@ -119,6 +133,7 @@ def check(
     except CheckpointError as error:
         why = f" (l was not given: {l} is the default for this model)" if defaulted else ""
         raise QuickstartError(f"--num_key_value_layers / --key_value_group_size{why}: {error}") from None
+    _check_recipe_values(recipe, recipe_settings, path, L // 2 if l == "auto" else l, g)
     data = recipe_settings.data
     train_files = list(train_files or data.train_files)
     val_files = data.val_files
@@ -151,7 +166,7 @@ def check(
     context = getattr(config, "max_position_embeddings", 4096)
     lengths = sorted(n for n in (prompt_lengths or DEFAULT_PROMPT_LENGTHS) if n <= context)
     workloads = list(serve_workloads or DEFAULT_WORKLOADS)
-    for workload in workloads:
+    for workload in workloads if serve is not False else []:
         prompt, _, output = workload.partition("/")
         if not (prompt.isdigit() and output.isdigit()) or int(prompt) + int(output) > context:
             raise QuickstartError(
@@ -160,6 +175,14 @@ def check(
             )
     if eval_tasks and importlib.util.find_spec("lm_eval") is None:
         raise QuickstartError("--eval_tasks needs lm-evaluation-harness: pip install 'swiftkv[eval]'.")
+    if eval_tasks:  # known to lm-eval, before the run (indexing its task files takes 10-20 s on a 2-core CPU)
+        from ..evaluate import check_task_names, task_index
+
+        with task_index() as task_manager:
+            try:
+                check_task_names(eval_tasks, task_manager, "--eval_tasks")
+            except ValueError as error:
+                raise QuickstartError(str(error)) from None
     missing = next((what for module, what in SERVING_NEEDS if importlib.util.find_spec(module) is None), None)
     if serve and missing:
         raise QuickstartError(
@@ -189,6 +212,19 @@ def default_num_key_value_layers(model: str, num_layers: int, recipe_settings) -
     if str(recipe_settings.model.model) == model:
         return int(recipe_settings.model.num_key_value_layers)
     return num_layers // 2
+
+
+def _check_recipe_values(recipe: str, settings, path: Path, l: int, g: int) -> None:
+    """The recipe's module and data settings, checked by their own classes as the distillation will build them
+    (nothing is read but the model's config)."""
+    from swiftkv_distill import DistillDataModule, SwiftKVDistillation
+
+    layers = {"model": str(path), "num_key_value_layers": l, "key_value_group_size": g}
+    try:
+        SwiftKVDistillation(**settings.model.as_dict() | layers)
+        DistillDataModule(**settings.data.as_dict() | {"model": str(path)})
+    except ValueError as error:  # DataError too
+        raise QuickstartError(f"--recipe {recipe}: {error}") from None
 
 
 def choose_accelerator(requested: str, cuda_available: bool, bf16: bool = True) -> str:
