@@ -14,6 +14,9 @@
 #   tests       the other gpu tests of swiftkv-core and swiftkv-distill, real compiled fits among them (2.5)
 #   prefill     benchmarks/gpu.py: the 2k and 8k prefills, eager and compiled with CUDA graphs, against the FLOPs bound,
 #               and the decode TPOT after 2k, off vs on (4; the same with 2k alone, benchmarks/gpu.py run by hand: 3.8)
+#   prefill-dynamic  the main job's compiled prefill at 512 and 2048 tokens, compiled per length (as now) and once
+#               with dynamic shapes: compile times and timed forwards (benchmarks/results/prefill-compile-dynamic.py;
+#               not yet run on a GPU: about 4 by the H100's 55 s per static length)
 #   distill     benchmarks/gpu.py: the 8B distillation step, eager, compiled layers, activation checkpointing (2 on
 #               an H200); GPU_LEASE_DISTILL_FLAGS replaces the last two (e.g. '--compile_layers true' alone)
 #   quickstart  the main job on the GPU (`--accelerator gpu`, short settings, no serving: vLLM cannot run there)
@@ -100,6 +103,10 @@ tests/distill/test_module.py -q -p no:cacheprovider --tb=short" ;;
         limit=540
         command="python3 benchmarks/gpu.py --parts '[distill]' --frozen '[bf16]' \
 ${GPU_LEASE_DISTILL_FLAGS:---activation_checkpointing true --compile_layers true} --out $OUT/gpu-distill" ;;
+    prefill-dynamic)
+        limit=420
+        command="for kind in static dynamic; do TORCHINDUCTOR_CACHE_DIR=\$(mktemp -d) \
+python3 benchmarks/results/prefill-compile-dynamic.py \$kind cuda; done" ;;
     quickstart)
         limit=420
         command="random_default_model /tmp/smollm2-random && python3 -m swiftkv.cli quickstart --model /tmp/smollm2-random \
@@ -120,12 +127,12 @@ last lines of $step.log:"
 }
 
 run() {
-    [[ $# -gt 0 ]] || { echo "usage: bash scripts/gpu-lease.sh run STEP... (attention tests prefill distill quickstart)" >&2; exit 2; }
+    [[ $# -gt 0 ]] || { echo "usage: bash scripts/gpu-lease.sh run STEP... (attention tests prefill prefill-dynamic distill quickstart)" >&2; exit 2; }
     [[ -d .gpu/whl ]] || { echo "gpu-lease: no .gpu/ here: run scripts/gpu-lease.sh prepare first, carry [\".gpu\"]" >&2; exit 2; }
     local step
     for step in "$@"; do # every name checked before any device time is spent
-        [[ " attention tests prefill distill quickstart " == *" $step "* ]] \
-            || { echo "gpu-lease: unknown step '$step': choose from attention, tests, prefill, distill, quickstart" >&2; exit 2; }
+        [[ " attention tests prefill prefill-dynamic distill quickstart " == *" $step "* ]] \
+            || { echo "gpu-lease: unknown step '$step': choose from attention, tests, prefill, prefill-dynamic, distill, quickstart" >&2; exit 2; }
     done
     OUT=${OUT:-/tmp/gpu-lease-out}
     mkdir -p "$OUT"
