@@ -106,7 +106,7 @@ ${GPU_LEASE_DISTILL_FLAGS:---activation_checkpointing true --compile_layers true
     prefill-dynamic)
         limit=420
         command="for kind in static dynamic; do TORCHINDUCTOR_CACHE_DIR=\$(mktemp -d) \
-python3 benchmarks/results/prefill-compile-dynamic.py \$kind cuda; done" ;;
+python3 benchmarks/results/prefill-compile-dynamic.py \$kind cuda || exit \$?; done" ;;
     quickstart)
         limit=420
         command="random_default_model /tmp/smollm2-random && python3 -m swiftkv.cli quickstart --model /tmp/smollm2-random \

@@ -89,9 +89,21 @@ def test_resuming_with_other_settings_is_refused_naming_them(tiny_model, text_fi
     _run(tiny_model, text_file, tmp_path, max_steps=3, interrupt_at=1)
     ckpt = tmp_path / "ckpt" / "last.ckpt"
     with pytest.raises(
-        ValueError, match=r"model\.learning_rate 0\.003 -> 0\.001.*another trainer\.default_root_dir"
+        ValueError, match=r"model\.learning_rate 0\.003 -> 0\.001.*--trainer\.default_root_dir"
     ):
         _run(tiny_model, text_file, tmp_path, max_steps=3, ckpt_path=ckpt, learning_rate=1e-3)
+
+
+def test_the_same_settings_written_another_way_resume(tmp_path, monkeypatch):
+    """A relative and an absolute path to one folder, a tuple and its list: the same run."""
+    from swiftkv_distill.build import check_same_run
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "converted").mkdir()
+    saved = {"hyper_parameters": {"model": "converted", "betas": (0.9, 0.999)}}
+    check_same_run(saved, {"model": str(tmp_path / "converted"), "betas": [0.9, 0.999]}, None)
+    with pytest.raises(ValueError, match=r"model\.betas \(0\.9, 0\.999\) -> \[0\.9, 0\.95\].*--out"):
+        check_same_run(saved, {"model": "converted", "betas": [0.9, 0.95]}, None)
 
 
 def test_export_round_trip(tiny_model, text_file, tmp_path):

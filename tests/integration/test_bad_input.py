@@ -121,7 +121,11 @@ CASES = [  # (arguments, what the error must say)
     ([*QUICK, "--serve_requests", "0"], "positive integer"),
     ([*QUICK, "--prompt_lengths", "[0, 512]"], "each a positive integer"),
     ([*QUICK, "--threshold", "0"], r"\(0, 1\]"),
-    ([*QUICK, "--recipe", "BADVALUES"], "--recipe .*bad-values.yaml: lora_rank must be an integer >= 0"),
+    ([*QUICK, "--recipe", "BADVALUES"], "bad-values.yaml names no data.train_files: .* or --train_files"),
+    (
+        [*QUICK, "--recipe", "BADVALUES", "--train_files", "[TEXT]"],
+        "--recipe .*bad-values.yaml: lora_rank must be an integer >= 0",
+    ),
     ([*QUICK, "--eval_tasks", "[capitols]"], r"\['capitols'\] name no lm-eval task"),
     (
         ["eval", "--model", "SWIFTKV", "--tasks", "[swiftkv_capitals, capitols]"],
@@ -207,3 +211,25 @@ def _matches(pattern: str, text: str) -> bool:
 def test_at_least_thirty_cases():
     assert len(CASES) >= 30 and len({c[0][0] for c in CASES}) >= 8  # every command that takes input
     assert json.dumps(CASES)  # the table is plain data
+
+
+def test_a_partial_recipe_is_checked_with_the_runs_own_files(files):
+    """A recipe that sets a few keys (no data files of its own) runs on the main job's --train_files, and its values
+    are checked with those before any compute."""
+    from swiftkv.quickstart.settings import QuickstartError, check
+
+    partial = os.path.join(os.path.dirname(files["TEXT"]), "partial.yaml")
+    with open(partial, "w") as f:
+        f.write("model:\n  learning_rate: 1.0e-3\n")
+    settings, _ = check(
+        files["TINY"], files["OUT"], "cpu", 2, 1, 0.05, partial, [files["TEXT"]], [files["TEXT"]], "", 2, [16],
+        False, None, 2, False, 0.9,
+    )  # fmt: skip
+    assert settings.train_files == [files["TEXT"]] and settings.recipe == partial
+    with pytest.raises(QuickstartError, match="partial.yaml: batch_size must be a positive integer"):
+        with open(partial, "a") as f:
+            f.write("data:\n  batch_size: 0\n")
+        check(
+            files["TINY"], files["OUT"], "cpu", 2, 1, 0.05, partial, [files["TEXT"]], [files["TEXT"]], "", 2, [16],
+            False, None, 2, False, 0.9,
+        )  # fmt: skip

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import warnings
 
 import torch
@@ -162,14 +163,28 @@ def check_same_run(checkpoint: dict, module_settings: dict, data_settings: dict 
         ("data", checkpoint.get("datamodule_hyper_parameters", {}), data_settings or {}),
     ):
         for key in sorted((saved.keys() & now.keys()) - RESUMABLE_CHANGES):
-            # compared as JSON: a tuple equals its list
-            if json.dumps(saved[key], default=str) != json.dumps(now[key], default=str):
+            if _comparable(saved[key]) != _comparable(now[key]):
                 changed.append(f"{prefix}.{key} {saved[key]!r} -> {now[key]!r}")
     if changed:
         raise ValueError(
             f"the checkpoint to resume from was written with other settings ({'; '.join(changed)}): run with its "
-            "settings to continue it, or give another trainer.default_root_dir to start a new run."
+            "settings to continue it, or start a new run in another folder (distill fit: "
+            "--trainer.default_root_dir; the main job: --out, or --force to start over)."
         )
+
+
+def _comparable(value) -> str:
+    """A setting as JSON (a tuple equals its list), each existing path resolved (``runs/x`` equals ``/abs/runs/x``)."""
+    if isinstance(value, (str, os.PathLike)):
+        value = os.fspath(value)
+        return json.dumps(os.path.realpath(value) if os.path.exists(value) else value)
+    if isinstance(value, (list, tuple)):
+        return "[" + ",".join(_comparable(v) for v in value) + "]"
+    if isinstance(value, dict):
+        return (
+            "{" + ",".join(f"{json.dumps(str(k))}:{_comparable(v)}" for k, v in sorted(value.items())) + "}"
+        )
+    return json.dumps(value, default=str)
 
 
 KV_INITS = ("least_squares", "published")

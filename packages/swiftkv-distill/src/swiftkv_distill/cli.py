@@ -23,10 +23,10 @@ def main(args=None) -> None:
         if os.environ.get("SWIFTKV_DEBUG"):
             raise
         raise SystemExit(f"swiftkv distill: {' '.join(str(error).split())}") from None
-    except MisconfigurationException as error:  # Lightning's: trainer settings this machine cannot run
+    except MisconfigurationException as error:  # Lightning's, e.g. an accelerator this machine does not have
         if os.environ.get("SWIFTKV_DEBUG"):
             raise
-        raise SystemExit(f"swiftkv distill: the trainer settings: {_with_fix(str(error))}") from None
+        raise SystemExit(f"swiftkv distill: {_with_fix(str(error))} (SWIFTKV_DEBUG=1 shows where)") from None
     _end_process_group()
 
 

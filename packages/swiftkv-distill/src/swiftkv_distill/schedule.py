@@ -23,7 +23,7 @@ def check_optimizer_settings(
         f"betas must be two numbers in [0, 1), got {betas}"
         if len(betas) != 2 or not all(0 <= b < 1 for b in betas)
         else "",
-        f"warmup_fraction must be in [0, 1), got {warmup_fraction}" if not 0 <= warmup_fraction < 1 else "",
+        f"warmup_fraction must be in [0, 1], got {warmup_fraction}" if not 0 <= warmup_fraction <= 1 else "",
         f"min_lr_ratio must be in [0, 1], got {min_lr_ratio}" if not 0 <= min_lr_ratio <= 1 else "",
         f"schedule_seconds must be > 0, got {schedule_seconds}"
         if schedule_seconds is not None and not schedule_seconds > 0

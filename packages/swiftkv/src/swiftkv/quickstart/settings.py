@@ -133,12 +133,15 @@ def check(
     except CheckpointError as error:
         why = f" (l was not given: {l} is the default for this model)" if defaulted else ""
         raise QuickstartError(f"--num_key_value_layers / --key_value_group_size{why}: {error}") from None
-    _check_recipe_values(recipe, recipe_settings, path, L // 2 if l == "auto" else l, g)
     data = recipe_settings.data
-    train_files = list(train_files or data.train_files)
+    train_files = list(train_files or data.train_files or [])
+    if not train_files:
+        raise QuickstartError(
+            f"--recipe {recipe} names no data.train_files: give them there, or --train_files."
+        )
     val_files = data.val_files
     heldout_text = list(
-        heldout_text or (next(iter(val_files.values())) if isinstance(val_files, dict) else val_files)
+        heldout_text or (next(iter(val_files.values())) if isinstance(val_files, dict) else val_files) or []
     )
     if not _has_chat_template(path):  # a base model: no chat to distil or evaluate
         chat = [f for f in train_files if (dataset_name(f) or "").startswith("chat_")]
@@ -156,6 +159,13 @@ def check(
         load_records(local)  # every record readable and of a known kind, before any compute
     except DataError as error:
         raise QuickstartError(str(error)) from None
+    data_settings = {
+        "train_files": train_files,
+        "val_files": {"text": heldout_text},
+        "max_val_rows": max_eval_rows,
+    }
+    layers = (L // 2, 1) if l == "auto" else (l, g)  # auto: the frontier picks an l that g fits
+    _check_recipe_values(recipe, recipe_settings, path, *layers, data_settings)
     step_seconds = estimated_step_seconds(config, data.batch_size * data.max_length, accelerator)
     if not budget_minutes * 60 >= step_seconds:
         raise QuickstartError(
@@ -214,15 +224,15 @@ def default_num_key_value_layers(model: str, num_layers: int, recipe_settings) -
     return num_layers // 2
 
 
-def _check_recipe_values(recipe: str, settings, path: Path, l: int, g: int) -> None:
-    """The recipe's module and data settings, checked by their own classes as the distillation will build them
-    (nothing is read but the model's config)."""
+def _check_recipe_values(recipe: str, settings, path: Path, l: int, g: int, data: dict) -> None:
+    """The recipe's module and data settings, with the run's own (``data``: its training and held-out files),
+    checked by their classes as the distillation will build them (nothing is read but the model's config)."""
     from swiftkv_distill import DistillDataModule, SwiftKVDistillation
 
     layers = {"model": str(path), "num_key_value_layers": l, "key_value_group_size": g}
     try:
         SwiftKVDistillation(**settings.model.as_dict() | layers)
-        DistillDataModule(**settings.data.as_dict() | {"model": str(path)})
+        DistillDataModule(**settings.data.as_dict() | data | {"model": str(path)})
     except ValueError as error:  # DataError too
         raise QuickstartError(f"--recipe {recipe}: {error}") from None
 
