@@ -126,8 +126,10 @@ def check(
         raise QuickstartError(
             f"--prompt_lengths {prompt_lengths}: prompt token counts, each a positive integer."
         )
+    # auto: checked at L/2 with g = 1; the frontier picks an l that g fits
+    layers = (L // 2, 1) if l == "auto" else (l, g)
     try:
-        check_checkpoint(path, L // 2 if l == "auto" else l, 1 if l == "auto" else g, kind="base")
+        check_checkpoint(path, *layers, kind="base")
         if l == "auto" and not frontier_sweep(L, g, None):
             raise CheckpointError(f"no l in [{L // 2}, {L - 1}] fits key_value_group_size={g}")
     except CheckpointError as error:
@@ -164,7 +166,6 @@ def check(
         "val_files": {"text": heldout_text},
         "max_val_rows": max_eval_rows,
     }
-    layers = (L // 2, 1) if l == "auto" else (l, g)  # auto: the frontier picks an l that g fits
     _check_recipe_values(recipe, recipe_settings, path, *layers, data_settings)
     step_seconds = estimated_step_seconds(config, data.batch_size * data.max_length, accelerator)
     if not budget_minutes * 60 >= step_seconds:
