@@ -243,3 +243,33 @@ def test_each_module_is_built_once_and_matches_hf(family, monkeypatch):
         model.model.layers[0].named_modules(), base.model.layers[0].named_modules(), strict=True
     ):
         assert name == base_name and isinstance(module, type(base_module))
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_a_cast_model_keeps_its_rope_frequencies_and_is_the_model_loaded_in_that_dtype(
+    tmp_path, family, dtype
+):
+    """``model.to(bf16)`` (what Lightning's bf16-true does) leaves RoPE's inverse frequencies in fp32, as
+    ``from_pretrained(dtype=bf16)`` does: the cast model and the loaded one give the same logits, far into a long
+    prompt, where bf16 frequencies would be radians off."""
+    from transformers import AutoModelForCausalLM
+
+    import swiftkv_core  # noqa: F401  (registers the SwiftKV configs with the Auto classes)
+    from swiftkv_core.convert import save_checkpoint
+
+    _, model = swift(family)
+    expected = {name: buffer.clone() for name, buffer in model.model.rotary_emb.named_buffers()}
+    save_checkpoint(model, tmp_path / "ckpt")
+    model.to(dtype)
+    assert model.lm_head.weight.dtype == dtype and expected
+    for name, buffer in model.model.rotary_emb.named_buffers():
+        assert buffer.dtype == torch.float32 and torch.equal(buffer, expected[name]), name
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "ckpt", dtype=dtype).eval()
+    ids = torch.randint(0, 128, (1, 12))
+    positions = torch.arange(8000, 8012)[None]
+    for swiftkv in (False, True):
+        model.swiftkv(swiftkv), loaded.swiftkv(swiftkv)
+        assert torch.equal(
+            model(ids, position_ids=positions).logits, loaded(ids, position_ids=positions).logits
+        )

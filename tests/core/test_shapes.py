@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from swiftkv_core.shapes import SHAPES, random_swiftkv_model
 
@@ -21,3 +22,9 @@ def test_a_random_model_has_the_shape_and_its_layers():
 def test_an_unknown_shape_names_the_known_ones():
     with pytest.raises(ValueError, match="llama-3.1-8b"):
         random_swiftkv_model("llama-4")
+
+
+def test_a_random_bf16_model_keeps_rope_frequencies_in_fp32():
+    model, _ = random_swiftkv_model("tiny", num_hidden_layers=2, dtype=torch.bfloat16)
+    assert model.lm_head.weight.dtype == torch.bfloat16
+    assert {buffer.dtype for buffer in model.model.rotary_emb.buffers()} == {torch.float32}

@@ -85,7 +85,10 @@ def convert(
     not_loaded = [n for n in missing if n not in swiftkv_names and not n.endswith("lm_head.weight")]
     if not_loaded:
         raise ValueError(f"The base model lacks weights the SwiftKV model needs: {not_loaded[:5]}")
-    swift.model.rotary_emb = model.model.rotary_emb  # non-persistent buffers are not in the state dict
+    # RoPE's frequencies are non-persistent buffers, not in the state dict: computed anew, in fp32 (a base cast with
+    # .to(torch.bfloat16) carries them rounded, see SwiftKVModelMixin._apply)
+    with torch.device(model.model.rotary_emb.inv_freq.device):
+        swift.model.rotary_emb = swift.model.rotary_class(config=config)
     if config.tie_word_embeddings:
         swift.lm_head.weight = swift.model.embed_tokens.weight
 

@@ -282,6 +282,19 @@ class SwiftKVModelMixin:
         self.gradient_checkpointing = False
         self.post_init()
 
+    def _apply(self, fn, recurse=True):
+        """RoPE's inverse frequencies stay fp32 when the model is cast to fp16 or bf16 (``model.to(torch.bfloat16)``,
+        Lightning's ``bf16-true``), as ``from_pretrained(dtype=...)`` leaves them: rounded to bf16 they are off by
+        up to 0.2%, radians of phase by position 8k, and the teacher would no longer be the model it came from."""
+        before = dict(self.rotary_emb.named_buffers())
+        super()._apply(fn, recurse)
+        buffers = self.rotary_emb._buffers
+        for name, kept in before.items():
+            cast = buffers[name]
+            if kept.dtype == torch.float32 and cast.dtype in (torch.float16, torch.bfloat16):
+                buffers[name] = cast.float() if kept.is_meta else kept.to(cast.device)
+        return self
+
     @merge_with_config_defaults
     @capture_outputs
     def forward(
