@@ -126,6 +126,28 @@ def test_under_bf16_autocast_the_head_products_run_in_bf16_close_to_fp32():
     assert (agree16 == agree32).float().mean() >= 0.9
 
 
+def test_without_autocast_a_bf16_head_runs_its_products_in_bf16_as_under_autocast():
+    """bf16-true training (bf16 weights, no autocast): the LM-head products run in bf16, as they do under bf16
+    autocast on the same values, not in fp32 on an fp32 copy of the head."""
+    torch.manual_seed(6)
+    n, hidden, vocab = 24, 64, 300
+    teacher, weight = torch.randn(n, hidden).bfloat16(), (torch.randn(vocab, hidden) / 8).bfloat16()
+    student = (teacher + 0.3 * torch.randn(n, hidden)).bfloat16()
+    rows = torch.full((n,), 1.0 / n)
+    results = []
+    for true_bf16 in (True, False):  # bf16 tensors, no autocast; their values in fp32 under bf16 autocast
+        x = (student if true_bf16 else student.float()).clone().requires_grad_()
+        dtype = torch.bfloat16 if true_bf16 else torch.float32
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=not true_bf16):
+            loss, kl_rows, agree = distillation_kl(x, teacher.to(dtype), weight.to(dtype), rows, 2.0, 16)
+        loss.backward()
+        assert x.grad.dtype == dtype
+        results.append((loss.detach(), kl_rows, x.grad, agree))
+    (loss_true, kl_true, grad_true, agree_true), (loss_mixed, kl_mixed, grad_mixed, agree_mixed) = results
+    assert torch.equal(loss_true, loss_mixed) and torch.equal(kl_true, kl_mixed)
+    assert torch.equal(agree_true, agree_mixed) and torch.equal(grad_true, grad_mixed.bfloat16())
+
+
 def test_compiled_kl_chunk_equals_the_eager_one():
     from swiftkv_distill import loss
 
@@ -133,7 +155,10 @@ def test_compiled_kl_chunk_equals_the_eager_one():
     for dtype, temperature in ((torch.float32, 1.0), (torch.bfloat16, 2.0)):
         t_logits, s_logits = (3 * torch.randn(7, 500)).to(dtype), (3 * torch.randn(7, 500)).to(dtype)
         w = torch.rand(7)
-        compiled = loss._kl_chunk(t_logits, s_logits, w, temperature)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # a compiler failure would compare the eager function with itself
+            compiled = loss._kl_chunk(t_logits, s_logits, w, temperature)
+        assert loss._compiled_kl_chunk is not loss._kl_chunk_eager
         eager = loss._kl_chunk_eager(t_logits, s_logits, w, temperature)
         assert compiled[1].dtype == dtype
         torch.testing.assert_close(compiled[0], eager[0], rtol=1e-5, atol=1e-6)
@@ -157,3 +182,21 @@ def test_a_failing_compiler_falls_back_to_the_eager_kl_with_one_warning(monkeypa
         second = loss._kl_chunk(*args)
     for a, b, c in zip(first, second, loss._kl_chunk_eager(*args), strict=True):
         assert torch.equal(a, b) and torch.equal(a, c)
+
+
+def test_running_out_of_device_memory_is_not_taken_for_a_compiler_failure(monkeypatch):
+    """A CUDA out-of-memory error inside the compiled KL reaches the caller (Lightning, the quickstart's advice),
+    and the KL stays compiled: it is not a compiler failure, and the eager function would run out too. (A CPU
+    cannot run out of CUDA memory: the error is raised by a stand-in.)"""
+    from swiftkv_distill import loss
+
+    def out_of_memory(*args):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    monkeypatch.setattr(loss, "_compiled_kl_chunk", out_of_memory)
+    args = (torch.randn(4, 30), torch.randn(4, 30), torch.rand(4), 1.0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with pytest.raises(torch.OutOfMemoryError):
+            loss._kl_chunk(*args)
+    assert loss._compiled_kl_chunk is out_of_memory

@@ -14,7 +14,8 @@ scaled by T^2 (the gradient of the softened KL shrinks as 1/T^2; Hinton et al.),
 to the student logits is T * (p_s - p_t) * weight.
 
 Under autocast (``trainer.precision: bf16-mixed``) the three LM-head products (teacher logits, student logits,
-the gradient back to the hidden states) run in the autocast dtype, the softmaxes and the KL in fp32: on a CPU
+the gradient back to the hidden states) run in the autocast dtype, and with a bf16 or fp16 head and no autocast
+(``bf16-true``) in the head's dtype, as the model's own logits; the softmaxes and the KL in fp32: on a CPU
 with bf16 instructions those products run several times faster than in fp32, and they are most of a small
 model's step. The bf16 rounding of a logit (0.4% at most) changes the KL by far less than the distillation's own error.
 """
@@ -126,6 +127,8 @@ def _kl_chunk(t_logits: Tensor, s_logits: Tensor, row_weight: Tensor, temperatur
     if _compiled_kl_chunk is not _kl_chunk_eager:
         try:
             return _compiled_kl_chunk(t_logits, s_logits, row_weight, temperature)
+        except (torch.OutOfMemoryError, torch.AcceleratorError):
+            raise  # the device's own failure, not the compiler's: the eager function would meet it too
         except Exception as error:  # noqa: BLE001 - any compiler failure: the eager function is exact
             _compiled_kl_chunk = _kl_chunk_eager
             warnings.warn(
@@ -148,11 +151,16 @@ def distillation_kl(
 
     ``hard_weight`` > 0 adds ``hard_weight * weight_i * CE_i``: the student's cross-entropy at T=1 on the teacher's
     top-1 token (a hard-label term that pulls directly on top-1 agreement). Under autocast the LM-head products
-    run in the autocast dtype (see the module's docstring)."""
+    run in the autocast dtype, without it in a bf16 or fp16 head's own dtype (see the module's docstring)."""
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
     device = student_hidden.device.type
-    matmul_dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else torch.float32
+    if torch.is_autocast_enabled(device):
+        matmul_dtype = torch.get_autocast_dtype(device)
+    elif head_weight.dtype in (torch.float16, torch.bfloat16):
+        matmul_dtype = head_weight.dtype  # bf16-true: the head's own dtype, no fp32 copy of it
+    else:
+        matmul_dtype = torch.float32
     return ChunkedDistillationKL.apply(
         student_hidden,
         teacher_hidden,
