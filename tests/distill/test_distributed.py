@@ -7,8 +7,10 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
+import lightning.pytorch as L
 import pytest
 import torch
 import yaml
@@ -17,7 +19,9 @@ from safetensors.torch import load_file
 ROOT = Path(__file__).parents[2]
 
 
-def _config(tmp_path, tiny_model, text_file, name, batch_size, strategy, checkpoint_dir=None, recompute=0):
+def _config(
+    tmp_path, tiny_model, text_file, name, batch_size, strategy, checkpoint_dir=None, recompute=0, **changes
+):
     out = tmp_path / name
     config = {
         "seed_everything": 0,
@@ -77,6 +81,8 @@ def _config(tmp_path, tiny_model, text_file, name, batch_size, strategy, checkpo
             "max_train_rows": 16,
         },
     }
+    for section, values in changes.items():  # e.g. trainer={"max_steps": 50}, model={"compile_layers": False}
+        config[section] |= values
     path = tmp_path / f"{name}.yaml"
     path.write_text(yaml.safe_dump(config))
     return path, out
@@ -154,3 +160,42 @@ def test_two_process_fsdp2_matches_single_process(tmp_path, tiny_model, text_fil
     assert expected.keys() == got.keys() and expected
     for name in expected:
         torch.testing.assert_close(got[name], expected[name], rtol=1e-4, atol=1e-5, msg=name)
+
+
+class LateRank(L.Callback):
+    """Rank 1 reaches its first step 8 s after rank 0, whose clock therefore reads 8 s more at every step."""
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if trainer.global_rank == 1 and batch_idx == 0:
+            time.sleep(8)
+
+
+@pytest.mark.distributed
+def test_a_time_budget_stops_every_process_at_the_same_step(tmp_path, tiny_model, text_file):
+    """``BudgetProgress`` stops at the step where rank 0's clock passes the budget, on every rank: a rank that stopped
+    on its own clock would leave the others waiting in the next step's collectives (here: rank 0 passes a 6 s
+    budget at step 1, rank 1 seconds later)."""
+    strategy = {
+        "class_path": "lightning.pytorch.strategies.ModelParallelStrategy",
+        "init_args": {"data_parallel_size": 2, "tensor_parallel_size": 1, "timeout": "0:01:00"},
+    }
+    callbacks = [
+        {"class_path": "tests.distill.test_distributed.LateRank"},
+        {"class_path": "swiftkv_distill.callbacks.BudgetProgress", "init_args": {"budget_seconds": 6.0}},
+    ]
+    config, out = _config(
+        tmp_path, tiny_model, text_file, "budget", 2, strategy,
+        trainer={"max_steps": 200}, model={"compile_layers": False, "kv_init": "published"},
+    )  # fmt: skip
+    settings = yaml.safe_load(config.read_text())
+    settings["trainer"]["callbacks"] += callbacks
+    config.write_text(yaml.safe_dump(settings))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    fabric = shutil.which("fabric", path=str(Path(sys.executable).parent))
+    subprocess.run(
+        [fabric, "run", "--accelerator", "cpu", "--devices", "2", str(ROOT / "apps" / "distill.py"),
+         "--config", str(config)],
+        check=True, env=env, cwd=tmp_path, timeout=300,
+    )  # fmt: skip
+    assert len(_losses(out)) == 1  # stopped after step 1, and both ranks went on to the export together
+    assert _trained(out)

@@ -248,3 +248,30 @@ def test_a_failed_export_leaves_the_earlier_one(tiny_model, text_file, tmp_path,
         got = AutoModelForCausalLM.from_pretrained(out).eval()(ids, use_cache=False).logits
     torch.testing.assert_close(got, expected, rtol=0, atol=0)
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []  # nothing left beside it
+
+
+@pytest.mark.parametrize("there", ["other files", "the model"])
+def test_an_export_folder_the_export_would_lose_is_refused_before_training(
+    there, tiny_model, text_file, tmp_path
+):
+    """``ExportHF`` replaces ``dirpath/hf`` whole at the end: a folder of other files there, or the model being
+    distilled (continuing from an earlier export into the same folder), is refused before any step, untouched."""
+    import shutil
+
+    from swiftkv_distill.callbacks import ExportHF
+    from tests.distill.conftest import quiet_trainer
+
+    folder = tmp_path / "export" / "hf"
+    if there == "other files":
+        folder.mkdir(parents=True)
+        (folder / "notes.txt").write_text("mine")
+        model, message = tiny_model, "holds files and is not a checkpoint folder"
+    else:
+        model, message = shutil.copytree(tiny_model, folder), "is \\(or holds\\) the model being read"
+    before = sorted(p.name for p in folder.iterdir())
+    module = SwiftKVDistillation(str(model), num_key_value_layers=2)
+    data = DistillDataModule(str(model), [str(text_file)], max_length=32, batch_size=2, max_train_rows=4)
+    trainer = quiet_trainer(tmp_path, max_steps=1, callbacks=[ExportHF(tmp_path / "export", serving=False)])
+    with pytest.raises(ValueError, match=f"ExportHF's hf/ folder .*{message}"):
+        trainer.fit(module, data)
+    assert trainer.global_step == 0 and sorted(p.name for p in folder.iterdir()) == before

@@ -4,7 +4,6 @@ no traceback), and nothing written. Every command of the ``swiftkv`` table that 
 from __future__ import annotations
 
 import importlib.util
-import json
 import os
 import re
 import shutil
@@ -73,7 +72,7 @@ CASES = [  # (arguments, what the error must say)
     (["convert", "--out_dir", "OUT", "--model", "TINY", "--kv_init_text_files", "[MISSING]"], "not found"),
     (["convert", "--out_dir", "OUT", "--model", "SWIFTKV"], "give its base model"),
     (["convert", "--out_dir", "OUT", "--model", "MISSING.gguf"], "no such GGUF file"),
-    (["convert", "--out_dir", "TINY", "--model", "TINY"], "is \\(or holds\\) the model being converted"),
+    (["convert", "--out_dir", "TINY", "--model", "TINY"], "is \\(or holds\\) the model being read"),
     (["convert", "--out_dir", "NOCONFIG", "--model", "TINY"], "not a checkpoint folder.*give a new folder"),
     (["convert", "--out_dir", "TEXT", "--model", "TINY"], "is a file"),
     (["analyze", "--out_dir", "TEXT", "--model", "TINY"], "is a file"),
@@ -210,7 +209,6 @@ def _matches(pattern: str, text: str) -> bool:
 
 def test_at_least_thirty_cases():
     assert len(CASES) >= 30 and len({c[0][0] for c in CASES}) >= 8  # every command that takes input
-    assert json.dumps(CASES)  # the table is plain data
 
 
 def test_a_partial_recipe_is_checked_with_the_runs_own_files(files):

@@ -137,3 +137,22 @@ def model_identity(path: str | os.PathLike) -> dict:
         "config_sha256": hashlib.sha256((path / "config.json").read_bytes()).hexdigest(),
         "weight_sizes": {f.name: f.stat().st_size for f in weights},
     }
+
+
+def check_replaceable(folder: str | os.PathLike, model: str | os.PathLike, what: str) -> None:
+    """Refuse, before any weight is read, a ``folder`` that writing a checkpoint there would lose (``what``: how the
+    user named it): the checkpoint replaces the whole folder, so it must be new, empty or an earlier checkpoint,
+    and neither be nor hold the model being read."""
+    folder, model = Path(folder).resolve(), Path(model).resolve()
+    if folder == model or folder in model.parents:
+        raise ValueError(
+            f"{what} {folder} is (or holds) the model being read, which writing there would replace: give "
+            "another folder."
+        )
+    if folder.exists() and not folder.is_dir():
+        raise NotADirectoryError(f"{what} {folder} is a file: give a folder path for the checkpoint.")
+    if folder.is_dir() and any(folder.iterdir()) and not (folder / "config.json").is_file():
+        raise ValueError(
+            f"{what} {folder} holds files and is not a checkpoint folder (no config.json); the checkpoint "
+            "replaces the whole folder: give a new folder, or a checkpoint folder to overwrite."
+        )

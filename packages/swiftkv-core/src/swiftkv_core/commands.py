@@ -35,7 +35,7 @@ def convert(
         dtype: The weights' dtype, also as written: 'auto' (bfloat16 on a GPU, float32 on a CPU), 'float32',
             'bfloat16' or 'float16'.
     """
-    from .checkpoints import check_checkpoint, read_config
+    from .checkpoints import check_checkpoint, check_replaceable, read_config
     from .convert import convert as convert_model
     from .convert import save_checkpoint
     from .generation import load
@@ -43,7 +43,7 @@ def convert(
     _, config = read_config(model)
     l = config.num_hidden_layers // 2 if num_key_value_layers is None else num_key_value_layers
     path, _ = check_checkpoint(model, l, key_value_group_size, kind="base")  # before any weight is read
-    _replaceable_checkpoint_folder(out_dir, path)
+    check_replaceable(out_dir, path, "--out_dir")
     _existing_files(kv_init_text_files, "--kv_init_text_files")
     _positive(kv_init_tokens=kv_init_tokens)
     device, dtype = _placement("convert", device, dtype)
@@ -248,25 +248,6 @@ def _placement(command: str, device: str, dtype: str) -> tuple[torch.device, tor
         flush=True,
     )
     return chosen, chosen_dtype
-
-
-def _replaceable_checkpoint_folder(out_dir: Path, model: Path) -> None:
-    """Refuse, before any weight is read, an ``--out_dir`` that writing a checkpoint there would lose: the new
-    checkpoint replaces the whole folder, so it must be new, empty or an earlier checkpoint, and neither be nor
-    hold the model being read."""
-    out_dir, model = Path(out_dir).resolve(), Path(model).resolve()
-    if out_dir == model or out_dir in model.parents:
-        raise ValueError(
-            f"--out_dir {out_dir} is (or holds) the model being converted, which writing there would replace: "
-            "give another folder."
-        )
-    if out_dir.exists() and not out_dir.is_dir():
-        raise NotADirectoryError(f"--out_dir {out_dir} is a file: give a folder path for the checkpoint.")
-    if out_dir.is_dir() and any(out_dir.iterdir()) and not (out_dir / "config.json").is_file():
-        raise ValueError(
-            f"--out_dir {out_dir} holds files and is not a checkpoint folder (no config.json); the checkpoint "
-            "replaces the whole folder: give a new folder, or a checkpoint folder to overwrite."
-        )
 
 
 def _positive(**values: int) -> None:

@@ -140,6 +140,14 @@ class ExportHF(L.Callback):
     def __init__(self, dirpath: str = "outputs/distill/export", full: bool = True, serving: bool = True):
         self.dirpath, self.full, self.serving = Path(dirpath), full, serving
 
+    def setup(self, trainer, pl_module, stage: str) -> None:
+        """Refuse export folders the export would lose (each is replaced whole), before any weight is read."""
+        from swiftkv_core.checkpoints import check_replaceable
+
+        for name, wanted in (("hf", self.full), ("hf-serving", self.serving)):
+            if wanted and stage == "fit":
+                check_replaceable(self.dirpath / name, pl_module.model_path, f"ExportHF's {name}/ folder")
+
     def on_fit_end(self, trainer, pl_module) -> None:
         from .export import export
 
@@ -192,7 +200,9 @@ class BudgetProgress(L.Callback):
         self._stop_if_spent(trainer, pl_module)
 
     def _stop_if_spent(self, trainer, pl_module) -> None:
-        if pl_module.train_seconds >= self.budget:
+        # rank 0's clock decides for every process (each reads its own): processes that stopped at different steps
+        # would wait for each other in the next collective for ever
+        if trainer.strategy.broadcast(pl_module.train_seconds >= self.budget):
             trainer.should_stop = True
 
     def on_train_end(self, trainer, pl_module) -> None:
