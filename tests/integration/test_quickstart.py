@@ -94,6 +94,11 @@ def test_quickstart_report_is_complete_and_consistent(inputs, tmp_path, capsys):
     longest = results["prefill"]["rows"][-1]
     assert head["prefill"]["speedup_x"] == pytest.approx(longest["off_s"] / longest["on_s"])
     assert head["prefill"]["flops_bound_x"] > 1
+    # a speed-up past its bound (by 5%) is said to be disturbed timings, not taken for SwiftKV's
+    assert all(
+        r["above_bound"] == (r["speedup_x"] > 1.05 * r["flops_bound_x"]) for r in results["prefill"]["rows"]
+    )
+    assert head["prefill"]["above_bound"] == longest["above_bound"]
     # vLLM serving: each model in a child process, every request of each burst served whole, the ratios the
     # per-model numbers' ratios, the KV capacity L / (l + (L - l) / g) = 8 / (4 + 4 / 2)
     serve = results["serve"]
@@ -135,6 +140,7 @@ def test_quickstart_report_is_complete_and_consistent(inputs, tmp_path, capsys):
     markdown = report.read_text()
     first = markdown.split("## Quality")[0]
     assert f"{head['prefill']['speedup_x']:.2f}x faster" in first
+    assert ("above its bound: disturbed timings" in first) == longest["above_bound"]
     for workload, ratios in head["serving"].items():
         assert (
             f"vLLM serving {workload} (prompt/output tokens): {ratios['combined_throughput_x']:.2f}x throughput"

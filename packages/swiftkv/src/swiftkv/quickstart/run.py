@@ -131,7 +131,8 @@ class Run:
         gpu = "CUDA" in str(error) and torch.cuda.is_available()
         where = device_description("cuda" if gpu else "cpu")
         if gpu:
-            total, peak = torch.cuda.get_device_properties(0).total_memory, torch.cuda.max_memory_allocated()
+            total = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
+            peak = torch.cuda.max_memory_allocated()
             where += f" ({total / 2**30:.0f} GiB; {peak / 2**30:.1f} GiB of tensors at the stage's peak)"
         free = "free the GPU (another process on it?)" if gpu else "free memory (other processes?)"
         smaller = "or one on the CPU (--accelerator cpu) " if gpu else ""

@@ -240,9 +240,15 @@ def prefill(run: Run) -> dict:
         rows.append({"prompt_tokens": length, "off_s": times[False], "on_s": times[True],
                      "speedup_x": times[False] / times[True], "flops_bound_x": bound,
                      "forward": "compiled, CUDA graphs" if forward is not None else "eager"})  # fmt: skip
+    from .report import ABOVE_BOUND, DISTURBED
+
     for r in rows:
+        # the speed-up stays within a few percent of its FLOPs bound (L / l at most, were the later layers' K/V
+        # free): a row well past it was timed while something else ran
+        r["above_bound"] = r["speedup_x"] > ABOVE_BOUND * r["flops_bound_x"]
         print(f"   {r['prompt_tokens']:>5} tokens: {r['off_s'] * 1e3:7.1f} -> {r['on_s'] * 1e3:7.1f} ms, "
-              f"{r['speedup_x']:.2f}x (FLOPs bound {r['flops_bound_x']:.2f}x; {r['forward']})")  # fmt: skip
+              f"{r['speedup_x']:.2f}x (FLOPs bound {r['flops_bound_x']:.2f}x; {r['forward']})"
+              f"{DISTURBED if r['above_bound'] else ''}")  # fmt: skip
     return {"rows": rows, "threads": torch.get_num_threads(), "device": run.device_description(),
             "device_name": device_description(run.device)}  # fmt: skip
 
