@@ -49,7 +49,7 @@ def test_prefill_timer_waits_for_the_device_before_each_reading(events):
 
 def test_stopwatch_measures_the_work_between_start_and_stop(events):
     seconds = runtime.timed(lambda: time.sleep(0.05), "cpu")
-    assert 0.05 <= seconds < 1.0
+    assert seconds >= 0.05  # the sleep was inside (no ceiling: a loaded machine may take longer)
     assert events == WAIT_THEN_READ * 2
     with pytest.raises(RuntimeError, match="before start"):
         runtime.Stopwatch("cpu").stop()

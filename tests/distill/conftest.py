@@ -101,8 +101,10 @@ def chat_file(tmp_path_factory) -> Path:
 
 
 def quiet_trainer(root, **kwargs) -> L.Trainer:
-    """A Trainer without loggers, checkpoints or progress bar (the data module brings its own sampler)."""
+    """A Trainer without loggers, checkpoints or progress bar (the data module brings its own sampler), on the CPU
+    unless ``accelerator`` says otherwise (Lightning's default would move a CPU test to a GPU where there is one)."""
     defaults = dict(
+        accelerator="cpu",
         logger=False,
         enable_checkpointing=False,
         enable_progress_bar=False,

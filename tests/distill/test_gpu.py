@@ -69,6 +69,8 @@ def test_fit_on_gpu_bf16_mixed_then_export_loads_on_cpu(tiny_model, text_file, t
     folder = export(module, tmp_path / "export")
     loaded = AutoModelForCausalLM.from_pretrained(folder)
     ids = torch.tensor([[5, 17, 300, 42, 9, 8]])
+    # on the CPU with the export's attention: the run's flex_attention or flash-attn is the GPU's
+    module.swiftkv_model.config._attn_implementation = loaded.config._attn_implementation
     with torch.no_grad():
         want = module.swiftkv_model.cpu().float()(ids, use_cache=False).logits
         got = loaded(ids, use_cache=False).logits

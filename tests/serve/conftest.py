@@ -67,6 +67,18 @@ def greedy(llm, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
     return [list(o.outputs[0].token_ids) for o in outputs]
 
 
+def teacher_forced_agreement(llm, prompts: list[list[int]], paths: list[list[int]]) -> float:
+    """Fraction of the steps of ``paths`` (greedy continuations from another engine) where ``llm``'s greedy next
+    token, after the prompt and the path so far, is the path's: a top-1 agreement that a near-tie early in a
+    path cannot wreck, unlike comparing two greedy generations."""
+    prefixes = [
+        prompt + path[:k] for prompt, path in zip(prompts, paths, strict=True) for k in range(len(path))
+    ]
+    chosen = [tokens[0] for tokens in greedy(llm, prefixes, 1)]
+    expected = [token for path in paths for token in path]
+    return sum(a == b for a, b in zip(chosen, expected, strict=True)) / len(expected)
+
+
 @pytest.fixture(scope="session")
 def checkpoints(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("checkpoints")

@@ -8,7 +8,7 @@ import torch
 
 from swiftkv_serve.engine_config import fp8_kv_cache_problem
 from tests.serve.checkpoints import swiftkv_checkpoint
-from tests.serve.conftest import greedy, random_prompts, vllm_engine
+from tests.serve.conftest import greedy, random_prompts, teacher_forced_agreement, vllm_engine
 
 pytestmark = pytest.mark.vllm
 
@@ -29,18 +29,6 @@ def test_the_reason_names_the_missing_instructions():
 def test_cpu_without_avx512_or_amx_refuses_fp8_before_loading(tiny_swiftkv):
     with pytest.raises(ValueError, match="AVX-512 or AMX"), vllm_engine(tiny_swiftkv, kv_cache_dtype="fp8"):
         pass
-
-
-def teacher_forced_agreement(llm, prompts: list[list[int]], paths: list[list[int]]) -> float:
-    """Fraction of the steps of ``paths`` (greedy continuations from another engine) where ``llm``'s greedy next
-    token, after the prompt and the path so far, is the path's: a top-1 agreement that a near-tie early in a
-    path cannot wreck, unlike comparing two greedy generations."""
-    prefixes = [
-        prompt + path[:k] for prompt, path in zip(prompts, paths, strict=True) for k in range(len(path))
-    ]
-    chosen = [tokens[0] for tokens in greedy(llm, prefixes, 1)]
-    expected = [token for path in paths for token in path]
-    return sum(a == b for a, b in zip(chosen, expected, strict=True)) / len(expected)
 
 
 # This CPU's fp8 KV cache against its fp32 cache on the tiny SwiftKV checkpoint (8 layers, l=4, AcrossKV g=2):
