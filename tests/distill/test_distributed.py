@@ -20,8 +20,9 @@ ROOT = Path(__file__).parents[2]
 
 
 def _config(
-    tmp_path, tiny_model, text_file, name, batch_size, strategy, checkpoint_dir=None, recompute=0, **changes
-):
+    tmp_path, tiny_model, text_file, name, batch_size, strategy, checkpoint_dir=None, recompute=0, callbacks=(),
+    **changes,
+):  # fmt: skip
     out = tmp_path / name
     config = {
         "seed_everything": 0,
@@ -81,6 +82,7 @@ def _config(
             "max_train_rows": 16,
         },
     }
+    config["trainer"]["callbacks"] += list(callbacks)
     for section, values in changes.items():  # e.g. trainer={"max_steps": 50}, model={"compile_layers": False}
         config[section] |= values
     path = tmp_path / f"{name}.yaml"
@@ -184,12 +186,9 @@ def test_a_time_budget_stops_every_process_at_the_same_step(tmp_path, tiny_model
         {"class_path": "swiftkv_distill.callbacks.BudgetProgress", "init_args": {"budget_seconds": 6.0}},
     ]
     config, out = _config(
-        tmp_path, tiny_model, text_file, "budget", 2, strategy,
+        tmp_path, tiny_model, text_file, "budget", 2, strategy, callbacks=callbacks,
         trainer={"max_steps": 200}, model={"compile_layers": False, "kv_init": "published"},
     )  # fmt: skip
-    settings = yaml.safe_load(config.read_text())
-    settings["trainer"]["callbacks"] += callbacks
-    config.write_text(yaml.safe_dump(settings))
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     fabric = shutil.which("fabric", path=str(Path(sys.executable).parent))
     subprocess.run(

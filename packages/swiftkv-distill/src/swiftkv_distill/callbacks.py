@@ -144,8 +144,10 @@ class ExportHF(L.Callback):
         """Refuse export folders the export would lose (each is replaced whole), before any weight is read."""
         from swiftkv_core.checkpoints import check_replaceable
 
+        if stage != "fit":
+            return
         for name, wanted in (("hf", self.full), ("hf-serving", self.serving)):
-            if wanted and stage == "fit":
+            if wanted:
                 check_replaceable(self.dirpath / name, pl_module.model_path, f"ExportHF's {name}/ folder")
 
     def on_fit_end(self, trainer, pl_module) -> None:
