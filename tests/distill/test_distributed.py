@@ -1,6 +1,7 @@
 """Two CPU processes (gloo), FSDP2 through Lightning's ModelParallelStrategy, launched like a cluster job
 (`fabric run apps/distill.py`; `lightning run model` before Lightning 2.3), with activation checkpointing and compiled
-layers (``compile_layers``): the same losses and the same distilled weights as one unsharded eager process."""
+layers (``compile_layers``): the same losses and the same distilled weights as one unsharded eager process, with the
+weights read by rank 0 alone."""
 
 import csv
 import os
@@ -101,6 +102,20 @@ def _trained(out):
     return {k: v for k, v in state.items() if "swiftkv" in k}
 
 
+class WeightsOnRankZeroOnly(L.Callback):
+    """Fails the run if a process other than rank 0 loads the model's weights: under FSDP2 rank 0 reads them and
+    sends every process its shards (``parallelize.shard_from_rank0``)."""
+
+    def setup(self, trainer, pl_module, stage):
+        if trainer.global_rank != 0:  # before configure_model, where the step is built
+            from transformers import AutoModelForCausalLM
+
+            def refuse(*args, **kwargs):
+                raise AssertionError(f"rank {trainer.global_rank} loaded the whole model; only rank 0 should")
+
+            AutoModelForCausalLM.from_pretrained = refuse
+
+
 @pytest.mark.distributed
 def test_two_process_fsdp2_matches_single_process(tmp_path, tiny_model, text_file):
     inductor = tmp_path / "inductor"  # where the compiled layers' generated code is written
@@ -116,8 +131,9 @@ def test_two_process_fsdp2_matches_single_process(tmp_path, tiny_model, text_fil
     }
     single_cfg, single_out = _config(tmp_path, tiny_model, text_file, "single", batch_size=4, strategy="auto")
     ckpt_dir = tmp_path / "ckpt"
+    rank0_reads = [{"class_path": "tests.distill.test_distributed.WeightsOnRankZeroOnly"}]
     sharded_cfg, sharded_out = _config(
-        tmp_path, tiny_model, text_file, "sharded", 2, fsdp2, checkpoint_dir=ckpt_dir, recompute=1
+        tmp_path, tiny_model, text_file, "sharded", 2, fsdp2, ckpt_dir, recompute=1, callbacks=rank0_reads
     )
     app = str(ROOT / "apps" / "distill.py")
     subprocess.run(

@@ -29,6 +29,7 @@ from .build import (
     distillation_step,
     warn_if_bf16_emulated,
 )
+from .parallelize import shard_from_rank0
 from .schedule import FIRST_STEP_FLOOR, check_optimizer_settings, lr_factor, run_progress
 from .step import DistillationStep, LossSettings, ValidationMetrics, is_trained_name
 
@@ -176,13 +177,14 @@ class SwiftKVDistillation(L.LightningModule):
             return
         check_precision(self._root_device(), self._trainer)
         with torch.device("meta"):  # what the run holds throughout, sized before any weight is read
-            shards = self._world_size() if self.device_mesh is not None else 1
-            check_fits(self._root_device(), self.build_step(weights=False), self.hparams.model, shards)
-        self.step = self.build_step()
-        if self.device_mesh is not None:  # ModelParallelStrategy: shard with FSDP2
-            from .parallelize import parallelize
-
-            parallelize(self.step, self.device_mesh["data_parallel"], self.hparams.reshard_after_forward)
+            sized = self.build_step(weights=False)
+        shards = self._world_size() if self.device_mesh is not None else 1
+        check_fits(self._root_device(), sized, self.hparams.model, shards)
+        if self.device_mesh is None:
+            self.step = self.build_step()
+        else:  # ModelParallelStrategy: shard with FSDP2; only rank 0 reads the weights
+            mesh, reshard = self.device_mesh["data_parallel"], self.hparams.reshard_after_forward
+            self.step = shard_from_rank0(sized, self.build_step, mesh, self._root_device(), reshard)
 
     @property
     def swiftkv_model(self):

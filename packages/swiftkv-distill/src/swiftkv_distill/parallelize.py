@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
+import torch
+
 from .step import DistillationStep
 
 # DistillationStep methods besides forward that run the model: FSDP2 must gather the root's weights for them too
@@ -25,3 +29,31 @@ def parallelize(step: DistillationStep, mesh, reshard_after_forward: bool = True
     for method in FORWARD_METHODS:
         register_fsdp_forward_method(step, method)
     return step
+
+
+def shard_from_rank0(
+    sized: DistillationStep,
+    build: Callable[[], DistillationStep],
+    mesh,
+    device: torch.device,
+    reshard_after_forward: bool = True,
+) -> DistillationStep:
+    """``sized`` (a step built on the meta device) sharded with FSDP2 on ``device`` and given the weights of
+    ``build()``, the same step built with its weights, which only global rank 0 calls: the other processes never
+    hold a whole copy of the model on the host. Weights cast on loading are each process's own copy (the 8B recipe's
+    fp32 from a bf16 checkpoint: 32 GB per process, 256 GB for a node of eight), and the cast is done once."""
+    import torch.distributed as dist
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    parallelize(sized, mesh, reshard_after_forward)
+    sized.to_empty(device=device)
+    whole = build() if dist.get_rank() == 0 else None
+    options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+    set_model_state_dict(sized, whole.state_dict() if whole is not None else {}, options=options)
+    # A state dict leaves out non-persistent buffers (RoPE's frequencies): rank 0's, broadcast too
+    with torch.no_grad():
+        for name, buffer in sized.named_buffers():
+            if whole is not None:
+                buffer.copy_(whole.get_buffer(name))
+            dist.broadcast(buffer, src=0)
+    return sized
