@@ -138,6 +138,8 @@ def test_cli_fit_writes_logs_plot_summary_and_exports(
             "2",
             "--trainer.max_steps",
             "3",
+            "--trainer.accelerator",
+            "cpu",  # the warnings checked below are the CPU's, on a machine with a GPU too
             "--trainer.precision",
             "bf16-mixed",
             "--trainer.log_every_n_steps",
