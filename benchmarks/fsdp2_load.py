@@ -4,7 +4,7 @@ unsharded process of the same run (the baseline, measured in the same invocation
 Each run is the real job (``apps/distill.py``, Lightning's ModelParallelStrategy over gloo, ``fabric run`` with
 ``--devices N`` processes) on the default model, stopped before its first step. A callback records, in every
 process, its peak RSS since it started and what it holds then: anonymous memory (its own copies) and file-mapped
-pages (checkpoint files mapped by safetensors, shared between the processes of a machine).
+pages (the libraries, checkpoint files mapped by safetensors: shared between the processes of a machine).
 
     .venv/bin/python benchmarks/fsdp2_load.py                     # 2 processes, fp32 and bf16 weights
     .venv/bin/python benchmarks/fsdp2_load.py --label "commit abc1234" --out benchmarks/results/fsdp2-load-before.json
@@ -137,10 +137,12 @@ def main(
         "",
         f"Command: `{command}`. SmolLM2-135M-Instruct (513 MiB of fp32 weights), l = 20, on the CPU; each process",
         "measured when training starts (its model built, sharded and set up). Anonymous: the process's own copies",
-        "(weights cast from the fp32 file to bf16, FSDP2 shards). File-mapped: checkpoint pages mapped by safetensors,",
-        "shared by the processes of a machine (fp32 weights loaded as fp32 stay mapped, read when first used).",
+        "(weights cast from the fp32 file to bf16, FSDP2 shards). File-backed: pages of mapped files, shared by the",
+        "processes of a machine: mostly the libraries; fp32 weights loaded as fp32 stay mapped from the checkpoint and are",
+        "read when first used. On a CPU the shards and the broadcast's passing whole tensors are host memory: on a GPU",
+        "they are the device's (not measured here), and only the whole model rank 0 builds stays on the host.",
         "",
-        "| model_dtype | processes | rank | peak RSS (MiB) | vs unsharded | anonymous now (MiB) | file-mapped now (MiB) |",
+        "| model_dtype | processes | rank | peak RSS (MiB) | vs unsharded | anonymous now (MiB) | file-backed now (MiB) |",
         "|---|---|---|---|---|---|---|",
     ]
     for r in rows:

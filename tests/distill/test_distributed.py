@@ -116,6 +116,19 @@ class WeightsOnRankZeroOnly(L.Callback):
             AutoModelForCausalLM.from_pretrained = refuse
 
 
+class RankZeroCannotLoad(L.Callback):
+    """Rank 0's load of the model fails (a checkpoint it cannot read)."""
+
+    def setup(self, trainer, pl_module, stage):
+        if trainer.global_rank == 0:
+            from transformers import AutoModelForCausalLM
+
+            def fail(*args, **kwargs):
+                raise OSError("no weights here (test)")
+
+            AutoModelForCausalLM.from_pretrained = fail
+
+
 @pytest.mark.distributed
 def test_two_process_fsdp2_matches_single_process(tmp_path, tiny_model, text_file):
     inductor = tmp_path / "inductor"  # where the compiled layers' generated code is written
@@ -214,3 +227,31 @@ def test_a_time_budget_stops_every_process_at_the_same_step(tmp_path, tiny_model
     )  # fmt: skip
     assert len(_losses(out)) == 1  # stopped after step 1, and both ranks went on to the export together
     assert _trained(out)
+
+
+@pytest.mark.distributed
+def test_when_rank_0_cannot_load_the_model_every_process_stops(tmp_path, tiny_model, text_file):
+    """The other processes wait for rank 0's weights: they must stop with its error, not wait in the broadcast until
+    the process group's timeout (here 2 min; 30 by default), where the launcher does not stop them."""
+    strategy = {
+        "class_path": "lightning.pytorch.strategies.ModelParallelStrategy",
+        "init_args": {"data_parallel_size": 2, "tensor_parallel_size": 1, "timeout": "0:02:00"},
+    }
+    callbacks = [{"class_path": "tests.distill.test_distributed.RankZeroCannotLoad"}]
+    config, _ = _config(
+        tmp_path, tiny_model, text_file, "failed", 2, strategy, callbacks=callbacks,
+        model={"compile_layers": False, "kv_init": "published"},
+    )  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    fabric = shutil.which("fabric", path=str(Path(sys.executable).parent))
+    started = time.monotonic()
+    result = subprocess.run(
+        [fabric, "run", "--accelerator", "cpu", "--devices", "2", str(ROOT / "apps" / "distill.py"),
+         "--config", str(config)],
+        env=env, cwd=tmp_path, timeout=300, capture_output=True, text=True,
+    )  # fmt: skip
+    output = result.stdout + result.stderr
+    assert result.returncode != 0
+    rank_1 = "rank 0 could not build the model, so this process stops too: OSError: no weights here"
+    assert rank_1 in output, output
+    assert time.monotonic() - started < 100  # not the 2 min timeout

@@ -47,7 +47,7 @@ def shard_from_rank0(
 
     parallelize(sized, mesh, reshard_after_forward)
     sized.to_empty(device=device)
-    whole = build() if dist.get_rank() == 0 else None
+    whole = _on_rank0(build if dist.get_rank() == 0 else None)
     options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
     set_model_state_dict(sized, whole.state_dict() if whole is not None else {}, options=options)
     # A state dict leaves out non-persistent buffers (RoPE's frequencies): rank 0's, broadcast too
@@ -57,3 +57,22 @@ def shard_from_rank0(
                 buffer.copy_(whole.get_buffer(name))
             dist.broadcast(buffer, src=0)
     return sized
+
+
+def _on_rank0(build: Callable[[], DistillationStep] | None) -> DistillationStep | None:
+    """``build()`` on rank 0 (``build`` None elsewhere), its failure raised on every rank: the others would otherwise
+    wait for rank 0's weights until the process group's timeout (30 min), where no launcher stops them."""
+    import torch.distributed as dist
+
+    whole, failure = None, [None]
+    if build is not None:
+        try:
+            whole = build()
+        except Exception as error:
+            failure = [f"{type(error).__name__}: {error}"]
+            dist.broadcast_object_list(failure, src=0)
+            raise
+    dist.broadcast_object_list(failure, src=0)
+    if failure[0] is not None:
+        raise RuntimeError(f"rank 0 could not build the model, so this process stops too: {failure[0]}")
+    return whole
