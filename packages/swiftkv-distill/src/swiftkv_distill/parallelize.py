@@ -1,4 +1,4 @@
-"""FSDP2 sharding of the distillation step, applied after the model is built (the model code stays single-device)."""
+"""FSDP2 sharding of the distillation step (the model code stays single-device), its weights read by rank 0 alone."""
 
 from __future__ import annotations
 
