@@ -126,10 +126,11 @@ def main(
     with tempfile.TemporaryDirectory() as work:
         for dtype in model_dtypes:
             (single,) = run(1, dtype, Path(work))
-            for record in [single, *run(devices, dtype, Path(work))]:
-                sharded = record is not single
-                rows.append({"model_dtype": dtype, "processes": devices if sharded else 1, **record})
-                rows[-1]["peak_vs_unsharded"] = record["peak_rss_mib"] / single["peak_rss_mib"]
+            for processes, record in [(1, single), *((devices, r) for r in run(devices, dtype, Path(work)))]:
+                ratio = record["peak_rss_mib"] / single["peak_rss_mib"]
+                rows.append(
+                    {"model_dtype": dtype, "processes": processes, **record, "peak_vs_unsharded": ratio}
+                )
     command = shlex.join(["python", "benchmarks/fsdp2_load.py", *sys.argv[1:]])
     out.write_text(json.dumps({"label": label, "command": command, "rows": rows}, indent=1) + "\n")
     lines = [

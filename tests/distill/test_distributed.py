@@ -102,29 +102,19 @@ def _trained(out):
     return {k: v for k, v in state.items() if "swiftkv" in k}
 
 
-class WeightsOnRankZeroOnly(L.Callback):
-    """Fails the run if a process other than rank 0 loads the model's weights: under FSDP2 rank 0 reads them and
-    sends every process its shards (``parallelize.shard_from_rank0``)."""
+class LoadFails(L.Callback):
+    """``from_pretrained`` fails in rank 0 alone (``rank0``: a checkpoint it cannot read) or in every other process
+    (under FSDP2 only rank 0 loads the model and sends each process its shards: ``parallelize.shard_from_rank0``)."""
 
-    def setup(self, trainer, pl_module, stage):
-        if trainer.global_rank != 0:  # before configure_model, where the step is built
-            from transformers import AutoModelForCausalLM
+    def __init__(self, rank0: bool):
+        self.rank0 = rank0
 
-            def refuse(*args, **kwargs):
-                raise AssertionError(f"rank {trainer.global_rank} loaded the whole model; only rank 0 should")
-
-            AutoModelForCausalLM.from_pretrained = refuse
-
-
-class RankZeroCannotLoad(L.Callback):
-    """Rank 0's load of the model fails (a checkpoint it cannot read)."""
-
-    def setup(self, trainer, pl_module, stage):
-        if trainer.global_rank == 0:
+    def setup(self, trainer, pl_module, stage):  # before configure_model, where the step is built
+        if (trainer.global_rank == 0) == self.rank0:
             from transformers import AutoModelForCausalLM
 
             def fail(*args, **kwargs):
-                raise OSError("no weights here (test)")
+                raise OSError(f"rank {trainer.global_rank} may not load the model here (test)")
 
             AutoModelForCausalLM.from_pretrained = fail
 
@@ -144,7 +134,7 @@ def test_two_process_fsdp2_matches_single_process(tmp_path, tiny_model, text_fil
     }
     single_cfg, single_out = _config(tmp_path, tiny_model, text_file, "single", batch_size=4, strategy="auto")
     ckpt_dir = tmp_path / "ckpt"
-    rank0_reads = [{"class_path": "tests.distill.test_distributed.WeightsOnRankZeroOnly"}]
+    rank0_reads = [{"class_path": "tests.distill.test_distributed.LoadFails", "init_args": {"rank0": False}}]
     sharded_cfg, sharded_out = _config(
         tmp_path, tiny_model, text_file, "sharded", 2, fsdp2, ckpt_dir, recompute=1, callbacks=rank0_reads
     )
@@ -237,7 +227,7 @@ def test_when_rank_0_cannot_load_the_model_every_process_stops(tmp_path, tiny_mo
         "class_path": "lightning.pytorch.strategies.ModelParallelStrategy",
         "init_args": {"data_parallel_size": 2, "tensor_parallel_size": 1, "timeout": "0:02:00"},
     }
-    callbacks = [{"class_path": "tests.distill.test_distributed.RankZeroCannotLoad"}]
+    callbacks = [{"class_path": "tests.distill.test_distributed.LoadFails", "init_args": {"rank0": True}}]
     config, _ = _config(
         tmp_path, tiny_model, text_file, "failed", 2, strategy, callbacks=callbacks,
         model={"compile_layers": False, "kv_init": "published"},
@@ -251,5 +241,7 @@ def test_when_rank_0_cannot_load_the_model_every_process_stops(tmp_path, tiny_mo
     )  # fmt: skip
     output = result.stdout + result.stderr
     assert result.returncode != 0
-    rank_1 = "rank 0 could not build the model, so this process stops too: OSError: no weights here"
+    rank_1 = (
+        "rank 0 could not build the model, so this process stops too: OSError: rank 0 may not load the model"
+    )
     assert rank_1 in output, output
