@@ -31,11 +31,23 @@ def checkpoints(tmp_path_factory):
     )
 
 
+def samples(report: Path) -> dict[tuple[str, str, int], dict]:
+    """The report's samples (``log_samples``) by model ("teacher", "SwiftKV"), task and example."""
+    lines = report.with_suffix(".samples.jsonl").read_text().splitlines()
+    return {(s["model"], s["task"], s["doc_id"]): s for s in map(json.loads, lines)}
+
+
+def loglikelihoods(samples: dict, model: str) -> list[float]:
+    """Every choice's loglikelihood in ``model``'s multiple-choice examples, in the examples' order."""
+    keys = sorted(k for k in samples if k[:2] == (model, "swiftkv_capitals"))
+    return [ll for k in keys for ll, _greedy in samples[k]["responses"]]
+
+
 def test_eval_writes_teacher_and_swiftkv_side_by_side(checkpoints, tmp_path):
     from swiftkv.evaluate import main
 
     base, full, serving = checkpoints
-    report = main(model=full, limit=4, batch_size=4, device="cpu", out=tmp_path / "eval")
+    report = main(model=full, limit=4, batch_size=4, device="cpu", log_samples=True, out=tmp_path / "eval")
     data = json.loads(report.with_suffix(".json").read_text())
     rows = {(r["task"], r["metric"]): r for r in data["rows"]}
     assert set(rows) == {("swiftkv_capitals", "acc"), ("swiftkv_arithmetic", "exact_match")}
@@ -45,16 +57,32 @@ def test_eval_writes_teacher_and_swiftkv_side_by_side(checkpoints, tmp_path):
     assert rows[("swiftkv_capitals", "acc")]["teacher_stderr"] is not None  # lm-eval's standard errors
     markdown = report.read_text()
     assert "| swiftkv_capitals | acc |" in markdown and "| swiftkv_arithmetic | exact_match |" in markdown
-    # a serving export has no teacher inside: the base model is given, with the same figures for the teacher
+    # every example of both tasks, for both models; the accuracy is the mean of the examples' own
+    logged = samples(report)
+    assert len(logged) == 2 * 2 * 4
+    assert all(sample["arguments"] and sample["responses"] for sample in logged.values())
+    for (task, metric), r in rows.items():
+        for model, key in (("teacher", "teacher"), ("SwiftKV", "swiftkv")):
+            values = [s["metrics"][metric] for k, s in logged.items() if k[:2] == (model, task)]
+            assert r[key] == pytest.approx(sum(values) / len(values))
+
+    # a serving export has no teacher inside: the base model is given
     with pytest.raises(ValueError, match="serving export.*--teacher"):
         main(model=serving, limit=6, device="cpu", out=tmp_path / "x")
-    again = main(model=serving, teacher=base, limit=4, batch_size=4, device="cpu", out=tmp_path / "serving")
-    rows_again = {
-        (r["task"], r["metric"]): r for r in json.loads(again.with_suffix(".json").read_text())["rows"]
-    }
-    for key, r in rows.items():
-        assert rows_again[key]["teacher"] == pytest.approx(r["teacher"])
-        assert rows_again[key]["swiftkv"] == pytest.approx(r["swiftkv"])
+    again = main(model=serving, teacher=base, limit=4, batch_size=4, device="cpu", log_samples=True,
+                 out=tmp_path / "serving")  # fmt: skip
+    logged_again = samples(again)
+    # The teacher side of the full checkpoint (SwiftKV off) scores every choice as the base model does, and its
+    # SwiftKV side as the serving export's SwiftKV weights do; the two sides score differently, so a report
+    # with one model on both sides, or the sides swapped, fails here.
+    teacher, swiftkv = loglikelihoods(logged, "teacher"), loglikelihoods(logged, "SwiftKV")
+    assert len(teacher) == len(swiftkv) > 4
+    assert teacher == pytest.approx(loglikelihoods(logged_again, "teacher"), rel=1e-5, abs=1e-4)
+    assert swiftkv == pytest.approx(loglikelihoods(logged_again, "SwiftKV"), rel=1e-5, abs=1e-4)
+    assert max(abs(a - b) for a, b in zip(teacher, swiftkv, strict=True)) > 1e-2
+    for key, sample in logged.items():
+        if key[1] == "swiftkv_arithmetic":  # the generated answers too
+            assert sample["responses"] == logged_again[key]["responses"]
 
 
 def test_lm_evals_own_cli_runs_on_a_swiftkv_checkpoint(checkpoints):

@@ -78,6 +78,7 @@ def main(
     device: str = "auto",
     dtype: str = "auto",
     backend: str = "hf",
+    log_samples: bool = False,
     out: Path | None = None,
 ) -> Path:
     """Task accuracy of a SwiftKV checkpoint and of its teacher with lm-evaluation-harness; writes a side-by-side
@@ -94,7 +95,9 @@ def main(
         device: 'auto' (the GPU where one is visible), 'cpu', 'cuda' or 'cuda:N'.
         dtype: The weights' dtype: 'auto' (bfloat16 on a GPU, float32 on a CPU), 'float32', 'bfloat16' or 'float16'.
         backend: 'hf' (lm-eval's HFLM) or 'vllm' (lm-eval's vLLM model; needs --teacher).
-        out: Output prefix (default: MODEL/../eval): .md and .json.
+        log_samples: Also write each request of both models, its arguments and their responses (loglikelihoods,
+            generated text) and its metrics, to OUT.samples.jsonl: where the two differ, example by example.
+        out: Output prefix (default: MODEL/../eval): .md and .json (and .samples.jsonl).
     """
 
     from swiftkv_core.checkpoints import CheckpointError, check_checkpoint
@@ -122,13 +125,15 @@ def main(
     # one index of lm-eval's task files for both models (building it takes 10-20 s on a 2-core CPU)
     with task_index(include_path) as task_manager:
         check_task_names(tasks, task_manager, "--tasks")  # before any weight is read
-        settings = (tasks, task_manager, limit, num_fewshot, batch_size, device, dtype, backend)
-        results = {  # the teacher: the full checkpoint with SwiftKV off, or the given base model
+        settings = (tasks, task_manager, limit, num_fewshot, batch_size, device, dtype, backend, log_samples)
+        outputs = {  # the teacher: the full checkpoint with SwiftKV off, or the given base model
             "teacher": evaluate(teacher or model, False, *settings),
             "SwiftKV": evaluate(model, True, *settings),
         }
-    table = side_by_side(results)
+    table = side_by_side({side: output["results"] for side, output in outputs.items()})
     out = Path(out) if out is not None else Path(model).parent / "eval"
+    if log_samples:
+        write_samples(out.with_suffix(".samples.jsonl"), outputs)
     write(out, table, {"model": str(model), "teacher": str(teacher or model), "tasks": tasks, "limit": limit,
                        "num_fewshot": num_fewshot, "device": str(device), "dtype": str(dtype).removeprefix("torch."),
                        "backend": backend})  # fmt: skip
@@ -156,9 +161,11 @@ def check_task_names(tasks: list[str], task_manager, option: str) -> None:
 
 
 def evaluate(
-    model_path, swiftkv: bool, tasks, task_manager, limit, num_fewshot, batch_size, device, dtype, backend
-) -> dict:
-    """lm-eval's results of ``model_path`` (SwiftKV on or off where it is a SwiftKV checkpoint)."""
+    model_path, swiftkv: bool, tasks, task_manager, limit, num_fewshot, batch_size, device, dtype, backend,
+    log_samples=False,
+) -> dict:  # fmt: skip
+    """lm-eval's output for ``model_path`` (SwiftKV on or off where it is a SwiftKV checkpoint): its ``results``,
+    and its ``samples`` with ``log_samples``."""
     from lm_eval import simple_evaluate
 
     if backend == "vllm":
@@ -179,8 +186,8 @@ def evaluate(
             lm.swiftkv(swiftkv)
         harness = HFLM(pretrained=lm, tokenizer=tokenizer, batch_size=batch_size, device=str(device))
     output = simple_evaluate(model=harness, tasks=tasks, limit=limit, num_fewshot=num_fewshot,
-                             task_manager=task_manager, log_samples=False)  # fmt: skip
-    return output["results"]
+                             task_manager=task_manager, log_samples=log_samples)  # fmt: skip
+    return output
 
 
 def side_by_side(results: dict[str, dict]) -> list[dict]:
@@ -235,6 +242,23 @@ def write(out: Path, rows: list[dict], settings: dict) -> None:
     atomic_write_text(out.with_suffix(".md"), "\n".join(lines))
     atomic_write_text(out.with_suffix(".json"), json.dumps({"settings": settings, "rows": rows}, indent=2))
     print("\n".join(lines))
+
+
+def write_samples(path: Path, outputs: dict[str, dict]) -> None:
+    """One JSON line per model, task and example: lm-eval's request arguments (context, continuation or generation
+    settings), the filtered responses (loglikelihood and is-greedy per choice, or the generated text), the target
+    and the example's metrics."""
+    from swiftkv_core.atomic import atomic_write_text
+
+    lines = []
+    for side, output in outputs.items():
+        for task, samples in output["samples"].items():
+            for sample in samples:
+                metrics = {name: sample[name] for name in sample["metrics"]}
+                line = {"model": side, "task": task, "doc_id": sample["doc_id"], "arguments": sample["arguments"],
+                        "responses": sample["filtered_resps"], "target": sample["target"], "metrics": metrics}  # fmt: skip
+                lines.append(json.dumps(line, default=str))
+    atomic_write_text(path, "\n".join(lines) + "\n")
 
 
 def lm_eval_cli(args: list[str]) -> None:
