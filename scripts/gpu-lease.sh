@@ -22,7 +22,10 @@
 #   quickstart  the main job on the GPU (`--accelerator gpu`, short settings, no serving: vLLM cannot run there)
 #               with RANDOM weights of the default model's shape (the real weights exceed what a call carries):
 #               it checks that every stage runs on the GPU, not the quality figures (5.3, of which 1.8 compile the
-#               prefill's CUDA graphs); GPU_LEASE_ACCELERATOR=cpu runs the same on a CPU (a dry run of the script here)
+#               prefill's CUDA graphs)
+# A dry run here, on the CPU (the script's wiring, not the figures): GPU_LEASE_DRY_RUN=1 bash scripts/gpu-lease.sh run
+#   STEP... takes this machine's .venv instead of installing the wheels, the quickstart on the CPU, each limit x4 (the
+#   gpu tests skip; the quickstart took 16 minutes on 2 cores, half of them in its frontier)
 # A 15-minute lease as spent on 2026-11-26 (H200): the timings alone on the GPU, after the test they rest on,
 #   bash scripts/gpu-lease.sh run attention distill                                                    (3.5 min)
 # then at once (within the 30 s) the correctness steps beside the quickstart (5 min; shared, so untimed),
@@ -86,7 +89,8 @@ EOF
 }
 
 run_step() {
-    local step=$1 limit command
+    local step=$1 limit command accelerator=gpu
+    [[ -n ${GPU_LEASE_DRY_RUN:-} ]] && accelerator=cpu
     case $step in
     attention)
         limit=240
@@ -110,10 +114,11 @@ python3 benchmarks/results/prefill-compile-dynamic.py \$kind cuda || exit \$?; d
     quickstart)
         limit=420
         command="random_default_model /tmp/smollm2-random && python3 -m swiftkv.cli quickstart --model /tmp/smollm2-random \
---accelerator ${GPU_LEASE_ACCELERATOR:-gpu} --out /tmp/quickstart-gpu --budget_minutes 2 --serve false --train_files '[dataset:brown_train]' \
+--accelerator $accelerator --out /tmp/quickstart-gpu --budget_minutes 2 --serve false --train_files '[dataset:brown_train]' \
 --heldout_chat_prompts '' --max_eval_rows 16 --prompt_lengths '[512,2048]' && cp /tmp/quickstart-gpu/report.md \
 $OUT/quickstart-report.md" ;;
     esac
+    [[ -n ${GPU_LEASE_DRY_RUN:-} ]] && limit=$((4 * limit))
     local started=$SECONDS rc
     echo "[gpu-lease] $step: $command"
     # each step under its own limit, so a hung step leaves the others, and the call, their time: SIGKILL to the
@@ -138,9 +143,10 @@ run() {
     mkdir -p "$OUT"
     # once per machine: a second run beside the first (correctness steps beside the quickstart) must not reinstall
     # the packages under the first's imports
+    [[ -n ${GPU_LEASE_DRY_RUN:-} ]] && export PATH=$PWD/.venv/bin:$PATH # its packages: nothing to install
     (
         flock 9
-        [[ -e /tmp/site/.gpu-lease-installed ]] && exit 0
+        [[ -n ${GPU_LEASE_DRY_RUN:-} || -e /tmp/site/.gpu-lease-installed ]] && exit 0
         python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
             .gpu/whl/*.whl && touch /tmp/site/.gpu-lease-installed
     ) 9>/tmp/gpu-lease-install.lock || exit 1

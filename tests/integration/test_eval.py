@@ -83,6 +83,9 @@ def test_eval_writes_teacher_and_swiftkv_side_by_side(checkpoints, tmp_path):
     for key, sample in logged.items():
         if key[1] == "swiftkv_arithmetic":  # the generated answers too
             assert sample["responses"] == logged_again[key]["responses"]
+    # a later run to the same prefix without samples leaves none of the earlier run's beside its table
+    main(model=full, tasks=["swiftkv_capitals"], limit=1, device="cpu", out=tmp_path / "eval")
+    assert report.exists() and not report.with_suffix(".samples.jsonl").exists()
 
 
 def test_lm_evals_own_cli_runs_on_a_swiftkv_checkpoint(checkpoints):

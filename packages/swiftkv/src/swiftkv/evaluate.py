@@ -134,6 +134,8 @@ def main(
     out = Path(out) if out is not None else Path(model).parent / "eval"
     if log_samples:
         write_samples(out.with_suffix(".samples.jsonl"), outputs)
+    else:  # an earlier run's, beside this run's table, would pass for this run's
+        out.with_suffix(".samples.jsonl").unlink(missing_ok=True)
     write(out, table, {"model": str(model), "teacher": str(teacher or model), "tasks": tasks, "limit": limit,
                        "num_fewshot": num_fewshot, "device": str(device), "dtype": str(dtype).removeprefix("torch."),
                        "backend": backend})  # fmt: skip
