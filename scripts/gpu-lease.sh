@@ -23,9 +23,10 @@
 #               with RANDOM weights of the default model's shape (the real weights exceed what a call carries):
 #               it checks that every stage runs on the GPU, not the quality figures (5.3, of which 1.8 compile the
 #               prefill's CUDA graphs)
-# A dry run here, on the CPU (the script's wiring, not the figures): GPU_LEASE_DRY_RUN=1 bash scripts/gpu-lease.sh run
-#   STEP... takes this machine's .venv instead of installing the wheels, the quickstart on the CPU, each limit x4 (the
-#   gpu tests skip; the quickstart took 16 minutes on 2 cores, half of them in its frontier)
+# A dry run here, on the CPU, after prepare (the script's wiring, not the figures): GPU_LEASE_DRY_RUN=1 bash
+#   scripts/gpu-lease.sh run attention tests quickstart takes this machine's .venv instead of installing the wheels,
+#   runs the quickstart on the CPU, each limit x4 (the gpu tests skip; the quickstart took 16 minutes on 2 cores,
+#   half of them in its frontier); the other steps need a GPU
 # A 15-minute lease as spent on 2026-11-26 (H200): the timings alone on the GPU, after the test they rest on,
 #   bash scripts/gpu-lease.sh run attention distill                                                    (3.5 min)
 # then at once (within the 30 s) the correctness steps beside the quickstart (5 min; shared, so untimed),
@@ -90,7 +91,7 @@ EOF
 
 run_step() {
     local step=$1 limit command accelerator=gpu
-    [[ -n ${GPU_LEASE_DRY_RUN:-} ]] && accelerator=cpu
+    [[ $dry_run == 1 ]] && accelerator=cpu
     case $step in
     attention)
         limit=240
@@ -118,7 +119,7 @@ python3 benchmarks/results/prefill-compile-dynamic.py \$kind cuda || exit \$?; d
 --heldout_chat_prompts '' --max_eval_rows 16 --prompt_lengths '[512,2048]' && cp /tmp/quickstart-gpu/report.md \
 $OUT/quickstart-report.md" ;;
     esac
-    [[ -n ${GPU_LEASE_DRY_RUN:-} ]] && limit=$((4 * limit))
+    [[ $dry_run == 1 ]] && limit=$((4 * limit))
     local started=$SECONDS rc
     echo "[gpu-lease] $step: $command"
     # each step under its own limit, so a hung step leaves the others, and the call, their time: SIGKILL to the
@@ -139,14 +140,20 @@ run() {
         [[ " attention tests prefill prefill-dynamic distill quickstart " == *" $step "* ]] \
             || { echo "gpu-lease: unknown step '$step': choose from attention, tests, prefill, prefill-dynamic, distill, quickstart" >&2; exit 2; }
     done
+    if [[ $dry_run == 1 ]]; then
+        for step in "$@"; do
+            [[ " attention tests quickstart " == *" $step "* ]] \
+                || { echo "gpu-lease: step '$step' needs a GPU; a dry run takes attention, tests, quickstart" >&2; exit 2; }
+        done
+        export PATH=$PWD/.venv/bin:$PATH # this machine's packages: nothing to install
+    fi
     OUT=${OUT:-/tmp/gpu-lease-out}
     mkdir -p "$OUT"
     # once per machine: a second run beside the first (correctness steps beside the quickstart) must not reinstall
     # the packages under the first's imports
-    [[ -n ${GPU_LEASE_DRY_RUN:-} ]] && export PATH=$PWD/.venv/bin:$PATH # its packages: nothing to install
     (
         flock 9
-        [[ -n ${GPU_LEASE_DRY_RUN:-} || -e /tmp/site/.gpu-lease-installed ]] && exit 0
+        [[ $dry_run == 1 || -e /tmp/site/.gpu-lease-installed ]] && exit 0
         python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
             .gpu/whl/*.whl && touch /tmp/site/.gpu-lease-installed
     ) 9>/tmp/gpu-lease-install.lock || exit 1
@@ -163,8 +170,9 @@ run() {
     return $((failed > 0))
 }
 
+dry_run=${GPU_LEASE_DRY_RUN:-0}
 case ${1:-} in
 prepare) prepare ;;
 run) shift; run "$@" ;;
-*) sed -n '2,30p' "$0"; exit 2 ;;
+*) sed -n '2,/^set -uo/p' "$0" | sed '$d'; exit 2 ;;
 esac

@@ -32,15 +32,32 @@ def checkpoints(tmp_path_factory):
 
 
 def samples(report: Path) -> dict[tuple[str, str, int], dict]:
-    """The report's samples (``log_samples``) by model ("teacher", "SwiftKV"), task and example."""
+    """The report's samples (``log_samples``) by model ("teacher", "SwiftKV"), task and example (the local tasks
+    have one filter each: one line per example)."""
     lines = report.with_suffix(".samples.jsonl").read_text().splitlines()
-    return {(s["model"], s["task"], s["doc_id"]): s for s in map(json.loads, lines)}
+    logged = {(s["model"], s["task"], s["doc_id"]): s for s in map(json.loads, lines)}
+    assert len(logged) == len(lines) and {s["filter"] for s in logged.values()} == {"none"}
+    return logged
 
 
 def loglikelihoods(samples: dict, model: str) -> list[float]:
     """Every choice's loglikelihood in ``model``'s multiple-choice examples, in the examples' order."""
     keys = sorted(k for k in samples if k[:2] == (model, "swiftkv_capitals"))
     return [ll for k in keys for ll, _greedy in samples[k]["responses"]]
+
+
+def base_loglikelihoods(base: Path, logged: dict) -> list[float]:
+    """The teacher side's multiple-choice requests scored by lm-eval's HF model on ``base`` itself, in the order of
+    ``loglikelihoods``."""
+    from lm_eval.api.instance import Instance
+    from lm_eval.models.huggingface import HFLM
+
+    keys = sorted(k for k in logged if k[:2] == ("teacher", "swiftkv_capitals"))
+    arguments = [tuple(pair) for k in keys for pair in logged[k]["arguments"]]
+    requests = [Instance("loglikelihood", {}, pair, i) for i, pair in enumerate(arguments)]
+    return [
+        ll for ll, _greedy in HFLM(pretrained=str(base), batch_size=4, device="cpu").loglikelihood(requests)
+    ]
 
 
 def test_eval_writes_teacher_and_swiftkv_side_by_side(checkpoints, tmp_path):
@@ -72,14 +89,17 @@ def test_eval_writes_teacher_and_swiftkv_side_by_side(checkpoints, tmp_path):
     again = main(model=serving, teacher=base, limit=4, batch_size=4, device="cpu", log_samples=True,
                  out=tmp_path / "serving")  # fmt: skip
     logged_again = samples(again)
-    # The teacher side of the full checkpoint (SwiftKV off) scores every choice as the base model does, and its
-    # SwiftKV side as the serving export's SwiftKV weights do; the two sides score differently, so a report
-    # with one model on both sides, or the sides swapped, fails here.
+    # Every choice's loglikelihood: the teacher side of the full checkpoint (SwiftKV off) as lm-eval scores the base
+    # model itself, its SwiftKV side as the serving export's SwiftKV weights (the other run's SwiftKV side), and
+    # the two sides apart (by up to 0.21 here): one model on both sides, or the sides swapped, fails here.
     teacher, swiftkv = loglikelihoods(logged, "teacher"), loglikelihoods(logged, "SwiftKV")
     assert len(teacher) == len(swiftkv) > 4
-    assert teacher == pytest.approx(loglikelihoods(logged_again, "teacher"), rel=1e-5, abs=1e-4)
+    assert teacher == pytest.approx(base_loglikelihoods(base, logged), rel=1e-5, abs=1e-4)
     assert swiftkv == pytest.approx(loglikelihoods(logged_again, "SwiftKV"), rel=1e-5, abs=1e-4)
     assert max(abs(a - b) for a, b in zip(teacher, swiftkv, strict=True)) > 1e-2
+    assert loglikelihoods(logged_again, "teacher") == pytest.approx(
+        teacher, rel=1e-5, abs=1e-4
+    )  # --teacher's
     for key, sample in logged.items():
         if key[1] == "swiftkv_arithmetic":  # the generated answers too
             assert sample["responses"] == logged_again[key]["responses"]

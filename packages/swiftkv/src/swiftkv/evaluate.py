@@ -247,9 +247,9 @@ def write(out: Path, rows: list[dict], settings: dict) -> None:
 
 
 def write_samples(path: Path, outputs: dict[str, dict]) -> None:
-    """One JSON line per model, task and example: lm-eval's request arguments (context, continuation or generation
-    settings), the filtered responses (loglikelihood and is-greedy per choice, or the generated text), the target
-    and the example's metrics."""
+    """One JSON line per model, task, example and filter (gsm8k has two): lm-eval's request arguments (context,
+    continuation or generation settings), the filtered responses (loglikelihood and is-greedy per choice, or the
+    generated text), the target and the example's metrics."""
     from swiftkv_core.atomic import atomic_write_text
 
     lines = []
@@ -257,8 +257,9 @@ def write_samples(path: Path, outputs: dict[str, dict]) -> None:
         for task, samples in output["samples"].items():
             for sample in samples:
                 metrics = {name: sample[name] for name in sample["metrics"]}
-                line = {"model": side, "task": task, "doc_id": sample["doc_id"], "arguments": sample["arguments"],
-                        "responses": sample["filtered_resps"], "target": sample["target"], "metrics": metrics}  # fmt: skip
+                line = {"model": side, "task": task, "doc_id": sample["doc_id"], "filter": sample["filter"],
+                        "arguments": sample["arguments"], "responses": sample["filtered_resps"],
+                        "target": sample["target"], "metrics": metrics}  # fmt: skip
                 lines.append(json.dumps(line, default=str))
     atomic_write_text(path, "\n".join(lines) + "\n")
 
