@@ -40,10 +40,14 @@ def samples(report: Path) -> dict[tuple[str, str, int], dict]:
     return logged
 
 
+def capitals(samples: dict, model: str) -> list[dict]:
+    """``model``'s multiple-choice examples, in order."""
+    return [samples[k] for k in sorted(samples) if k[:2] == (model, "swiftkv_capitals")]
+
+
 def loglikelihoods(samples: dict, model: str) -> list[float]:
     """Every choice's loglikelihood in ``model``'s multiple-choice examples, in the examples' order."""
-    keys = sorted(k for k in samples if k[:2] == (model, "swiftkv_capitals"))
-    return [ll for k in keys for ll, _greedy in samples[k]["responses"]]
+    return [ll for sample in capitals(samples, model) for ll, _greedy in sample["responses"]]
 
 
 def base_loglikelihoods(base: Path, logged: dict) -> list[float]:
@@ -52,12 +56,10 @@ def base_loglikelihoods(base: Path, logged: dict) -> list[float]:
     from lm_eval.api.instance import Instance
     from lm_eval.models.huggingface import HFLM
 
-    keys = sorted(k for k in logged if k[:2] == ("teacher", "swiftkv_capitals"))
-    arguments = [tuple(pair) for k in keys for pair in logged[k]["arguments"]]
+    arguments = [tuple(pair) for sample in capitals(logged, "teacher") for pair in sample["arguments"]]
     requests = [Instance("loglikelihood", {}, pair, i) for i, pair in enumerate(arguments)]
-    return [
-        ll for ll, _greedy in HFLM(pretrained=str(base), batch_size=4, device="cpu").loglikelihood(requests)
-    ]
+    lm = HFLM(pretrained=str(base), batch_size=4, device="cpu")
+    return [ll for ll, _greedy in lm.loglikelihood(requests)]
 
 
 def test_eval_writes_teacher_and_swiftkv_side_by_side(checkpoints, tmp_path):
@@ -97,9 +99,8 @@ def test_eval_writes_teacher_and_swiftkv_side_by_side(checkpoints, tmp_path):
     assert teacher == pytest.approx(base_loglikelihoods(base, logged), rel=1e-5, abs=1e-4)
     assert swiftkv == pytest.approx(loglikelihoods(logged_again, "SwiftKV"), rel=1e-5, abs=1e-4)
     assert max(abs(a - b) for a, b in zip(teacher, swiftkv, strict=True)) > 1e-2
-    assert loglikelihoods(logged_again, "teacher") == pytest.approx(
-        teacher, rel=1e-5, abs=1e-4
-    )  # --teacher's
+    given_teacher = loglikelihoods(logged_again, "teacher")  # --teacher base
+    assert given_teacher == pytest.approx(teacher, rel=1e-5, abs=1e-4)
     for key, sample in logged.items():
         if key[1] == "swiftkv_arithmetic":  # the generated answers too
             assert sample["responses"] == logged_again[key]["responses"]

@@ -64,15 +64,14 @@ def _on_rank0(build: Callable[[], DistillationStep] | None) -> DistillationStep 
     wait for rank 0's weights until the process group's timeout (30 min), where no launcher stops them."""
     import torch.distributed as dist
 
-    whole, failure = None, [None]
-    if build is not None:
-        try:
-            whole = build()
-        except Exception as error:
-            failure = [f"{type(error).__name__}: {error}"]
-            dist.broadcast_object_list(failure, src=0)
-            raise
-    dist.broadcast_object_list(failure, src=0)
+    failure = [None]
+    try:
+        whole = build() if build is not None else None
+    except Exception as error:
+        failure = [f"{type(error).__name__}: {error}"]
+        raise  # on rank 0, once every rank has its error
+    finally:
+        dist.broadcast_object_list(failure, src=0)
     if failure[0] is not None:
         raise RuntimeError(f"rank 0 could not build the model, so this process stops too: {failure[0]}")
     return whole
