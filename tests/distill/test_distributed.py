@@ -104,7 +104,8 @@ def _trained(out):
 
 class LoadFails(L.Callback):
     """``from_pretrained`` fails in rank 0 alone (``rank0``: a checkpoint it cannot read) or in every other process
-    (under FSDP2 only rank 0 loads the model and sends each process its shards: ``parallelize.shard_from_rank0``)."""
+    (under FSDP2 only rank 0 loads the model and sends each process its shards: ``parallelize.shard_from_rank0``),
+    while the run builds its model: until training starts (ExportHF reads it again on rank 0 at the end)."""
 
     def __init__(self, rank0: bool):
         self.rank0 = rank0
@@ -116,7 +117,14 @@ class LoadFails(L.Callback):
             def fail(*args, **kwargs):
                 raise OSError(f"rank {trainer.global_rank} may not load the model here (test)")
 
+            self.restore = AutoModelForCausalLM.from_pretrained
             AutoModelForCausalLM.from_pretrained = fail
+
+    def on_train_start(self, trainer, pl_module):
+        if hasattr(self, "restore"):
+            from transformers import AutoModelForCausalLM
+
+            AutoModelForCausalLM.from_pretrained = self.restore
 
 
 @pytest.mark.distributed
@@ -159,10 +167,17 @@ def test_two_process_fsdp2_matches_single_process(tmp_path, tiny_model, text_fil
     assert any("def call(" in code and "silu" in code for code in generated), "no decoder layer was compiled"
 
     # resumed from the sharded run's checkpoint after step 2 (a distributed checkpoint: one shard file per rank)
-    # to step 4: the same weights as the uninterrupted run
+    # to step 4: the same weights as the uninterrupted run. That checkpoint holds every weight, so no process reads
+    # the pretrained model: each would fail to (rank 0's LoadFails and the others').
     (step2,) = ckpt_dir.glob("*step=2.ckpt")
     assert step2.is_dir() and len(list(step2.glob("*.distcp"))) == 2
-    resume_cfg, resume_out = _config(tmp_path, tiny_model, text_file, "resumed", 2, fsdp2, recompute=1)
+    no_reads = [
+        {"class_path": "tests.distill.test_distributed.LoadFails", "init_args": {"rank0": r}}
+        for r in (True, False)
+    ]
+    resume_cfg, resume_out = _config(
+        tmp_path, tiny_model, text_file, "resumed", 2, fsdp2, recompute=1, callbacks=no_reads
+    )
     subprocess.run(
         [fabric, "run", "--accelerator", "cpu", "--devices", "2", app, "--config", str(resume_cfg),
          "--ckpt_path", str(step2)],

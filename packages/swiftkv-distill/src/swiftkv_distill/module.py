@@ -147,6 +147,7 @@ class SwiftKVDistillation(L.LightningModule):
             model, num_key_value_layers, key_value_group_size
         )
         self.step: DistillationStep | None = None
+        self.resume_from: str | None = None  # the checkpoint fit resumes from (set by recipe.py's fits)
         self.strict_loading = False  # checkpoints hold the trained weights only (on_save_checkpoint)
         self.val_metrics = nn.ModuleList([ValidationMetrics()])  # one per validation set (grown on demand)
         self.before_metrics: dict[str, float] = {}  # the converted model (published init), before training
@@ -175,16 +176,16 @@ class SwiftKVDistillation(L.LightningModule):
     def configure_model(self) -> None:
         if self.step is not None:
             return
-        check_precision(self._root_device(), self._trainer)
+        device = self._root_device()
+        check_precision(device, self._trainer)
         with torch.device("meta"):  # what the run holds throughout, sized before any weight is read
             sized = self.build_step(weights=False)
-        shards = self._world_size() if self.device_mesh is not None else 1
-        check_fits(self._root_device(), sized, self.hparams.model, shards)
+        check_fits(device, sized, self.hparams.model, self._world_size() if self.device_mesh else 1)
         if self.device_mesh is None:
             self.step = self.build_step()
-        else:  # ModelParallelStrategy: shard with FSDP2; only rank 0 reads the weights
+        else:  # ModelParallelStrategy: shard with FSDP2; only rank 0 reads the weights (none on a resume)
             mesh, reshard = self.device_mesh["data_parallel"], self.hparams.reshard_after_forward
-            self.step = shard_from_rank0(sized, self.build_step, mesh, self._root_device(), reshard)
+            self.step = shard_from_rank0(sized, self.build_step, mesh, device, reshard, self.resume_from)
 
     @property
     def swiftkv_model(self):
@@ -244,8 +245,7 @@ class SwiftKVDistillation(L.LightningModule):
         return (self._now() if self._fit_ended is None else self._fit_ended) - self._fit_started
 
     def _now(self) -> float:
-        """The clock of the training timers, read once the device's queued work is done (a GPU step is timed by
-        its kernels, not by their launch)."""
+        """The training timers' clock, read once the device's queued work is done (a GPU step: its kernels)."""
         return Stopwatch(self.device).now()
 
     def on_train_batch_start(self, batch, batch_idx) -> None:

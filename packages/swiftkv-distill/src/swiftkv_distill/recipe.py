@@ -59,6 +59,7 @@ class DistillCLI(LightningCLI):
             print(
                 f"resuming from {ckpt_path} (another --trainer.default_root_dir starts a new run)", flush=True
             )
+        model.resume_from = ckpt_path  # under FSDP2 no process then reads the pretrained weights
         with told_out_of_memory(self.trainer, model, datamodule or self.datamodule):
             self.trainer.fit(model, datamodule=datamodule, ckpt_path=ckpt_path, **kwargs)
 
@@ -300,6 +301,7 @@ def budgeted_fit(
     resume = last_checkpoint(built.trainer) if checkpointing else None
     if resume:
         print(f"   resuming from {resume}", flush=True)
+    built.module.resume_from = resume
     with told_out_of_memory(built.trainer, built.module, built.datamodule):
         built.trainer.fit(built.module, built.datamodule, ckpt_path=resume)
     summary = json.loads((folder / "logs" / "version_0" / "summary.json").read_text())
