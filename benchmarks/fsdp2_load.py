@@ -154,8 +154,7 @@ def main(
             for start, records in runs:
                 for record in records:
                     ratio = record["peak_rss_mib"] / single["peak_rss_mib"]
-                    processes = len(records)
-                    rows.append({"model_dtype": dtype, "processes": processes, "start": start, **record,
+                    rows.append({"model_dtype": dtype, "processes": len(records), "start": start, **record,
                                  "peak_vs_unsharded": ratio})  # fmt: skip
     command = shlex.join(["python", "benchmarks/fsdp2_load.py", *sys.argv[1:]])
     out.write_text(json.dumps({"label": label, "command": command, "rows": rows}, indent=1) + "\n")

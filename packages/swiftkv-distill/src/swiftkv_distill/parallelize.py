@@ -46,14 +46,17 @@ def shard_from_rank0(
     fp32 from a bf16 checkpoint: 32 GB per process, 256 GB for a node of eight), and the cast is done once.
 
     ``resume_from``: the checkpoint the run resumes from. A distributed checkpoint (a folder of shards) holds every
-    weight, frozen ones too, and Lightning loads it right after this: then nothing is read here (rank 0 would read
-    the whole pretrained model for nothing, minutes at 70B), and the values a state dict leaves out are computed."""
+    weight, frozen ones too, and Lightning loads it right after this (strictly: a weight it lacks is an error).
+    Then nothing is read here (rank 0 would read the whole pretrained model only to have it overwritten), and the
+    values a state dict leaves out are computed. Rank 0 decides, for every process."""
     import torch.distributed as dist
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
     parallelize(sized, mesh, reshard_after_forward)
     sized.to_empty(device=device)
-    if resume_from is not None and Path(resume_from).is_dir() and _buffers_from_config(sized):
+    restored = [resume_from is not None and (Path(resume_from) / ".metadata").is_file()]  # DCP's index file
+    dist.broadcast_object_list(restored, src=0)  # one decision: a process deciding otherwise would hang
+    if restored[0] and _buffers_from_config(sized):
         return sized
     whole = _on_rank0(build if dist.get_rank() == 0 else None)
     options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
@@ -70,9 +73,9 @@ def shard_from_rank0(
 def _buffers_from_config(step: DistillationStep) -> bool:
     """Give ``step``'s non-persistent buffers (left out of state dicts) their values, each from a fresh copy of the
     module holding it built from its config (RoPE's frequencies: the only such buffers in these families). False,
-    nothing changed, if a module holding one has no config to build it from."""
+    nothing changed, if a module holding one has parameters or no config to build it from (then rank 0 reads)."""
     holders = [module for module in step.modules() if module._non_persistent_buffers_set]
-    if not all(hasattr(module, "config") for module in holders):
+    if not all(hasattr(module, "config") and next(module.parameters(), None) is None for module in holders):
         return False
     with torch.no_grad():
         for module in holders:
