@@ -33,3 +33,24 @@ def test_table_commands_run_through_their_own_parsers(capsys):
     with pytest.raises(SystemExit):
         main(["convert", "--help"])  # jsonargparse, from the typed signature
     assert "--num_key_value_layers" in capsys.readouterr().out
+
+
+def test_a_list_option_takes_bare_values_and_jsonargparse_forms_pass_unchanged():
+    from swiftkv.cli import bare_lists
+    from swiftkv.quickstart import main as quickstart
+
+    cases = {
+        ("--train_files", "a.jsonl"): ["--train_files", '["a.jsonl"]'],
+        ("--train_files", "a, b.jsonl", "c:d.jsonl", "--serve", "false"): [
+            "--train_files", '["a, b.jsonl", "c:d.jsonl"]', "--serve", "false"
+        ],
+        ("--train_files=a.jsonl",): ["--train_files", '["a.jsonl"]'],
+        ("--prompt_lengths", "256", "-1"): ["--prompt_lengths", "[256, -1]"],  # numbers unquoted, for the check
+        ("--train_files", "[a.jsonl, b.jsonl]"): ["--train_files", "[a.jsonl, b.jsonl]"],
+        ("--train_files=[a.jsonl]",): ["--train_files", "[a.jsonl]"],
+        ("--train_files+", "a.jsonl"): ["--train_files+", "a.jsonl"],
+        ("--heldout_text", "null"): ["--heldout_text", "null"],
+        ("--model", "a b", "--recipe", "r"): ["--model", "a b", "--recipe", "r"],  # not lists
+    }  # fmt: skip
+    for given, expected in cases.items():
+        assert bare_lists(quickstart, list(given)) == expected, given

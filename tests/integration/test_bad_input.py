@@ -34,12 +34,13 @@ def files(tmp_path_factory):
     (root / "bad-values.yaml").write_text("model:\n  lora_rank: -1\n")
     write_jsonl(root / "no-prompts.jsonl", [{"text": "no prompt here"}])
     write_jsonl(root / "text.jsonl", [{"text": "Rain fell on the harbour all night."}] * 8)
+    write_jsonl(root / "long.jsonl", [{"text": "Rain fell on the harbour all night. " * 60}] * 8)
     return {
         "TINY": str(tiny), "SWIFTKV": str(swiftkv), "TRUNCATED": str(truncated), "NOCONFIG": str(no_config),
         "MISSING": str(root / "missing"), "MALFORMED": str(root / "malformed.jsonl"),
         "EMPTY": str(root / "empty.jsonl"), "RECIPE": str(root / "recipe.yaml"),
         "NOPROMPTS": str(root / "no-prompts.jsonl"), "TEXT": str(root / "text.jsonl"), "OUT": str(root / "out"),
-        "BADVALUES": str(root / "bad-values.yaml"),
+        "BADVALUES": str(root / "bad-values.yaml"), "LONG": str(root / "long.jsonl"),
     }  # fmt: skip
 
 
@@ -70,6 +71,10 @@ CASES = [  # (arguments, what the error must say)
     ),
     (["convert", "--out_dir", "OUT", "--model", "TRUNCATED"], "not whole.*copy it again"),
     (["convert", "--out_dir", "OUT", "--model", "TINY", "--kv_init_text_files", "[MISSING]"], "not found"),
+    (
+        ["convert", "--out_dir", "OUT", "--model", "TINY", "--kv_init_text_files", "TEXT"],
+        "no row of 256 tokens",
+    ),
     (["convert", "--out_dir", "OUT", "--model", "SWIFTKV"], "give its base model"),
     (["convert", "--out_dir", "OUT", "--model", "MISSING.gguf"], "no such GGUF file"),
     (["convert", "--out_dir", "TINY", "--model", "TINY"], "is \\(or holds\\) the model being read"),
@@ -115,14 +120,18 @@ CASES = [  # (arguments, what the error must say)
     ([*QUICK, "--num_key_value_layers", "9"], "out of range"),
     ([*QUICK, "--key_value_group_size", "0"], "positive integer"),
     ([*QUICK, "--train_files", "[MALFORMED]"], "could not be read"),
+    ([*QUICK, "--train_files", "LONG", "MALFORMED"], "malformed.jsonl could not be read"),  # bare list values
+    ([*QUICK, "--train_files", "TEXT"], "make 1 row.*too few for one batch.*give at least 769 tokens"),
+    ([*QUICK, "--recipe", "llama-3.1-8b-instruct"], "names no held-out text.*give --heldout_text"),
     ([*QUICK, "--accelerator", "tpu"], "choose one of"),
     ([*QUICK, "--max_eval_rows", "-1"], ">= 0 \\(0: all\\)"),
     ([*QUICK, "--serve_requests", "0"], "positive integer"),
     ([*QUICK, "--prompt_lengths", "[0, 512]"], "each a positive integer"),
+    ([*QUICK, "--prompt_lengths", "512", "0"], r"--prompt_lengths \[512, 0\]: .*each a positive integer"),
     ([*QUICK, "--threshold", "0"], r"\(0, 1\]"),
     ([*QUICK, "--recipe", "BADVALUES"], "bad-values.yaml names no data.train_files: .* or --train_files"),
     (
-        [*QUICK, "--recipe", "BADVALUES", "--train_files", "[TEXT]"],
+        [*QUICK, "--recipe", "BADVALUES", "--train_files", "[TEXT]", "--heldout_text", "TEXT"],
         "--recipe .*bad-values.yaml: lora_rank must be an integer >= 0",
     ),
     ([*QUICK, "--eval_tasks", "[capitols]"], r"\['capitols'\] name no lm-eval task"),
@@ -187,7 +196,7 @@ def test_the_quickstart_serves_only_where_vllm_is(files, monkeypatch, capsys):
               "--serve_workloads", "[96/8]"])  # fmt: skip
     assert not os.path.exists(files["OUT"])
     settings, _ = check(
-        files["TINY"], files["OUT"], "auto", 2, 1, 0.05, None, [files["TEXT"]], [files["TEXT"]], "", 2, [16], None,
+        files["TINY"], files["OUT"], "auto", 2, 1, 0.05, None, [files["LONG"]], [files["TEXT"]], "", 2, [16], None,
         ["96/8"], 2, False, 0.9,
     )  # fmt: skip
     assert not settings.serve
@@ -220,14 +229,14 @@ def test_a_partial_recipe_is_checked_with_the_runs_own_files(files):
     with open(partial, "w") as f:
         f.write("model:\n  learning_rate: 1.0e-3\n")
     settings, _ = check(
-        files["TINY"], files["OUT"], "cpu", 2, 1, 0.05, partial, [files["TEXT"]], [files["TEXT"]], "", 2, [16],
+        files["TINY"], files["OUT"], "cpu", 2, 1, 0.05, partial, [files["LONG"]], [files["TEXT"]], "", 2, [16],
         False, None, 2, False, 0.9,
     )  # fmt: skip
-    assert settings.train_files == [files["TEXT"]] and settings.recipe == partial
+    assert settings.train_files == [files["LONG"]] and settings.recipe == partial
     with pytest.raises(QuickstartError, match="partial.yaml: batch_size must be a positive integer"):
         with open(partial, "a") as f:
             f.write("data:\n  batch_size: 0\n")
         check(
-            files["TINY"], files["OUT"], "cpu", 2, 1, 0.05, partial, [files["TEXT"]], [files["TEXT"]], "", 2, [16],
+            files["TINY"], files["OUT"], "cpu", 2, 1, 0.05, partial, [files["LONG"]], [files["TEXT"]], "", 2, [16],
             False, None, 2, False, 0.9,
         )  # fmt: skip

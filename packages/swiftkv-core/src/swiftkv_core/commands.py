@@ -3,6 +3,7 @@ signatures and docstrings are the options and their help)."""
 
 from __future__ import annotations
 
+import itertools
 import json
 from pathlib import Path
 
@@ -38,7 +39,7 @@ def convert(
     from .checkpoints import check_checkpoint, check_replaceable, read_config
     from .convert import convert as convert_model
     from .convert import save_checkpoint
-    from .generation import load
+    from .generation import load, load_tokenizer
 
     _, config = read_config(model)
     l = config.num_hidden_layers // 2 if num_key_value_layers is None else num_key_value_layers
@@ -47,13 +48,16 @@ def convert(
     _existing_files(kv_init_text_files, "--kv_init_text_files")
     _positive(kv_init_tokens=kv_init_tokens)
     device, dtype = _placement("convert", device, dtype)
-    base, tokenizer = load(model, dtype=dtype, need_tokenizer=bool(kv_init_text_files), device=device)
-    swift = convert_model(base, l, key_value_group_size)
-    if kv_init_text_files:
+    tokenizer = load_tokenizer(model, need=bool(kv_init_text_files))
+    if kv_init_text_files:  # the fit's first batch before any weight is read: text too short is refused here
         from .kv_init import fit_kv_projections, text_batches
 
         texts = (Path(f).read_text() for f in kv_init_text_files)
-        batches = text_batches(tokenizer, texts, device=device)
+        batches = iter(text_batches(tokenizer, texts, device=device))
+        batches = itertools.chain([next(batches)], batches)
+    base, _ = load(model, dtype=dtype, need_tokenizer=False, device=device)
+    swift = convert_model(base, l, key_value_group_size)
+    if kv_init_text_files:
         report = fit_kv_projections(swift, batches, max_tokens=kv_init_tokens)
         print(
             f"least-squares K/V init on {int(report['tokens'])} tokens: teacher K/V energy explained "

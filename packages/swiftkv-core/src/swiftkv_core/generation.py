@@ -22,16 +22,22 @@ def load(
     """``(model, tokenizer)`` for a checkpoint path (any HF causal LM, SwiftKV or not) or ``'default'``, the model
     in eval mode on ``device``. The tokenizer is ``None`` when the folder has none and ``need_tokenizer`` is off.
     """
+    tokenizer = load_tokenizer(model, need_tokenizer)
+    path = resolve_model_path(model)
+    return AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval(), tokenizer
+
+
+def load_tokenizer(model: str | Path | None = None, need: bool = True):
+    """The checkpoint's tokenizer, or ``None`` when its folder has none and ``need`` is off."""
     path = resolve_model_path(model)
     has_tokenizer = any(
         (path / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
     )
-    if need_tokenizer and not has_tokenizer:
+    if need and not has_tokenizer:
         raise FileNotFoundError(
             f"{path} has no tokenizer files; save the tokenizer into the checkpoint folder."
         )
-    tokenizer = AutoTokenizer.from_pretrained(path) if has_tokenizer else None
-    return AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval(), tokenizer
+    return AutoTokenizer.from_pretrained(path) if has_tokenizer else None
 
 
 def sample_prompt_ids(tokenizer, num_tokens: int) -> torch.Tensor:

@@ -39,6 +39,8 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+ROW_TOKENS = 256  # tokens per row of the fit (text_batches): a text shorter than this gives the fit nothing
+
 
 class KVLeastSquares:
     """Normal equations of the K/V fit, accumulated from teacher forwards of ``model`` (hooks on its layers).
@@ -316,18 +318,25 @@ def fit_kv_projections(
 def text_batches(
     tokenizer,
     texts: Iterable[str],
-    length: int = 256,
+    length: int = ROW_TOKENS,
     batch_size: int = 4,
     device: torch.device | str = "cpu",
 ) -> Iterable[dict]:
     """Batches of ``batch_size`` x ``length`` token rows cut from ``texts`` (each text tokenised on its own, its
-    rows never mixing texts; a text's last partial row is dropped), on ``device``, for ``fit_kv_projections``."""
-    rows = []
+    rows never mixing texts; a text's last partial row is dropped), on ``device``, for ``fit_kv_projections``.
+    ``ValueError`` where the texts make no row at all (every one shorter than ``length`` tokens)."""
+    rows, longest, made = [], 0, False
     for text in texts:
         ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        longest = max(longest, len(ids))
         rows.extend(ids[i : i + length] for i in range(0, len(ids) - length + 1, length))
         while len(rows) >= batch_size:
             yield {"input_ids": torch.tensor(rows[:batch_size], device=device)}
-            rows = rows[batch_size:]
+            rows, made = rows[batch_size:], True
     if rows:
         yield {"input_ids": torch.tensor(rows, device=device)}
+    elif not made:
+        raise ValueError(
+            f"the K/V fit's text makes no row of {length} tokens (the longest text has {longest}): give more "
+            f"text, at least {length} tokens in one file."
+        )

@@ -15,8 +15,11 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import json
 import os
 import sys
+import types
+import typing
 from dataclasses import dataclass
 
 # What bad input raises (a missing file, a value out of range, an unknown name: every message says the fix), and a
@@ -100,6 +103,7 @@ def main(args: list[str] | None = None) -> None:
         if command.typed:
             from jsonargparse import auto_cli
 
+            rest = bare_lists(function, rest)
             auto_cli(function, args=rest, as_positional=False, prog=f"swiftkv {name}", exit_on_error=False)
         else:
             function(rest)
@@ -107,6 +111,47 @@ def main(args: list[str] | None = None) -> None:
         if os.environ.get("SWIFTKV_DEBUG"):
             raise
         raise SystemExit(f"swiftkv {name}: {' '.join(str(error).split()) or type(error).__name__}") from None
+
+
+def bare_lists(function, args: list[str]) -> list[str]:
+    """A list option's bare values as one list: ``--train_files a.jsonl`` and ``--train_files a.jsonl b.jsonl`` (as
+    most command lines take them) become jsonargparse's ``--train_files '["a.jsonl", "b.jsonl"]'``. Its own forms
+    (``'[a.jsonl]'``, ``--train_files+ a.jsonl``, ``null``) pass unchanged. A typed command has no positional
+    arguments, so the values run to the next ``--option``."""
+    try:
+        hints = typing.get_type_hints(function)
+    except (NameError, TypeError):  # a type imported for type checking only: jsonargparse's forms alone
+        return args
+    elements = {f"--{name}": _list_element(hint) for name, hint in hints.items()}
+    out: list[str] = []
+    index = 0
+    while index < len(args):
+        option, equals, value = args[index].partition("=")
+        index += 1
+        element = elements.get(option)
+        if element is None:
+            out.append(args[index - 1])
+            continue
+        values = [value] if equals else []
+        while not equals and index < len(args) and not args[index].startswith("--"):
+            values.append(args[index])
+            index += 1
+        if not values or (len(values) == 1 and (values[0].lstrip().startswith("[") or values[0] == "null")):
+            out += [option, *values]
+        else:  # strings quoted (a path with a comma or a colon stays one path); numbers as typed
+            out += [option, "[" + ", ".join(json.dumps(v) if element is str else v for v in values) + "]"]
+    return out
+
+
+def _list_element(hint) -> type | None:
+    """``str`` for ``list[str]`` / ``list[str] | None`` (also ``Path``, ``int``...), else None (not a list)."""
+    union = typing.get_origin(hint) in (typing.Union, types.UnionType)
+    candidates = typing.get_args(hint) if union else (hint,)
+    for candidate in candidates:
+        if typing.get_origin(candidate) is list and typing.get_args(candidate):
+            element = typing.get_args(candidate)[0]
+            return str if element not in (int, float) else element
+    return None
 
 
 if __name__ == "__main__":

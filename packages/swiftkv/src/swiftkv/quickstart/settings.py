@@ -145,6 +145,10 @@ def check(
     heldout_text = list(
         heldout_text or (next(iter(val_files.values())) if isinstance(val_files, dict) else val_files) or []
     )
+    if not heldout_text:
+        raise QuickstartError(
+            f"--recipe {recipe} names no held-out text (data.val_files) to evaluate on: give --heldout_text."
+        )
     if not _has_chat_template(path):  # a base model: no chat to distil or evaluate
         chat = [f for f in train_files if (dataset_name(f) or "").startswith("chat_")]
         if chat:
@@ -167,6 +171,8 @@ def check(
         "max_val_rows": max_eval_rows,
     }
     _check_recipe_values(recipe, recipe_settings, path, *layers, data_settings)
+    if all(dataset_name(f) is None for f in train_files):  # a named data set holds thousands of rows
+        _check_one_batch(path, train_files, data)
     step_seconds = estimated_step_seconds(config, data.batch_size * data.max_length, accelerator)
     if not budget_minutes * 60 >= step_seconds:
         raise QuickstartError(
@@ -223,6 +229,40 @@ def default_num_key_value_layers(model: str, num_layers: int, recipe_settings) -
     if str(recipe_settings.model.model) == model:
         return int(recipe_settings.model.num_key_value_layers)
     return num_layers // 2
+
+
+def _check_one_batch(path: Path, train_files: list[str], data) -> None:
+    """The training files make one batch of the recipe's rows (else the distillation runs no step) and one row of
+    the K/V fit, tokenised only as far as that needs: packed rows hold ``max_length`` tokens each, unpacked rows one
+    record each."""
+    from transformers import AutoTokenizer
+
+    from swiftkv_core.kv_init import ROW_TOKENS
+    from swiftkv_distill.data import encode_record, load_records
+
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    rows = tokens = 0
+    try:
+        for record in load_records(train_files):
+            ids, _ = encode_record(record, tokenizer, data.chat_tokens)
+            tokens += len(ids)
+            rows = math.ceil(tokens / data.max_length) if data.pack else rows + bool(ids)
+            if rows >= data.batch_size and tokens >= ROW_TOKENS:
+                return
+    except ValueError as error:  # a chat record for a tokenizer without a chat template
+        raise QuickstartError(f"--train_files: {error}") from None
+    if rows < data.batch_size:
+        needed = max((data.batch_size - 1) * data.max_length + 1, ROW_TOKENS) if data.pack else None
+        why = (
+            f"make {rows} row(s) of up to {data.max_length} tokens, too few for one batch (data.batch_size "
+            f"{data.batch_size})"
+        )
+        more = f"{needed} tokens" if needed else f"{data.batch_size} records"
+        fix = f"give at least {more} of training data, or a recipe with a smaller data.batch_size"
+    else:
+        why = f"are fewer than one row of the K/V fit ({ROW_TOKENS} tokens)"
+        fix = f"give at least {ROW_TOKENS} tokens of training data"
+    raise QuickstartError(f"--train_files {train_files}: {tokens} tokens {why}: {fix}.")
 
 
 def _check_recipe_values(recipe: str, settings, path: Path, l: int, g: int, data: dict) -> None:
