@@ -50,6 +50,8 @@ def test_a_list_option_takes_bare_values_and_jsonargparse_forms_pass_unchanged()
         ("--train_files=[a.jsonl]",): ["--train_files", "[a.jsonl]"],
         ("--train_files+", "a.jsonl"): ["--train_files+", "a.jsonl"],
         ("--heldout_text", "null"): ["--heldout_text", "null"],
+        ("--heldout_text", ""): ["--heldout_text", ""],  # jsonargparse's own error, as before
+        ("--train_files", "a.jsonl", "-h"): ["--train_files", '["a.jsonl"]', "-h"],
         ("--model", "a b", "--recipe", "r"): ["--model", "a b", "--recipe", "r"],  # not lists
     }  # fmt: skip
     for given, expected in cases.items():

@@ -32,15 +32,20 @@ def files(tmp_path_factory):
     (root / "empty.jsonl").write_text("")
     (root / "recipe.yaml").write_text("trainer: [accelerator: cpu\nmodel: {\n")
     (root / "bad-values.yaml").write_text("model:\n  lora_rank: -1\n")
+    (root / "few-rows.yaml").write_text("data:\n  max_train_rows: 2\n")
     write_jsonl(root / "no-prompts.jsonl", [{"text": "no prompt here"}])
     write_jsonl(root / "text.jsonl", [{"text": "Rain fell on the harbour all night."}] * 8)
     write_jsonl(root / "long.jsonl", [{"text": "Rain fell on the harbour all night. " * 60}] * 8)
+    write_jsonl(
+        root / "unanswered.jsonl", [{"messages": [{"role": "user", "content": "Where is the harbour?"}]}]
+    )
     return {
         "TINY": str(tiny), "SWIFTKV": str(swiftkv), "TRUNCATED": str(truncated), "NOCONFIG": str(no_config),
         "MISSING": str(root / "missing"), "MALFORMED": str(root / "malformed.jsonl"),
         "EMPTY": str(root / "empty.jsonl"), "RECIPE": str(root / "recipe.yaml"),
         "NOPROMPTS": str(root / "no-prompts.jsonl"), "TEXT": str(root / "text.jsonl"), "OUT": str(root / "out"),
         "BADVALUES": str(root / "bad-values.yaml"), "LONG": str(root / "long.jsonl"),
+        "UNANSWERED": str(root / "unanswered.jsonl"), "FEWROWS": str(root / "few-rows.yaml"),
     }  # fmt: skip
 
 
@@ -123,6 +128,12 @@ CASES = [  # (arguments, what the error must say)
     ([*QUICK, "--train_files", "LONG", "MALFORMED"], "malformed.jsonl could not be read"),  # bare list values
     ([*QUICK, "--train_files", "TEXT"], "make 1 row.*too few for one batch.*give at least 769 tokens"),
     ([*QUICK, "--recipe", "llama-3.1-8b-instruct"], "names no held-out text.*give --heldout_text"),
+    ([*QUICK, "--heldout_text", '[""]'], "--heldout_text \\[''\\]: an empty file name"),
+    ([*QUICK, "--heldout_text", "UNANSWERED"], "no record has a token to score"),
+    (
+        [*QUICK, "--recipe", "FEWROWS", "--train_files", "LONG", "--heldout_text", "TEXT"],
+        "max_train_rows 2 makes no batch of data.batch_size 4",
+    ),
     ([*QUICK, "--accelerator", "tpu"], "choose one of"),
     ([*QUICK, "--max_eval_rows", "-1"], ">= 0 \\(0: all\\)"),
     ([*QUICK, "--serve_requests", "0"], "positive integer"),

@@ -155,24 +155,42 @@ def check(
             print(f"note: {model} has no chat template (a base model): training on text only, without {chat}")
         train_files = [f for f in train_files if f not in chat]
         heldout_chat_prompts = ""
+    for option, files in (("--train_files", train_files), ("--heldout_text", heldout_text)):
+        if not all(f.strip() for f in files):
+            raise QuickstartError(
+                f"{option} {files}: an empty file name; give the files, or leave the option out."
+            )
     local = [f for f in train_files + heldout_text + [heldout_chat_prompts] if f and dataset_name(f) is None]
     for name in local:
         if not Path(name).is_file():
             raise QuickstartError(
                 f"data file {name}: not found (give a local jsonl / parquet / txt, or dataset:NAME)."
             )
-    try:
-        load_records(local)  # every record readable and of a known kind, before any compute
+    try:  # every record readable and of a known kind, before any compute
+        records = {name: load_records([name]) for name in dict.fromkeys(local)}
     except DataError as error:
         raise QuickstartError(str(error)) from None
+    for option, files in (("--train_files", train_files), ("--heldout_text", heldout_text)):
+        read = [r for f in files if f in records for r in records[f]]
+        answers = data.chat_tokens == "answers"  # "all": every token of a chat record is scored
+        if answers and read and all(f in records for f in files) and not any(map(_scored, read)):
+            raise QuickstartError(
+                f"{option} {files}: no record has a token to score (chat records without an assistant turn): give "
+                "text, prompt / response or answered chat records."
+            )
     data_settings = {
         "train_files": train_files,
         "val_files": {"text": heldout_text},
         "max_val_rows": max_eval_rows,
     }
     _check_recipe_values(recipe, recipe_settings, path, *layers, data_settings)
-    if all(dataset_name(f) is None for f in train_files):  # a named data set holds thousands of rows
-        _check_one_batch(path, train_files, data)
+    if 0 < data.max_train_rows < data.batch_size:
+        raise QuickstartError(
+            f"--recipe {recipe}: data.max_train_rows {data.max_train_rows} makes no batch of data.batch_size "
+            f"{data.batch_size}: raise it, or 0 for every row."
+        )
+    if all(f in records for f in train_files):  # local files only: a named data set holds thousands of rows
+        _check_one_batch(path, train_files, [r for f in train_files for r in records[f]], data)
     step_seconds = estimated_step_seconds(config, data.batch_size * data.max_length, accelerator)
     if not budget_minutes * 60 >= step_seconds:
         raise QuickstartError(
@@ -231,26 +249,32 @@ def default_num_key_value_layers(model: str, num_layers: int, recipe_settings) -
     return num_layers // 2
 
 
-def _check_one_batch(path: Path, train_files: list[str], data) -> None:
-    """The training files make one batch of the recipe's rows (else the distillation runs no step) and one row of
+def _scored(record: dict) -> bool:
+    """Whether a record has tokens the distillation and its evaluation score (a chat record: its assistant turns)."""
+    messages = record.get("messages")
+    return not isinstance(messages, list) or any(m.get("role") == "assistant" for m in messages)
+
+
+def _check_one_batch(path: Path, train_files: list[str], records: list[dict], data) -> None:
+    """The training records make one batch of the recipe's rows (else the distillation runs no step) and one row of
     the K/V fit, tokenised only as far as that needs: packed rows hold ``max_length`` tokens each, unpacked rows one
     record each."""
     from transformers import AutoTokenizer
 
     from swiftkv_core.kv_init import ROW_TOKENS
-    from swiftkv_distill.data import encode_record, load_records
+    from swiftkv_distill.data import encode_record
 
     tokenizer = AutoTokenizer.from_pretrained(path)
     rows = tokens = 0
     try:
-        for record in load_records(train_files):
+        for record in records:
             ids, _ = encode_record(record, tokenizer, data.chat_tokens)
             tokens += len(ids)
             rows = math.ceil(tokens / data.max_length) if data.pack else rows + bool(ids)
             if rows >= data.batch_size and tokens >= ROW_TOKENS:
                 return
     except ValueError as error:  # a chat record for a tokenizer without a chat template
-        raise QuickstartError(f"--train_files: {error}") from None
+        raise QuickstartError(f"the training data {train_files}: {error}") from None
     if rows < data.batch_size:
         needed = max((data.batch_size - 1) * data.max_length + 1, ROW_TOKENS) if data.pack else None
         why = (
@@ -262,7 +286,7 @@ def _check_one_batch(path: Path, train_files: list[str], data) -> None:
     else:
         why = f"are fewer than one row of the K/V fit ({ROW_TOKENS} tokens)"
         fix = f"give at least {ROW_TOKENS} tokens of training data"
-    raise QuickstartError(f"--train_files {train_files}: {tokens} tokens {why}: {fix}.")
+    raise QuickstartError(f"the training data {train_files}: {tokens} tokens {why}: {fix}.")
 
 
 def _check_recipe_values(recipe: str, settings, path: Path, l: int, g: int, data: dict) -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import time
 from dataclasses import asdict
+from math import nan
 from pathlib import Path
 
 from .run import Run, Stage
@@ -163,7 +164,8 @@ def distill(run: Run) -> dict:
                 if k.startswith(prefix) and "/" not in k.removeprefix(prefix)
             }
             print(f"   {checkpoint:>9} on held-out {name}: KL {m['kl']:.3f}, agreement {m['agreement']:.1%}, "
-                  f"ppl {m['student_ppl']:.1f} (teacher {m['teacher_ppl']:.1f})", flush=True)  # fmt: skip
+                  f"ppl {m.get('student_ppl', nan):.1f} (teacher {m.get('teacher_ppl', nan):.1f})",
+                  flush=True)  # fmt: skip
     return {
         "steps": summary["global_step"],
         "precision": str(built.trainer.precision),
