@@ -151,7 +151,8 @@ def _is_option(argument: str) -> bool:
 
 
 def _list_element(hint) -> type | None:
-    """``str`` for ``list[str]`` / ``list[str] | None`` (also ``Path``, ``int``...), else None (not a list)."""
+    """A list option's element type, as its values are written: ``int`` / ``float`` for numbers, ``str`` for
+    strings and paths (``list[Path] | None`` too); None for an option that is no list."""
     union = typing.get_origin(hint) in (typing.Union, types.UnionType)
     candidates = typing.get_args(hint) if union else (hint,)
     for candidate in candidates:
