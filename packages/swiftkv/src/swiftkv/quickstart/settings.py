@@ -170,14 +170,6 @@ def check(
         records = {name: load_records([name]) for name in dict.fromkeys(local)}
     except DataError as error:
         raise QuickstartError(str(error)) from None
-    for option, files in (("--train_files", train_files), ("--heldout_text", heldout_text)):
-        read = [r for f in files if f in records for r in records[f]]
-        answers = data.chat_tokens == "answers"  # "all": every token of a chat record is scored
-        if answers and read and all(f in records for f in files) and not any(map(_scored, read)):
-            raise QuickstartError(
-                f"{option} {files}: no record has a token to score (chat records without an assistant turn): give "
-                "text, prompt / response or answered chat records."
-            )
     data_settings = {
         "train_files": train_files,
         "val_files": {"text": heldout_text},
@@ -189,8 +181,7 @@ def check(
             f"--recipe {recipe}: data.max_train_rows {data.max_train_rows} makes no batch of data.batch_size "
             f"{data.batch_size}: raise it, or 0 for every row."
         )
-    if all(f in records for f in train_files):  # local files only: a named data set holds thousands of rows
-        _check_one_batch(path, train_files, [r for f in train_files for r in records[f]], data)
+    _check_local_data(path, records, train_files, heldout_text, data)
     step_seconds = estimated_step_seconds(config, data.batch_size * data.max_length, accelerator)
     if not budget_minutes * 60 >= step_seconds:
         raise QuickstartError(
@@ -249,32 +240,41 @@ def default_num_key_value_layers(model: str, num_layers: int, recipe_settings) -
     return num_layers // 2
 
 
-def _scored(record: dict) -> bool:
-    """Whether a record has tokens the distillation and its evaluation score (a chat record: its assistant turns)."""
-    messages = record.get("messages")
-    return not isinstance(messages, list) or any(m.get("role") == "assistant" for m in messages)
-
-
-def _check_one_batch(path: Path, train_files: list[str], records: list[dict], data) -> None:
-    """The training records make one batch of the recipe's rows (else the distillation runs no step) and one row of
-    the K/V fit, tokenised only as far as that needs: packed rows hold ``max_length`` tokens each, unpacked rows one
-    record each."""
+def _check_local_data(
+    path: Path, records: dict[str, list[dict]], train_files: list[str], heldout_text: list[str], data
+) -> None:
+    """Local files (a named data set holds thousands of rows), tokenised only as far as each check needs: the
+    training and held-out records have a token to score (``encode_record``'s flags), and the training records make
+    one batch of the recipe's rows (else the distillation runs no step) and one row of the K/V fit (packed rows hold
+    ``max_length`` tokens each, unpacked rows one record each)."""
     from transformers import AutoTokenizer
 
     from swiftkv_core.kv_init import ROW_TOKENS
     from swiftkv_distill.data import encode_record
 
     tokenizer = AutoTokenizer.from_pretrained(path)
+
+    def encoded(files: list[str]):
+        try:
+            for record in (r for f in files for r in records[f]):
+                yield encode_record(record, tokenizer, data.chat_tokens)
+        except ValueError as error:  # a chat record for a tokenizer without a chat template
+            raise QuickstartError(f"{files}: {error}") from None
+
+    for option, files in (("--train_files", train_files), ("--heldout_text", heldout_text)):
+        if all(f in records for f in files) and not any(any(flags) for _, flags in encoded(files)):
+            raise QuickstartError(
+                f"{option} {files}: no record has a token to score (chat records without an assistant turn): give "
+                "text, prompt / response or answered chat records."
+            )
+    if not all(f in records for f in train_files):
+        return
     rows = tokens = 0
-    try:
-        for record in records:
-            ids, _ = encode_record(record, tokenizer, data.chat_tokens)
-            tokens += len(ids)
-            rows = math.ceil(tokens / data.max_length) if data.pack else rows + bool(ids)
-            if rows >= data.batch_size and tokens >= ROW_TOKENS:
-                return
-    except ValueError as error:  # a chat record for a tokenizer without a chat template
-        raise QuickstartError(f"the training data {train_files}: {error}") from None
+    for ids, _ in encoded(train_files):
+        tokens += len(ids)
+        rows = math.ceil(tokens / data.max_length) if data.pack else rows + bool(ids)
+        if rows >= data.batch_size and tokens >= ROW_TOKENS:
+            return
     if rows < data.batch_size:
         needed = max((data.batch_size - 1) * data.max_length + 1, ROW_TOKENS) if data.pack else None
         why = (
