@@ -50,9 +50,10 @@ def test_a_list_option_takes_bare_values_and_jsonargparse_forms_pass_unchanged()
         ("--train_files=[a.jsonl]",): ["--train_files", "[a.jsonl]"],
         ("--train_files+", "a.jsonl"): ["--train_files+", "a.jsonl"],
         ("--heldout_text", "null"): ["--heldout_text", "null"],
-        ("--heldout_text", ""): ["--heldout_text", ""],  # jsonargparse's own error, as before
         ("--train_files", "a.jsonl", "-h"): ["--train_files", '["a.jsonl"]', "-h"],
         ("--model", "a b", "--recipe", "r"): ["--model", "a b", "--recipe", "r"],  # not lists
     }  # fmt: skip
     for given, expected in cases.items():
         assert bare_lists(quickstart, list(given)) == expected, given
+    with pytest.raises(ValueError, match=r"--heldout_text '' names nothing: give its values"):
+        bare_lists(quickstart, ["--heldout_text", ""])

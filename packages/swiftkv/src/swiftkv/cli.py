@@ -116,8 +116,9 @@ def main(args: list[str] | None = None) -> None:
 def bare_lists(function, args: list[str]) -> list[str]:
     """A list option's bare values as one list: ``--train_files a.jsonl`` and ``--train_files a.jsonl b.jsonl`` (as
     most command lines take them) become jsonargparse's ``--train_files '["a.jsonl", "b.jsonl"]'``. Its own forms
-    (``'[a.jsonl]'``, ``--train_files+ a.jsonl``, ``null``) and a lone ``''`` pass unchanged. A typed command has
-    no positional arguments, so the values run to the next option (``--name``, ``-h``)."""
+    (``'[a.jsonl]'``, ``--train_files+ a.jsonl``, ``null``) pass unchanged; a lone ``''`` is refused (a ValueError:
+    it names nothing). A typed command has no positional arguments, so the values run to the next option (``--name``,
+    ``-h``)."""
     try:
         hints = typing.get_type_hints(function)
     except (NameError, TypeError):  # a type imported for type checking only: jsonargparse's forms alone
@@ -136,9 +137,11 @@ def bare_lists(function, args: list[str]) -> list[str]:
         while not equals and index < len(args) and not _is_option(args[index]):
             values.append(args[index])
             index += 1
-        if len(values) <= 1 and (
-            not values or values[0].lstrip().startswith("[") or values[0] in ("null", "")
-        ):
+        if values == [""]:
+            raise ValueError(
+                f"{option} '' names nothing: give its values ({option} a b), or leave {option} out for its default"
+            )
+        if len(values) <= 1 and (not values or values[0].lstrip().startswith("[") or values[0] == "null"):
             out += [option, *values]
         else:  # strings quoted (a path with a comma or a colon stays one path); numbers as typed
             out += [option, "[" + ", ".join(json.dumps(v) if element is str else v for v in values) + "]"]
