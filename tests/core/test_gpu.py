@@ -42,3 +42,16 @@ def test_commands_take_the_gpu_in_bf16_by_default(tmp_path, capsys):
     assert "bfloat16 (--device auto -> cuda)" in capsys.readouterr().out
     main(["analyze", "--model", str(base), "--out_dir", str(tmp_path / "analyze")])
     assert "bfloat16 (--device auto -> cuda)" in capsys.readouterr().out
+
+
+@pytest.mark.gpu
+@torch.no_grad()
+def test_an_offloaded_cache_with_acrosskv_generates_what_the_dynamic_one_does():
+    """transformers' offloaded cache (each slot's K/V back to the CPU once used, the next slot prefetched) on a model
+    with AcrossKV: the cache holds the slots in use only (``num_kv_shared_layers``), so the prefetch after the last
+    group's slot wraps to layer 0's; with an empty slot after it, layer 0 stayed on the CPU and the next step failed."""
+    model = convert(tiny_base("llama"), 2, 2).to("cuda", torch.bfloat16)
+    ids = torch.randint(0, 128, (1, 32), device="cuda")
+    settings = dict(max_new_tokens=8, do_sample=False, pad_token_id=0)
+    offloaded = model.generate(ids, cache_implementation="offloaded", **settings)
+    assert torch.equal(offloaded, model.generate(ids, **settings))

@@ -88,6 +88,26 @@ def test_generate_equals_full_forward_and_cache_holds_one_kv_per_group(family, l
 
 
 @torch.no_grad()
+@pytest.mark.parametrize(("l", "g"), [(2, 1), (1, 3), (2, 2)])
+@pytest.mark.parametrize(
+    "mode",
+    [dict(cache_implementation="static"), dict(prompt_lookup_num_tokens=3), dict(num_beams=3)],
+    ids=["static-cache", "prompt-lookup", "beam-search"],
+)
+def test_generate_with_each_cache_and_decoding_of_hf_equals_it_without_a_cache(family, l, g, mode):
+    """HF ``generate``'s static cache (a mask sized to its maximum length, what compiled decoding uses), prompt
+    lookup decoding (drafts from the prompt, the cache cropped where they are rejected) and beam search (the cache
+    reordered) give what the same search gives with no cache, every token through every layer."""
+    _, model = swift(family, l=l, g=g)
+    torch.manual_seed(1)
+    ids = torch.randint(1, 128, (1, 9)).repeat(1, 2)  # a repeated prompt: prompt lookup finds drafts in it
+    search = dict(max_new_tokens=10, do_sample=False, pad_token_id=0, num_beams=mode.get("num_beams", 1))
+    assert torch.equal(
+        model.generate(ids, **{**search, **mode}), model.generate(ids, use_cache=False, **search)
+    )
+
+
+@torch.no_grad()
 def test_chunked_prefill_equals_one_shot(family):
     _, model = swift(family, l=2, g=2)
     ids = torch.randint(0, 128, (1, 23))

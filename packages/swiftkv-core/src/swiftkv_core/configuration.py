@@ -121,6 +121,15 @@ class SwiftKVConfigMixin:
             self.num_hidden_layers, self.num_key_value_layers, self.key_value_group_size
         )
 
+    @property
+    def num_kv_shared_layers(self) -> int:
+        """The trailing cache slots a model never writes, in transformers' convention (Gemma3n's: layers that share
+        an earlier layer's K/V): with SwiftKV on, the ``L - (l + (L - l) / g)`` slots AcrossKV leaves empty, so a
+        cache built from this config (``DynamicCache(config=...)``, ``StaticCache``, the one ``generate`` makes)
+        holds exactly the slots in use. An empty slot would break transformers' cache operations that do not check
+        for one: ``crop`` (prompt lookup and assisted decoding) and offloading's prefetch of the next slot."""
+        return self.num_hidden_layers - self.num_kv_cache_layers if self.swiftkv else 0
+
 
 @strict
 class LlamaSwiftKVConfig(SwiftKVConfigMixin, LlamaConfig):

@@ -142,12 +142,13 @@ class FP8KVLayer(DynamicLayer):
 
 
 class FP8KVCache(Cache):
-    """A cache of ``FP8KVLayer``, one per layer of ``config`` (layers the model never writes, such as later
-    layers of an AcrossKV group, stay empty and hold no bytes)."""
+    """A cache of ``FP8KVLayer``, one per cache slot of ``config``: one per layer, or with SwiftKV on, one per
+    layer ``< l`` and per AcrossKV group (``num_kv_shared_layers``, as transformers' own caches count them)."""
 
     def __init__(self, config):
         config = config.get_text_config(decoder=True)
-        super().__init__(layers=[FP8KVLayer() for _ in range(config.num_hidden_layers)])
+        slots = config.num_hidden_layers - getattr(config, "num_kv_shared_layers", 0)
+        super().__init__(layers=[FP8KVLayer() for _ in range(slots)])
 
 
 def make_kv_cache(config, kv_cache_dtype: str = "auto") -> Cache:

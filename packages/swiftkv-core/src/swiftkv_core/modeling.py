@@ -352,6 +352,8 @@ class SwiftKVModelMixin:
             check_flex_attention(self.layers[0].self_attn.head_dim, device)
         if inputs_embeds is None:
             inputs_embeds = self.embed_tokens(input_ids)
+        if isinstance(attention_mask, dict):  # masks per layer type, as generate builds them for a static cache
+            attention_mask = attention_mask["full_attention"]  # the only type (sliding windows are refused)
         if use_cache and past_key_values is None:
             past_key_values = DynamicCache(config=config)
         past_seen = past_key_values.get_seq_length() if past_key_values is not None else 0
@@ -517,11 +519,10 @@ def _kept_rows_mask(mask_kwargs: dict, causal_mask, keep, plain: bool, attention
     """
     implementation = mask_kwargs["config"]._attn_implementation
     if plain and implementation == "sdpa":
-        embeds, cache = mask_kwargs["inputs_embeds"], mask_kwargs["past_key_values"]
-        past = cache.get_seq_length() if cache is not None else 0
-        keys = torch.arange(past + embeds.shape[1], device=embeds.device)
-        # kept row i sees the keys up to its own position
-        return (keys[None, :] <= keys[past:][keep, None])[None, None]
+        embeds = mask_kwargs["inputs_embeds"]
+        rows = _row_positions(mask_kwargs)[keep]
+        keys = torch.arange(_key_length(mask_kwargs), device=embeds.device)
+        return (keys[None, :] <= rows[:, None])[None, None]  # kept row i sees the keys up to its own position
     if implementation in ("sdpa", "eager"):
         if not isinstance(causal_mask, torch.Tensor):  # transformers skipped it (sdpa's is_causal): build it
             causal_mask = create_causal_mask(**mask_kwargs, allow_is_causal_skip=False)
@@ -577,13 +578,13 @@ def _flash_varlen_kwargs(mask_kwargs: dict) -> dict:
 def _kept_rows_block_mask(mask_kwargs: dict, keep):
     """flex_attention's block mask for the kept query rows: kept row ``q`` is the sequence's position
     ``rows[q]`` and sees the keys a causal mask lets that position see (padding and packed sequences included)."""
-    embeds, cache = mask_kwargs["inputs_embeds"], mask_kwargs["past_key_values"]
-    batch, length = embeds.shape[:2]
-    past = cache.get_seq_length() if cache is not None else 0
-    rows = (torch.arange(length, device=embeds.device) + past)[keep]
+    batch = mask_kwargs["inputs_embeds"].shape[0]
+    rows, key_length = _row_positions(mask_kwargs)[keep], _key_length(mask_kwargs)
     mask_function = causal_mask_function
     if mask_kwargs["attention_mask"] is not None:
-        mask_function = and_masks(mask_function, padding_mask_function(mask_kwargs["attention_mask"].bool()))
+        padding = mask_kwargs["attention_mask"].bool()  # a static cache's keys run past it: not attended
+        padding = torch.nn.functional.pad(padding, (0, key_length - padding.shape[-1]), value=False)
+        mask_function = and_masks(mask_function, padding_mask_function(padding))
     packed = _packed_sequences(mask_kwargs)
     if packed is not None:
         mask_function = and_masks(mask_function, packed_sequence_mask_function(packed))
@@ -594,8 +595,25 @@ def _kept_rows_block_mask(mask_kwargs: dict, keep):
     # compiled, as transformers builds its own block masks: uncompiled, create_block_mask first builds the dense
     # rows x keys mask (gigabytes for a distillation batch's position_fraction rows)
     return torch.compile(create_block_mask)(
-        kept_row, B=batch, H=None, Q_LEN=rows.shape[0], KV_LEN=past + length, device=embeds.device
+        kept_row, B=batch, H=None, Q_LEN=rows.shape[0], KV_LEN=key_length, device=rows.device
     )
+
+
+def _row_positions(mask_kwargs: dict) -> torch.Tensor:
+    """The cache positions of this forward's rows: the past's length on, one per row."""
+    embeds, cache = mask_kwargs["inputs_embeds"], mask_kwargs["past_key_values"]
+    past = cache.get_seq_length() if cache is not None else 0
+    return torch.arange(embeds.shape[1], device=embeds.device) + past
+
+
+def _key_length(mask_kwargs: dict) -> int:
+    """The keys layers ``>= l`` attend to: the past and this forward's rows, or all of a static cache's slots (its
+    keys are as long as it is; transformers' masks are sized the same way, ``Cache.get_mask_sizes``)."""
+    config, cache = mask_kwargs["config"], mask_kwargs["past_key_values"]
+    length = mask_kwargs["inputs_embeds"].shape[1]
+    if cache is None:
+        return length
+    return cache.get_mask_sizes(length, config.kv_cache_index(config.num_key_value_layers, swiftkv=True))[0]
 
 
 def _keep_index(keep_positions, seq_len: int):
