@@ -56,3 +56,14 @@ def test_swiftkv_serve_checks_the_checkpoint_from_its_config_alone(tiny_swiftkv,
     code = f"import sys; from swiftkv_serve.cli import describe; describe({str(tiny_swiftkv)!r}); print(sorted(m for m in ('torch', 'transformers', 'vllm') if m in sys.modules))"
     out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True).stdout
     assert out.strip() == "[]"
+
+
+def test_fast_prefill_is_on_for_generation_and_off_for_a_pooling_runner(tiny_swiftkv):
+    """vLLM's real engine configuration of a SwiftKV checkpoint: generating, prompt tokens skip layers >= l (fast
+    prefill); converted to an embedding model, every position's hidden state is pooled, so those layers run for every
+    token."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    for runner, convert, fast_prefill in (("generate", "auto", True), ("pooling", "embed", False)):
+        engine_args = EngineArgs(model=str(tiny_swiftkv), runner=runner, convert=convert, enforce_eager=True)
+        assert engine_args.create_engine_config().cache_config.kv_sharing_fast_prefill is fast_prefill, runner

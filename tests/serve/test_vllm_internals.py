@@ -146,8 +146,12 @@ def test_attention_layer_attributes_and_arguments():
     parameters = _parameters(Attention.__init__)
     assert "kv_sharing_target_layer_name" in parameters and "attn_backend" in parameters
     source = inspect.getsource(Attention.__init__)
-    for attribute in ("use_direct_call", "layer_name", "num_heads", "head_size"):
+    for attribute in ("use_direct_call", "layer_name", "num_heads", "head_size", "query_quant"):
         assert re.search(rf"self\.{attribute}\b.*=", source), attribute
+    # attend quantises the query as Attention.forward does, for backends that take an fp8 one
+    forward = inspect.getsource(Attention.forward)
+    assert "self.impl.supports_quant_query_input" in forward
+    assert "self.query_quant(query, self._q_scale)" in forward
 
 
 def test_fast_prefill_backend_and_metadata():

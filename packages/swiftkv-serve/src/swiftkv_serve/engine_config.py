@@ -91,7 +91,8 @@ def fast_prefill_requested(additional_config) -> bool:
 
 
 def update_engine_config(vllm_config) -> None:
-    """Fast prefill for a SwiftKV model that skips layers (``l < L``), unless ``FAST_PREFILL_OPTION`` is false."""
+    """Fast prefill for a SwiftKV model that skips layers (``l < L``) and generates (not a pooling runner: embeddings
+    and rewards read every position), unless ``FAST_PREFILL_OPTION`` is false."""
     check_kv_cache_dtype(vllm_config)
     fast_prefill = fast_prefill_requested(vllm_config.additional_config)
     hf_config = vllm_config.model_config.hf_config  # a swiftkv_core SwiftKV config
@@ -103,6 +104,14 @@ def update_engine_config(vllm_config) -> None:
         )
     if not hf_config.num_kv_groups:
         return  # nothing skipped: the model is a plain Llama / Qwen2, prompt logprobs are right
+    if vllm_config.model_config.runner_type != "generate":
+        logger.info(
+            "SwiftKV: fast prefill off for the %s runner: it pools every position's hidden state, which layers >= %d "
+            "compute only where fast prefill keeps them.",
+            vllm_config.model_config.runner_type,
+            hf_config.num_key_value_layers,
+        )
+        return
     if not fast_prefill:
         logger.info(
             "SwiftKV: fast prefill off (%s=false): layers >= %d run for every prompt token, so the outputs are the "

@@ -133,11 +133,14 @@ def attend(
     """Attention of ``query`` over the cache only (this layer's K/V were written before, for all tokens).
 
     ``kv_cache_dummy_dep`` is the result of the cache write: passing it keeps torch.compile from reordering
-    or dropping the write (as vLLM's ``Attention.forward`` does).
+    or dropping the write (as vLLM's ``Attention.forward`` does). With an fp8 KV cache, backends that take an fp8
+    query (FlashAttention 3, FlashInfer on Blackwell) get it quantised, as ``Attention.forward`` does too.
     """
     output = torch.empty(
         (query.shape[0], attn.num_heads * attn.head_size), dtype=query.dtype, device=query.device
     )
+    if attn.query_quant is not None and attn.impl.supports_quant_query_input:
+        query, _ = attn.query_quant(query, attn._q_scale)
     args = (
         query.view(-1, attn.num_heads, attn.head_size),
         key,
