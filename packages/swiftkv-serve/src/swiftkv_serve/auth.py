@@ -1,0 +1,68 @@
+"""The API key on every route of the server but its health probes: what ``swiftkv-serve`` adds whenever a key is set.
+
+vLLM 0.32's own key check (``--api-key`` / ``VLLM_API_KEY``) guards the paths under /v1, /v2, /inference and /cohere
+only: SageMaker's /invocations (completions and chats on the same engine), /tokenize, /detokenize, /metrics, /load,
+/version and the scaling routes answer anyone (its ``--api-key`` help says so). ``ApiKeyOnEveryRoute``, an ASGI
+middleware vLLM loads through its ``--middleware`` option, answers 401 on every route but ``OPEN`` to a request
+without ``Authorization: Bearer KEY`` for one of the keys in the environment variable ``KEYS_VARIABLE`` (one per
+line). With plain ``vllm serve``: ``SWIFTKV_SERVE_API_KEYS=KEY vllm serve CKPT --middleware
+swiftkv_serve.auth.ApiKeyOnEveryRoute``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import secrets
+
+KEYS_VARIABLE = "SWIFTKV_SERVE_API_KEYS"
+OPEN = ("/health", "/ping")  # liveness and readiness probes: Docker's HEALTHCHECK, SageMaker's /ping
+MIDDLEWARE = f"{__name__}.ApiKeyOnEveryRoute"
+_UNAUTHORISED = b'{"error": "Unauthorized: give Authorization: Bearer <API key>"}'
+
+
+def _digest(key: str) -> bytes:
+    return hashlib.sha256(key.encode()).digest()
+
+
+class ApiKeyOnEveryRoute:
+    """ASGI middleware: a request to any path but ``OPEN`` needs one of the keys (CORS preflights pass, as in
+    vLLM's own check). Refuses to start without a key, so a server meant to be closed never runs open."""
+
+    def __init__(self, app) -> None:
+        keys = [key.strip() for key in os.environ.get(KEYS_VARIABLE, "").splitlines() if key.strip()]
+        if not keys:
+            raise ValueError(
+                f"{MIDDLEWARE} needs the API keys in {KEYS_VARIABLE} (one per line); it is unset or empty."
+            )
+        self.app = app
+        self._digests = [_digest(key) for key in keys]
+
+    def authorised(self, headers: list[tuple[bytes, bytes]]) -> bool:
+        """Whether ``headers`` (an ASGI scope's) hold ``Authorization: Bearer KEY`` for one of the keys, compared
+        in constant time."""
+        value = dict(headers).get(b"authorization", b"").decode("latin-1")
+        scheme, _, given = value.partition(" ")
+        if scheme.lower() != "bearer":
+            return False
+        digest, matched = _digest(given.strip()), False
+        for known in self._digests:  # every key compared, whichever matches
+            matched |= secrets.compare_digest(digest, known)
+        return matched
+
+    async def __call__(self, scope, receive, send) -> None:
+        path = scope.get("path", "").removeprefix(scope.get("root_path", ""))
+        passes = (
+            scope["type"] not in ("http", "websocket")  # lifespan events
+            or scope.get("method") == "OPTIONS"
+            or path in OPEN
+            or self.authorised(scope.get("headers", []))
+        )
+        if passes:
+            await self.app(scope, receive, send)
+        elif scope["type"] == "websocket":
+            await send({"type": "websocket.close", "code": 1008})  # policy violation
+        else:
+            headers = [(b"content-type", b"application/json"), (b"www-authenticate", b"Bearer")]
+            await send({"type": "http.response.start", "status": 401, "headers": headers})
+            await send({"type": "http.response.body", "body": _UNAUTHORISED})
