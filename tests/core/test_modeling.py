@@ -85,6 +85,7 @@ def test_generate_equals_full_forward_and_cache_holds_one_kv_per_group(family, l
         if getattr(layer, "keys", None) is not None and layer.keys.numel()
     )
     assert stored == (l + (L - l) // g) * tokens
+    assert len(out.past_key_values.layers) == l + (L - l) // g  # no empty slot (num_kv_shared_layers)
 
 
 @torch.no_grad()
@@ -105,6 +106,26 @@ def test_generate_with_each_cache_and_decoding_of_hf_equals_it_without_a_cache(f
     assert torch.equal(
         model.generate(ids, **{**search, **mode}), model.generate(ids, use_cache=False, **search)
     )
+
+
+@torch.no_grad()
+def test_a_cache_built_in_the_other_mode_is_refused_with_the_fix():
+    """A cache's slots follow the config it is built from (with AcrossKV, fewer with SwiftKV on): one built while
+    SwiftKV was off, used with it on (or the other way), gets a one-line error, not an IndexError or a crash later."""
+    from swiftkv_core.kv_cache import make_kv_cache
+
+    _, model = swift(l=2, g=2)
+    ids = torch.randint(1, 128, (1, 8))
+    for kv_cache_dtype in ("auto", "fp8"):
+        with model.swiftkv_mode(False):
+            teacher_cache = make_kv_cache(model.config, kv_cache_dtype)
+        with model.swiftkv_mode(True):
+            student_cache = make_kv_cache(model.config, kv_cache_dtype)
+            with pytest.raises(ValueError, match="built while SwiftKV was off; build the cache after"):
+                model(ids, past_key_values=teacher_cache, use_cache=True)
+            model(ids, past_key_values=student_cache, use_cache=True)
+        with model.swiftkv_mode(False), pytest.raises(ValueError, match="built while SwiftKV was on"):
+            model(ids, past_key_values=student_cache, use_cache=True)
 
 
 @torch.no_grad()

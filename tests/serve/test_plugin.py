@@ -65,5 +65,8 @@ def test_fast_prefill_is_on_for_generation_and_off_for_a_pooling_runner(tiny_swi
     from vllm.engine.arg_utils import EngineArgs
 
     for runner, convert, fast_prefill in (("generate", "auto", True), ("pooling", "embed", False)):
-        engine_args = EngineArgs(model=str(tiny_swiftkv), runner=runner, convert=convert, enforce_eager=True)
-        assert engine_args.create_engine_config().cache_config.kv_sharing_fast_prefill is fast_prefill, runner
+        for asked in (False, True):  # vLLM's own --kv-sharing-fast-prefill
+            engine_args = EngineArgs(model=str(tiny_swiftkv), runner=runner, convert=convert, enforce_eager=True,
+                                     kv_sharing_fast_prefill=asked)  # fmt: skip
+            config = engine_args.create_engine_config()
+            assert config.cache_config.kv_sharing_fast_prefill is fast_prefill, (runner, asked)

@@ -17,12 +17,12 @@ from swiftkv_serve import auth, cli
 from swiftkv_serve.server import free_port, running_server, swiftkv_serve_command
 
 
-def request(base: str, path: str, body: dict | None = None, key: str | None = None) -> int:
+def request(base: str, path: str, body=None, key: str | None = None, method: str | None = None) -> int:
     headers = {"Content-Type": "application/json"} | ({"Authorization": f"Bearer {key}"} if key else {})
     data = json.dumps(body).encode() if body is not None else None
     try:
         with urllib.request.urlopen(
-            urllib.request.Request(base + path, data, headers), timeout=120
+            urllib.request.Request(base + path, data, headers, method=method), timeout=120
         ) as response:
             return response.status
     except urllib.error.HTTPError as error:
@@ -59,6 +59,8 @@ def test_an_api_key_from_a_file_guards_every_route_but_the_probes_and_never_show
         for path, payload in guarded_routes(str(tiny_swiftkv)):
             codes = [request(base, path, payload, key=given) for given in (None, "wrong", key)]
             assert codes == [401, 401, 200], (path, codes)
+        # an OPTIONS request that is no CORS preflight reaches the routes (/metrics answers any method)
+        assert request(base, "/metrics", method="OPTIONS") == 401
         # the key reaches the server through its own environment, not its command line
         assert f"{auth.KEYS_VARIABLE}={key}".encode() in Path(f"/proc/{proc.pid}/environ").read_bytes()
         assert key.encode() not in Path(f"/proc/{proc.pid}/cmdline").read_bytes()
@@ -79,10 +81,15 @@ def test_api_key_options(tmp_path):
     assert options == ["--port", "1", *middleware] and env == {"PATH": "/bin", auth.KEYS_VARIABLE: "k1"}
     assert "k1" not in line and "required on every route" in line
     (tmp_path / "key").write_text("k2\n")
-    _, env, _ = cli.server_environment(
-        [], {"SWIFTKV_API_KEY_FILE": str(tmp_path / "key"), "VLLM_API_KEY": "k3"}
-    )
+    environ = {"SWIFTKV_API_KEY_FILE": str(tmp_path / "key"), "VLLM_API_KEY": "k3"}
+    _, env, _ = cli.server_environment([], environ)
     assert env == {auth.KEYS_VARIABLE: "k2\nk3"}
+    _, env, _ = cli.server_environment(
+        ["--api-key", "k4"], environ
+    )  # as vLLM: the command line replaces them
+    assert env == {auth.KEYS_VARIABLE: "k4"}
+    with pytest.raises(ValueError, match="--api-k: write --api-key in full"):
+        cli.server_environment(["--api-k", "k5"], {})  # vLLM's parser takes the abbreviation
     for given, keys in (
         (["--api-key", "a", "b", "--port", "1"], "a\nb"),
         (["--api_key=a", "--port", "1"], "a"),
@@ -119,24 +126,35 @@ def test_options_are_read_as_vllms_parser_reads_them(tmp_path):
     with pytest.raises(ValueError, match="--max-model-len 4q: not a number"):
         cli.option_int(["--max-model-len", "4q"], "--max-model-len")
     config = tmp_path / "serve.yaml"
-    config.write_text("max_model_len: 1024\nkv-cache-memory-bytes: 2G\napi-key: [k4, k5]\n")
+    config.write_text("max_model_len: 1024\nkv-cache-memory-bytes: 2G\n")
     options = ["--config", str(config)]
     assert cli.option_int(options, "--max-model-len") == 1024
     assert cli.option_int([*options, "--max-model-len", "2048"], "--max-model-len") == 2048
     assert cli.option_value(options, "--kv-cache-memory-bytes") == "2G"
-    _, env, _ = cli.server_environment(options, {})
-    assert env == {auth.KEYS_VARIABLE: "k4\nk5"}
-    with pytest.raises(ValueError, match="cannot read it as YAML"):
+    assert (
+        cli.option_value([f"--config={config}"], "--kv-cache-memory-bytes") is None
+    )  # vLLM reads no such form
+    with pytest.raises(ValueError, match="cannot read it"):
         cli.config_file_settings(["--config", str(tmp_path / "missing.yaml")])
+    # a key in the file would reach vLLM's own /v1-only check; a broken line is placed, never quoted
+    config.write_text("api-key: 12345\n")
+    with pytest.raises(ValueError, match="holds an api-key"):
+        cli.server_environment(options, {})
+    config.write_text("max-num-seqs: 2\napi-key: [sk-secret\n")
+    with pytest.raises(ValueError, match="not valid YAML at line 3") as error:
+        cli.server_environment(options, {})
+    assert "sk-secret" not in str(error.value)
 
 
 def test_available_memory_is_the_control_groups_where_it_has_a_limit(tmp_path):
     """In a container with ``--memory`` (cgroup v2 or v1), the KV cache is sized from the group's limit less its
-    usage, not from the host's free memory (the server was killed allocating it)."""
+    working set (its usage less the file cache it can drop), not from the host's free memory (the server was
+    killed allocating it)."""
     v2, v1, unlimited = tmp_path / "v2", tmp_path / "v1", tmp_path / "unlimited"
     (v2).mkdir()
     (v2 / "memory.max").write_text(f"{2**30}\n")
-    (v2 / "memory.current").write_text(f"{2**29}\n")
+    (v2 / "memory.current").write_text(f"{3 * 2**28}\n")
+    (v2 / "memory.stat").write_text(f"anon 1\ninactive_file {2**28}\nactive_file 5\n")  # 2**28 reclaimable
     (v1 / "memory").mkdir(parents=True)
     (v1 / "memory/memory.limit_in_bytes").write_text(f"{2**30}\n")
     (v1 / "memory/memory.usage_in_bytes").write_text(f"{3 * 2**28}\n")

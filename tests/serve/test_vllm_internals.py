@@ -231,3 +231,28 @@ def test_fast_prefill_warning_is_vllm_configs_and_dropped_for_swiftkv_models_onl
     assert passes(
         "Some other warning about --kv-sharing-fast-prefill.", LlamaSwiftKVConfig(num_hidden_layers=4)
     )
+
+
+def test_attend_quantises_the_query_where_the_backend_takes_an_fp8_one(monkeypatch):
+    """``attend`` (layers >= l) does what ``Attention.forward`` does before the op: with an fp8 KV cache on a backend
+    that takes an fp8 query, the op gets the quantised query and the output keeps the model's dtype; elsewhere, the
+    query as it is. Those backends (FlashAttention 3, FlashInfer) need a GPU that runs vLLM, so the layer here is a
+    stand-in with the attributes ``test_attention_layer_attributes_and_arguments`` checks vLLM's layer has."""
+    from swiftkv_serve import vllm_internals
+
+    reached = {}
+    monkeypatch.setattr(
+        vllm_internals,
+        "unified_attention_with_output",
+        lambda query, *args, **kwargs: reached.update(query=query),
+    )
+    query = torch.randn(3, 8, dtype=torch.bfloat16)
+    quantised = torch.zeros(3, 8, dtype=torch.float8_e4m3fn)
+    for takes_fp8 in (True, False):
+        attn = SimpleNamespace(
+            num_heads=2, head_size=4, use_direct_call=True, layer_name="layers.5.attn", _q_scale=torch.tensor(1.0),
+            query_quant=lambda q, scale: (quantised, scale), impl=SimpleNamespace(supports_quant_query_input=takes_fp8),
+        )  # fmt: skip
+        output = vllm_internals.attend(attn, query, None, None, None)
+        assert output.dtype == torch.bfloat16 and output.shape == (3, 8)
+        assert reached["query"].dtype == (torch.float8_e4m3fn if takes_fp8 else torch.bfloat16), takes_fp8

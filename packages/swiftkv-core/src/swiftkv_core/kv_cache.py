@@ -7,7 +7,8 @@ Per-token scales make the stored value of a token independent of every other tok
 left padding and batching store exactly what one unbatched prefill would; post-training, nothing to calibrate.
 
 It is an ordinary ``transformers`` ``Cache``: pass it as ``past_key_values`` to ``forward`` or ``generate`` of
-any model (SwiftKV on or off). AcrossKV composes by construction: the model writes one K/V per group into it.
+any model (SwiftKV on or off: build it in the mode it is used in, as its slots follow the config). AcrossKV composes
+by construction: the model writes one K/V per group into it.
 """
 
 from __future__ import annotations

@@ -352,10 +352,13 @@ class SwiftKVModelMixin:
             check_flex_attention(self.layers[0].self_attn.head_dim, device)
         if inputs_embeds is None:
             inputs_embeds = self.embed_tokens(input_ids)
-        if isinstance(attention_mask, dict):  # masks per layer type, as generate builds them for a static cache
+        if isinstance(
+            attention_mask, dict
+        ):  # masks per layer type, as generate builds them for a static cache
             attention_mask = attention_mask["full_attention"]  # the only type (sliding windows are refused)
         if use_cache and past_key_values is None:
             past_key_values = DynamicCache(config=config)
+        _check_cache_slots(past_key_values, config)
         past_seen = past_key_values.get_seq_length() if past_key_values is not None else 0
         length = inputs_embeds.shape[1]
         implementation = config._attn_implementation
@@ -477,6 +480,20 @@ class LayerContext:
             past_key_values=self.past_key_values,
             use_cache=self.use_cache,
             **self.kwargs,
+        )
+
+
+def _check_cache_slots(cache, config) -> None:
+    """Refuse a cache built for the other mode: its slots are fixed when it is built from a config (one per layer,
+    or with SwiftKV on one per layer ``< l`` and per AcrossKV group: ``num_kv_shared_layers``)."""
+    if cache is None or getattr(cache, "layer_class_to_replicate", None) is not None or not cache.layers:
+        return  # no cache, or one that grows its slots as they are written
+    needed = config.num_hidden_layers - config.num_kv_shared_layers
+    if len(cache.layers) != needed:
+        raise ValueError(
+            f"this cache holds {len(cache.layers)} layer slots and the model, with SwiftKV "
+            f"{'on' if config.swiftkv else 'off'}, writes {needed}: it was built while SwiftKV was "
+            f"{'off' if config.swiftkv else 'on'}; build the cache after model.swiftkv(...)."
         )
 
 

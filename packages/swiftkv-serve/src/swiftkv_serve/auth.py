@@ -25,9 +25,16 @@ def _digest(key: str) -> bytes:
     return hashlib.sha256(key.encode()).digest()
 
 
+def _cors_preflight(method: str | None, headers: list[tuple[bytes, bytes]]) -> bool:
+    """A browser's CORS preflight (``OPTIONS`` with ``Origin`` and ``Access-Control-Request-Method``), which vLLM's
+    CORS layer answers itself; any other ``OPTIONS`` request reaches the routes (``/metrics`` answers it)."""
+    names = {name for name, _ in headers}
+    return method == "OPTIONS" and b"origin" in names and b"access-control-request-method" in names
+
+
 class ApiKeyOnEveryRoute:
-    """ASGI middleware: a request to any path but ``OPEN`` needs one of the keys (CORS preflights pass, as in
-    vLLM's own check). Refuses to start without a key, so a server meant to be closed never runs open."""
+    """ASGI middleware: a request to any path but ``OPEN`` needs one of the keys (CORS preflights pass: no route
+    answers them). Refuses to start without a key, so a server meant to be closed never runs open."""
 
     def __init__(self, app) -> None:
         keys = [key.strip() for key in os.environ.get(KEYS_VARIABLE, "").splitlines() if key.strip()]
@@ -52,11 +59,12 @@ class ApiKeyOnEveryRoute:
 
     async def __call__(self, scope, receive, send) -> None:
         path = scope.get("path", "").removeprefix(scope.get("root_path", ""))
+        headers = scope.get("headers", [])
         passes = (
             scope["type"] not in ("http", "websocket")  # lifespan events
-            or scope.get("method") == "OPTIONS"
+            or _cors_preflight(scope.get("method"), headers)  # answered by the CORS layer, never by a route
             or path in OPEN
-            or self.authorised(scope.get("headers", []))
+            or self.authorised(headers)
         )
         if passes:
             await self.app(scope, receive, send)

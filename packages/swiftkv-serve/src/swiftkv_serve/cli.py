@@ -118,21 +118,25 @@ def option_value(options: list[str], name: str) -> str | None:
 
 
 def config_file_settings(options: list[str]) -> dict:
-    """The settings of the YAML file of ``--config`` (vLLM's parser reads them first: the command line wins), keyed
-    by their option names with dashes; empty without one."""
-    path = None
-    for i, option in enumerate(options):
-        given, equals, after = option.partition("=")
-        if given == "--config":
-            path = after if equals else (options[i + 1] if i + 1 < len(options) else None)
+    """The settings of the YAML file of ``--config PATH`` (vLLM's parser reads them first: the command line wins;
+    it takes no ``--config=PATH``), keyed by their option names with dashes; empty without one."""
+    path = next((options[i + 1] for i in range(len(options) - 1) if options[i] == "--config"), None)
     if path is None:
         return {}
     import yaml  # vLLM's dependency
 
     try:
         settings = yaml.safe_load(Path(path).read_text()) or {}
-    except (OSError, yaml.YAMLError) as error:
-        raise ValueError(f"--config {path}: cannot read it as YAML ({error})") from None
+    except OSError as error:
+        raise ValueError(f"--config {path}: cannot read it ({error.strerror})") from None
+    except yaml.YAMLError as error:  # its position only: the message would quote the line, an API key perhaps
+        mark = getattr(error, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        raise ValueError(
+            f"--config {path}: not valid YAML{where} ({getattr(error, 'problem', None)})"
+        ) from None
+    if not isinstance(settings, dict):
+        raise ValueError(f"--config {path}: expected option: value lines (a YAML mapping)")
     return {str(key).replace("_", "-"): value for key, value in settings.items()}
 
 
@@ -239,29 +243,40 @@ def kv_bytes_per_token(config: dict, dtype: str | None, kv_cache_dtype: str | No
 def available_memory(cgroup: Path = Path("/sys/fs/cgroup")) -> int:
     """Bytes of memory available to new allocations: Linux's MemAvailable (free memory plus reclaimable cache), or
     less where this process's control group has a limit (``docker run --memory``, a Kubernetes pod): its limit less
-    its usage (cgroup v2, or v1's files)."""
+    its working set (usage less the inactive file cache it can reclaim, as the kubelet counts it; cgroup v2, or
+    v1's files)."""
     available = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
     for line in Path("/proc/meminfo").read_text().splitlines():
         if line.startswith("MemAvailable:"):
             available = int(line.split()[1]) * 1024
-    for limit, usage in (
-        ("memory.max", "memory.current"),
-        ("memory/memory.limit_in_bytes", "memory/memory.usage_in_bytes"),
+    for folder, limit, usage, inactive in (
+        (cgroup, "memory.max", "memory.current", "inactive_file"),
+        (cgroup / "memory", "memory.limit_in_bytes", "memory.usage_in_bytes", "total_inactive_file"),
     ):
         try:
-            room = int((cgroup / limit).read_text()) - int((cgroup / usage).read_text())
+            working_set = int((folder / usage).read_text()) - _memory_stat(folder, inactive)
+            room = int((folder / limit).read_text()) - working_set
         except (OSError, ValueError):  # no such file, or "max": no limit
             continue
         return max(min(available, room), 0)
     return available
 
 
+def _memory_stat(folder: Path, name: str) -> int:
+    """``name``'s bytes in the control group's ``memory.stat`` (0 where it is not there)."""
+    try:
+        lines = (folder / "memory.stat").read_text().splitlines()
+    except OSError:
+        return 0
+    return next((int(line.split()[1]) for line in lines if line.split()[:1] == [name]), 0)
+
+
 def server_environment(options: list[str], environ) -> tuple[list[str], dict, str]:
     """The server's options and environment with an API key, and one line saying whether requests need one (never
-    the key). Every key given, ``SWIFTKV_API_KEY`` or the file ``SWIFTKV_API_KEY_FILE``, vLLM's ``--api-key`` or
-    ``VLLM_API_KEY``, goes to ``auth.KEYS_VARIABLE`` for ``auth.ApiKeyOnEveryRoute``, which the options then load
-    (vLLM's own check guards /v1/* only); ``--api-key`` leaves the command line, which ``ps`` shows to anyone on
-    the machine."""
+    the key). The keys, vLLM's ``--api-key`` or else those of the environment (``SWIFTKV_API_KEY`` or the file
+    ``SWIFTKV_API_KEY_FILE``, and ``VLLM_API_KEY``), go to ``auth.KEYS_VARIABLE`` for ``auth.ApiKeyOnEveryRoute``,
+    which the options then load (vLLM's own check guards /v1/* only); ``--api-key`` leaves the command line, which
+    ``ps`` shows to anyone on the machine. A key in a ``--config`` file is refused: vLLM would read it too."""
     drop = ("SWIFTKV_API_KEY", "SWIFTKV_API_KEY_FILE", "VLLM_API_KEY", auth.KEYS_VARIABLE)
     environment = {k: v for k, v in environ.items() if k not in drop}
     key, key_file = environ.get("SWIFTKV_API_KEY"), environ.get("SWIFTKV_API_KEY_FILE")
@@ -277,10 +292,12 @@ def server_environment(options: list[str], environ) -> tuple[list[str], dict, st
         if not key:
             raise ValueError(f"SWIFTKV_API_KEY_FILE={key_file} is empty: write the key into it.")
     options, given = _without_api_key(options)
-    in_file = config_file_settings(options).get("api-key") or []
-    in_file = [in_file] if isinstance(in_file, str) else [str(k) for k in in_file]
-    shared = environ.get(auth.KEYS_VARIABLE, "").splitlines()
-    everything = (key, environ.get("VLLM_API_KEY"), *in_file, *given, *shared)
+    if "api-key" in config_file_settings(options):
+        raise ValueError("--config's file holds an api-key, which vLLM's own check would take for /v1/* alone: give "
+                         "the key by SWIFTKV_API_KEY_FILE, SWIFTKV_API_KEY or --api-key instead.")  # fmt: skip
+    # as vLLM: --api-key, where given, replaces the environment's keys (a rotated key is not kept by a stale one)
+    environment_keys = (key, environ.get("VLLM_API_KEY"), *environ.get(auth.KEYS_VARIABLE, "").splitlines())
+    everything = given or environment_keys
     keys = list(dict.fromkeys(k.strip() for k in everything if k and k.strip()))
     if any("\n" in k or "\r" in k for k in keys):
         raise ValueError("an API key holds a line break: give each key on one line.")
@@ -302,6 +319,10 @@ def _without_api_key(options: list[str]) -> tuple[list[str], list[str]]:
     while index < len(options):
         name, equals, value = options[index].partition("=")
         index += 1
+        if name.replace("_", "-").startswith("--api-k") and name.replace("_", "-") != "--api-key":
+            raise ValueError(
+                f"{name}: write --api-key in full (the key would stay on the command line, unguarded)"
+            )
         if name not in ("--api-key", "--api_key"):
             kept.append(options[index - 1])
             continue

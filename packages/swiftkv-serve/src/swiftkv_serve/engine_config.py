@@ -106,11 +106,12 @@ def update_engine_config(vllm_config) -> None:
         return  # nothing skipped: the model is a plain Llama / Qwen2, prompt logprobs are right
     if vllm_config.model_config.runner_type != "generate":
         logger.info(
-            "SwiftKV: fast prefill off for the %s runner: it pools every position's hidden state, which layers >= %d "
+            "SwiftKV: fast prefill off for the %s runner: it reads every position's hidden state, which layers >= %d "
             "compute only where fast prefill keeps them.",
             vllm_config.model_config.runner_type,
             hf_config.num_key_value_layers,
         )
+        vllm_config.cache_config.kv_sharing_fast_prefill = False  # also where --kv-sharing-fast-prefill asked
         return
     if not fast_prefill:
         logger.info(
