@@ -352,10 +352,10 @@ class SwiftKVModelMixin:
             check_flex_attention(self.layers[0].self_attn.head_dim, device)
         if inputs_embeds is None:
             inputs_embeds = self.embed_tokens(input_ids)
-        if isinstance(
-            attention_mask, dict
-        ):  # masks per layer type, as generate builds them for a static cache
-            attention_mask = attention_mask["full_attention"]  # the only type (sliding windows are refused)
+        # masks per layer type, as generate builds them for a static cache: full attention is the only type here
+        # (sliding windows are refused)
+        if isinstance(attention_mask, dict):
+            attention_mask = attention_mask["full_attention"]
         if use_cache and past_key_values is None:
             past_key_values = DynamicCache(config=config)
         _check_cache_slots(past_key_values, config)
