@@ -74,8 +74,9 @@ def test_an_api_key_from_a_file_guards_every_route_but_the_probes_and_never_show
 
 
 def test_api_key_options(tmp_path):
-    """Every key given reaches the middleware (``auth.KEYS_VARIABLE``), none stays where vLLM's partial check or
-    ``ps`` would read it, and the options load the middleware; without a key the server says so."""
+    """The keys given (``--api-key``, else the environment's) reach the middleware (``auth.KEYS_VARIABLE``), none
+    stays where vLLM's partial check or ``ps`` would read it, and the options load the middleware; without a key the
+    server says so."""
     middleware = ["--middleware", auth.MIDDLEWARE]
     options, env, line = cli.server_environment(["--port", "1"], {"SWIFTKV_API_KEY": "k1", "PATH": "/bin"})
     assert options == ["--port", "1", *middleware] and env == {"PATH": "/bin", auth.KEYS_VARIABLE: "k1"}
@@ -84,9 +85,8 @@ def test_api_key_options(tmp_path):
     environ = {"SWIFTKV_API_KEY_FILE": str(tmp_path / "key"), "VLLM_API_KEY": "k3"}
     _, env, _ = cli.server_environment([], environ)
     assert env == {auth.KEYS_VARIABLE: "k2\nk3"}
-    _, env, _ = cli.server_environment(
-        ["--api-key", "k4"], environ
-    )  # as vLLM: the command line replaces them
+    # as vLLM: keys on the command line replace the environment's
+    _, env, _ = cli.server_environment(["--api-key", "k4"], environ)
     assert env == {auth.KEYS_VARIABLE: "k4"}
     with pytest.raises(ValueError, match="--api-k: write --api-key in full"):
         cli.server_environment(["--api-k", "k5"], {})  # vLLM's parser takes the abbreviation
@@ -131,9 +131,8 @@ def test_options_are_read_as_vllms_parser_reads_them(tmp_path):
     assert cli.option_int(options, "--max-model-len") == 1024
     assert cli.option_int([*options, "--max-model-len", "2048"], "--max-model-len") == 2048
     assert cli.option_value(options, "--kv-cache-memory-bytes") == "2G"
-    assert (
-        cli.option_value([f"--config={config}"], "--kv-cache-memory-bytes") is None
-    )  # vLLM reads no such form
+    # vLLM's parser reads no --config=PATH form
+    assert cli.option_value([f"--config={config}"], "--kv-cache-memory-bytes") is None
     with pytest.raises(ValueError, match="cannot read it"):
         cli.config_file_settings(["--config", str(tmp_path / "missing.yaml")])
     # a key in the file would reach vLLM's own /v1-only check; a broken line is placed, never quoted
