@@ -55,3 +55,20 @@ def test_an_offloaded_cache_with_acrosskv_generates_what_the_dynamic_one_does():
     settings = dict(max_new_tokens=8, do_sample=False, pad_token_id=0)
     offloaded = model.generate(ids, cache_implementation="offloaded", **settings)
     assert torch.equal(offloaded, model.generate(ids, **settings))
+
+
+@pytest.mark.gpu
+@torch.no_grad()
+def test_early_exit_decoding_on_the_gpu_takes_a_head_loaded_on_the_cpu(tmp_path):
+    """``EarlyExitHead.load`` gives the head on the CPU; ``generate_with_early_exit`` on a GPU model moves it there
+    (it raised a device mismatch at the first exit)."""
+    from swiftkv_core.early_exit import EarlyExitHead, generate_with_early_exit
+
+    model = convert(tiny_base("llama"), 2, 1)
+    EarlyExitHead.from_model(model).save(tmp_path)
+    head = EarlyExitHead.load(tmp_path)
+    gpu = model.swiftkv(True).to("cuda", torch.bfloat16)  # the head stays fp32, as trained
+    ids, exited = generate_with_early_exit(
+        gpu, head, torch.randint(1, 128, (1, 16), device="cuda"), 6, threshold=0.0
+    )
+    assert ids.shape == (1, 22) and exited == 5  # every token after the first exits at layer l

@@ -129,6 +129,22 @@ def test_a_cache_built_in_the_other_mode_is_refused_with_the_fix():
 
 
 @torch.no_grad()
+def test_early_exit_decoding_takes_a_head_of_another_dtype():
+    """The early-exit head keeps the dtype it trained in (fp32 master weights) beside a model cast to bf16, or the
+    other way round: its projection reads the norm's output in its own dtype."""
+    from swiftkv_core.early_exit import EarlyExitHead, generate_with_early_exit
+
+    _, model = swift(l=2, g=1)
+    head = EarlyExitHead.from_model(model)
+    ids = torch.randint(1, 128, (1, 12))
+    for model_dtype, head_dtype in ((torch.bfloat16, torch.float32), (torch.float32, torch.bfloat16)):
+        out, exited = generate_with_early_exit(
+            model.to(model_dtype), head.to(head_dtype), ids, 4, threshold=0.0
+        )
+        assert out.shape == (1, 16) and exited == 3, (model_dtype, head_dtype)
+
+
+@torch.no_grad()
 def test_chunked_prefill_equals_one_shot(family):
     _, model = swift(family, l=2, g=2)
     ids = torch.randint(0, 128, (1, 23))

@@ -41,7 +41,7 @@ class EarlyExitHead(nn.Module):
         return head
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(self.norm(hidden))
+        return self.lm_head(self.norm(hidden).to(self.lm_head.weight.dtype))  # a head of another dtype than h
 
     def save(self, out_dir: str | os.PathLike) -> Path:
         path = Path(out_dir) / EARLY_EXIT_FILE
@@ -90,6 +90,7 @@ def generate_with_early_exit(
     if input_ids.shape[0] != 1:
         raise ValueError("generate_with_early_exit decodes one sequence (batch size 1).")
     inner = model.model
+    head.to(input_ids.device)  # load() gives it on the CPU; the model may be on a GPU
     out = model(input_ids, use_cache=True, logits_to_keep=1)
     cache = out.past_key_values
     token = out.logits[:, -1].argmax(-1, keepdim=True)
