@@ -236,13 +236,17 @@ def test_the_student_layers_keep_less_for_backward_with_the_same_gradients(famil
     assert plain_kept - lean_kept >= 2 * mlp_wide, (lean_kept, plain_kept)
 
 
-def test_hf_gradient_checkpointing_recomputes_the_layers_with_the_same_gradients(family):
+@pytest.mark.parametrize("reentrant", [False, True], ids=["non-reentrant", "reentrant"])
+def test_hf_gradient_checkpointing_recomputes_the_layers_with_the_same_gradients(family, reentrant):
     """HF's ``gradient_checkpointing_enable`` on a SwiftKV model (what distillation's ``activation_checkpointing``
     sets): the layers keep only their inputs for the backward pass and recompute the rest, the student's lean
-    layers included; the loss and every gradient are exactly those without it, with less memory at the peak."""
+    layers included; the loss and every gradient are exactly those without it, with less memory at the peak.
+    With ``use_reentrant=True`` too: it sends gradients back to a layer's positional tensors only, and the shared
+    K/V of the layers ``>= l`` once came as a keyword (the backward then failed: "backward through the graph a
+    second time"). g = 2: one K/V read by two layers."""
     from swiftkv_core.runtime import PeakMemory
 
-    _, model = swift(family, l=2, g=1)
+    _, model = swift(family, l=2, g=2)
     model.train()
     ids = torch.randint(0, 128, (2, 96))
 
@@ -254,7 +258,7 @@ def test_hf_gradient_checkpointing_recomputes_the_layers_with_the_same_gradients
         return loss, {n: p.grad for n, p in model.named_parameters() if p.grad is not None}, meter.peak_bytes
 
     plain_loss, plain_grads, plain_peak = run()
-    model.gradient_checkpointing_enable({"use_reentrant": False})
+    model.gradient_checkpointing_enable({"use_reentrant": reentrant})
     loss, grads, peak = run()
     assert torch.equal(loss, plain_loss) and grads.keys() == plain_grads.keys() and grads
     for name, grad in plain_grads.items():

@@ -218,9 +218,11 @@ class SwiftKVDecoderLayerMixin:
         if config.lora_rank and (self.swiftkv_layer or config.lora_prefix):
             add_adapters(self.mlp, MLP_PROJECTIONS, config.lora_rank)
 
-    def forward(self, hidden_states, swiftkv_key_value=None, **kwargs):
-        """The HF layer's forward, or the student's: a layer ``>= l`` when it runs rewired (``swiftkv_key_value``
-        given), a layer ``< l`` with the MLP's adapters when the model runs with SwiftKV on.
+    def forward(self, hidden_states, swiftkv_key=None, swiftkv_value=None, **kwargs):
+        """The HF layer's forward, or the student's: a layer ``>= l`` when it runs rewired (``swiftkv_key`` and
+        ``swiftkv_value``, its group's shared K/V, given), a layer ``< l`` with the MLP's adapters when the model runs
+        with SwiftKV on. The shared K/V come as positional arguments, like ``hidden_states``: HF's gradient
+        checkpointing with ``use_reentrant=True`` sends gradients back only to the positional tensors of a layer.
 
         The student's forward is the HF layer's, written out (with the adapters where there are any). With a graph
         (training) it keeps less for the backward pass: the norms and the MLP's activation keep only their inputs
@@ -228,13 +230,14 @@ class SwiftKVDecoderLayerMixin:
         autograd would keep their fp32 intermediates and three MLP-wide tensors: a quarter of the activation memory
         of every layer ``>= l``, the memory that grows with the tokens of a distillation step. Under HF's gradient
         checkpointing the whole layer is recomputed already, and these run plainly."""
-        student = swiftkv_key_value is not None if self.swiftkv_layer else self.self_attn.config.swiftkv
-        if not (student and (swiftkv_key_value is not None or hasattr(self.mlp, "gate_proj" + LORA_SUFFIX))):
+        rewired = swiftkv_key is not None
+        student = rewired if self.swiftkv_layer else self.self_attn.config.swiftkv
+        if not (student and (rewired or hasattr(self.mlp, "gate_proj" + LORA_SUFFIX))):
             return super().forward(hidden_states, **kwargs)
         lean = _called if self.gradient_checkpointing and self.training else _recomputed
         attended, _ = self.self_attn(
             hidden_states=lean(self.input_layernorm, hidden_states),
-            swiftkv_key_value=swiftkv_key_value,
+            swiftkv_key_value=(swiftkv_key, swiftkv_value) if rewired else None,
             **kwargs,
         )
         hidden_states = hidden_states + attended
@@ -431,9 +434,7 @@ class SwiftKVModelMixin:
                 layer_kwargs["position_ids"] = context.position_ids[:, keep]
             for j in range(config.num_key_value_layers, config.num_hidden_layers):
                 last_input = hidden
-                hidden = self.layers[j](
-                    hidden, swiftkv_key_value=key_values[config.kv_group_leader(j)], **layer_kwargs
-                )
+                hidden = self.layers[j](hidden, *key_values[config.kv_group_leader(j)], **layer_kwargs)
         if context.keep is not None and not (swiftkv and context.subset):
             hidden, last_input = hidden[:, context.keep], last_input[:, context.keep]
         return (hidden, last_input) if return_last_layer_input else hidden
