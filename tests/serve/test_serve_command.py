@@ -94,9 +94,15 @@ def test_api_key_options(tmp_path):
         (["--api-key", "a", "b", "--port", "1"], "a\nb"),
         (["--api_key=a", "--port", "1"], "a"),
         (["--api-key", "a", "--port", "1", "--api-key", "c"], "c"),  # the last occurrence, as vLLM's parser
+        (["--api-key=-x", "--port", "1"], "-x"),
+        (["--port", "1", "--api_key", "K"], "K"),
     ):
         options, env, _ = cli.server_environment(given, {})
         assert options == ["--port", "1", *middleware] and env == {auth.KEYS_VARIABLE: keys}, given
+    # an --api-key with no key after it (none, or one that starts with '-') would start the server open
+    for given in (["--port", "1", "--api-key"], ["--api-key", "-x"], ["--api_key=", "--port", "1"]):
+        with pytest.raises(ValueError, match="has no key after it"):
+            cli.server_environment(given, {"SWIFTKV_API_KEY": "k1"})
     options, env, line = cli.server_environment(["--port", "1"], {})
     assert options == ["--port", "1"] and env == {} and line.startswith("WARNING: no API key")
     (tmp_path / "empty").write_text("\n")
@@ -114,6 +120,7 @@ def test_options_are_read_as_vllms_parser_reads_them(tmp_path):
     wins): a size the user chose is never overridden by the one the command would choose."""
     assert cli.option_value(["--max_model_len", "512"], "--max-model-len") == "512"
     assert cli.option_value(["--max_model_len=512"], "--max-model-len") == "512"
+    assert cli.option_value(["--max-model_len", "512"], "--max-model-len") == "512"
     for written, number in (
         ("4096", 4096),
         ("4k", 4000),

@@ -104,17 +104,21 @@ def quiet_environment(environment: dict) -> dict:
 def option_value(options: list[str], name: str) -> str | None:
     """The value of ``--name VALUE`` or ``--name=VALUE`` in ``options`` (the last one given), else ``None``; as
     vLLM's parser reads them: dashes or underscores in the name, and after the keys of a ``--config`` YAML file."""
-    spellings = {name, "--" + name[2:].replace("-", "_")}
     value = config_file_settings(options).get(name[2:])
     value = None if value is None else str(value)
     for i, option in enumerate(options):
         given, equals, after = option.partition("=")
-        if given in spellings:
+        if _option_name(given) == name:
             if equals:
                 value = after
             elif i + 1 < len(options):
                 value = options[i + 1]
     return value
+
+
+def _option_name(given: str) -> str:
+    """An option's name as vLLM's parser reads it: underscores in it are dashes (``--max_model-len``)."""
+    return "--" + given[2:].replace("_", "-") if given.startswith("--") else given
 
 
 def config_file_settings(options: list[str]) -> dict:
@@ -314,22 +318,29 @@ def server_environment(options: list[str], environ) -> tuple[list[str], dict, st
 
 def _without_api_key(options: list[str]) -> tuple[list[str], list[str]]:
     """``options`` without vLLM's ``--api-key KEY [KEY ...]`` (or ``--api_key``, ``--api-key=KEY``), and the keys
-    of its last occurrence, as vLLM's parser reads them."""
+    of its last occurrence, as vLLM's parser reads them. An ``--api-key`` without a key is refused: the server
+    would start open."""
     kept, keys, index = [], [], 0
     while index < len(options):
-        name, equals, value = options[index].partition("=")
+        given, equals, value = options[index].partition("=")
+        name = _option_name(given)
         index += 1
-        if name.replace("_", "-").startswith("--api-k") and name.replace("_", "-") != "--api-key":
+        if name.startswith("--api-k") and name != "--api-key":
             raise ValueError(
-                f"{name}: write --api-key in full (the key would stay on the command line, unguarded)"
+                f"{given}: write --api-key in full (the key would stay on the command line, unguarded)"
             )
-        if name not in ("--api-key", "--api_key"):
+        if name != "--api-key":
             kept.append(options[index - 1])
             continue
         keys = [value] if equals else []
         while not equals and index < len(options) and not options[index].startswith("-"):
             keys.append(options[index])
             index += 1
+        if not any(key.strip() for key in keys):
+            raise ValueError(
+                f"{given} has no key after it (a key starting with '-' is read as an option): give --api-key=KEY, "
+                "or the key by SWIFTKV_API_KEY_FILE or SWIFTKV_API_KEY."
+            )
     return kept, keys
 
 
