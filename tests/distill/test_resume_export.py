@@ -35,6 +35,7 @@ def _run(
     schedule_seconds=None,
     extra_callbacks=(),
     learning_rate=3e-3,
+    num_workers=0,
 ):
     L.seed_everything(0)
     module = SwiftKVDistillation(
@@ -47,7 +48,14 @@ def _run(
         evaluate_before_training=False,
         schedule_seconds=schedule_seconds,
     )
-    dm = DistillDataModule(str(tiny_model), [str(text_file)], max_length=16, batch_size=2, val_fraction=0.1)
+    dm = DistillDataModule(
+        str(tiny_model),
+        [str(text_file)],
+        max_length=16,
+        batch_size=2,
+        val_fraction=0.1,
+        num_workers=num_workers,
+    )
     checkpoint = ModelCheckpoint(dirpath=root / "ckpt", save_last=True, every_n_train_steps=1, save_top_k=0)
     callbacks = [*extra_callbacks, checkpoint] + ([Interrupt(interrupt_at)] if interrupt_at else [])
     trainer = L.Trainer(
@@ -68,16 +76,28 @@ def _trained(module):
     return {k: v.clone() for k, v in module.step.state_dict().items() if "swiftkv" in k or "early_exit" in k}
 
 
-def test_resume_mid_epoch_equals_uninterrupted(tiny_model, text_file, tmp_path):
-    # 14 rows of 16 tokens, batch 2 -> 7 steps per epoch: interrupt mid-epoch (step 4), finish in epoch 2 (step 9)
-    full, _ = _run(tiny_model, text_file, tmp_path / "full", max_steps=9)
-    _, interrupted = _run(tiny_model, text_file, tmp_path / "part", max_steps=9, interrupt_at=4)
-    assert interrupted.global_step == 4
+@pytest.mark.parametrize(
+    "interrupt_at, num_workers",
+    [(5, 0), (12, 0), (15, 0), (15, 1)],
+    ids=["mid-epoch-0", "epoch-0-end", "mid-epoch-1", "mid-epoch-1-worker"],
+)
+def test_resume_equals_uninterrupted(tiny_model, text_file, tmp_path, interrupt_at, num_workers):
+    """25 rows of 16 tokens, batch 2: 12 steps per epoch, 18 in all. Interrupted in the middle of the first epoch,
+    at its end, or in the middle of the second (with a worker process too, which draws its indices as soon as the
+    loader is iterated), the resumed run trains on exactly the batches of the uninterrupted one: the same weights.
+    (Resumed in a later epoch, the loader once skipped nothing and trained the epoch's first batches twice; resumed
+    at an epoch's end, it skipped the whole next epoch.)"""
+    full, uninterrupted = _run(tiny_model, text_file, tmp_path / "full", max_steps=18)
+    assert uninterrupted.num_training_batches == 12  # the second epoch is reached
+    _, interrupted = _run(tiny_model, text_file, tmp_path / "part", max_steps=18, interrupt_at=interrupt_at)
+    assert interrupted.global_step == interrupt_at
     ckpt = tmp_path / "part" / "ckpt" / "last.ckpt"
     state = torch.load(ckpt, weights_only=False)
     assert all("swiftkv" in k for k in state["state_dict"])  # only trained weights, not the frozen base
-    resumed, trainer = _run(tiny_model, text_file, tmp_path / "part", max_steps=9, ckpt_path=ckpt)
-    assert trainer.global_step == 9
+    resumed, trainer = _run(
+        tiny_model, text_file, tmp_path / "part", max_steps=18, ckpt_path=ckpt, num_workers=num_workers
+    )
+    assert trainer.global_step == 18
     expected, got = _trained(full), _trained(resumed)
     assert expected.keys() == got.keys()
     for name in expected:

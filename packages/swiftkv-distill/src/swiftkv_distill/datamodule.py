@@ -65,11 +65,17 @@ class ResumableDataLoader(DataLoader):
         self._resume = (state["epoch"], state["batches_done"])
 
     def __iter__(self):
+        """The first iterator after a resume starts where the checkpoint stopped: its epoch's permutation, less the
+        batches done, or the next epoch from its start when the checkpoint closed an epoch. The sampler's epoch is
+        set here: Lightning iterates the loader once before it sets the epoch (``FitLoop.setup_data``), and a
+        worker process draws its indices as soon as the loader is iterated."""
         if self._resume is not None:
             epoch, done = self._resume
             self._resume = None
-            if epoch == self.sampler.epoch:
-                self.sampler.skip = done * self.batch_size
+            if done >= len(self):
+                epoch, done = epoch + 1, 0
+            self.sampler.set_epoch(epoch)
+            self.sampler.skip = done * self.batch_size
         return super().__iter__()
 
 
