@@ -77,7 +77,7 @@ def _config(work: Path, name: str, devices: int, model_dtype: str, checkpoints: 
     callbacks = [{"class_path": "fsdp2_load.HostMemory", "init_args": memory}]
     if checkpoints is not None:
         callbacks.append({
-            "class_path": "lightning.pytorch.callbacks.ModelCheckpoint",
+            "class_path": "swiftkv_distill.checkpointing.ModelCheckpoint",
             "init_args": {"dirpath": str(checkpoints), "every_n_train_steps": 1, "save_top_k": -1},
         })  # fmt: skip
     config = {

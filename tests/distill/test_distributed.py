@@ -55,7 +55,7 @@ def _config(
     if checkpoint_dir is not None:  # sharded (distributed) Lightning checkpoints every 2 steps, all kept
         config["trainer"]["callbacks"].append(
             {
-                "class_path": "lightning.pytorch.callbacks.ModelCheckpoint",
+                "class_path": "swiftkv_distill.checkpointing.ModelCheckpoint",
                 "init_args": {"dirpath": str(checkpoint_dir), "save_top_k": -1, "every_n_train_steps": 2},
             }
         )

@@ -23,15 +23,22 @@ pytestmark = pytest.mark.slow
 BIN = Path(sys.executable).parent
 
 
-def recipe(folder: Path, model: Path, text: Path, out: Path) -> Path:
-    """A small recipe: the tiny model, checkpoints every 2 steps, the serving export at the end."""
+SHARDED = """
+  strategy:
+    class_path: lightning.pytorch.strategies.ModelParallelStrategy
+    init_args: {data_parallel_size: 1, tensor_parallel_size: 1}"""
+
+
+def recipe(folder: Path, model: Path, text: Path, out: Path, strategy: str = "") -> Path:
+    """A small recipe: the tiny model, checkpoints every 2 steps, the serving export at the end; ``SHARDED`` as
+    ``strategy``: FSDP2 (one process), its checkpoints folders of shards."""
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / "recipe.yaml"
     path.write_text(f"""\
 seed_everything: 0
 trainer:
   accelerator: cpu
-  devices: 1
+  devices: 1{strategy}
   precision: 32-true
   max_steps: 12
   log_every_n_steps: 1
@@ -42,7 +49,7 @@ trainer:
   default_root_dir: {out}
   logger: false
   callbacks:
-    - class_path: lightning.pytorch.callbacks.ModelCheckpoint
+    - class_path: swiftkv_distill.checkpointing.ModelCheckpoint
       init_args: {{dirpath: {out}/checkpoints, save_last: true, save_top_k: 0, every_n_train_steps: 2}}
     - class_path: swiftkv_distill.callbacks.ExportHF
       init_args: {{dirpath: {out}/export, full: false, serving: true}}
@@ -85,7 +92,17 @@ def run(command: list[str], pause: str | None = None, after: int = 1, timeout: f
 
 
 def last_step(checkpoint: Path) -> int:
-    return torch.load(checkpoint, map_location="cpu", weights_only=False)["global_step"]
+    """The step of a checkpoint: a file, or a folder of shards (``meta.pt`` holds the loop's state)."""
+    path = checkpoint / "meta.pt" if checkpoint.is_dir() else checkpoint
+    return torch.load(path, map_location="cpu", weights_only=False)["global_step"]
+
+
+def assert_same_trained_weights(reference: Path, export: Path) -> None:
+    full, resumed = load_file(reference / "model.safetensors"), load_file(export / "model.safetensors")
+    trained = [name for name in full if "swiftkv" in name]
+    assert trained and set(full) == set(resumed)
+    for name in trained:  # resume == uninterrupted
+        torch.testing.assert_close(resumed[name], full[name], rtol=0, atol=1e-6, msg=name)
 
 
 def test_distill_fit_killed_at_every_awkward_point_resumes_to_the_uninterrupted_weights(tmp_path):
@@ -103,17 +120,38 @@ def test_distill_fit_killed_at_every_awkward_point_resumes_to_the_uninterrupted_
     assert "resuming from" in out and last_step(checkpoints / "last.ckpt") == 8  # step 8's, whole
     run(command)  # resumed at 8: trained to 12, the export written
 
-    full = load_file(full_out / "export" / "hf-serving" / "model.safetensors")
-    resumed = load_file(export / "model.safetensors")
-    trained = [name for name in full if "swiftkv" in name]
-    assert trained and set(full) == set(resumed)
-    for name in trained:  # resume == uninterrupted
-        torch.testing.assert_close(resumed[name], full[name], rtol=0, atol=1e-6, msg=name)
+    assert_same_trained_weights(full_out / "export" / "hf-serving", export)
 
     before = {f.name: f.read_bytes() for f in export.iterdir()}
     run([*command, "--trainer.max_steps", "14"], pause="atomic-directory")  # a newer export killed mid-write
     assert {f.name: f.read_bytes() for f in export.iterdir()} == before  # the earlier export, whole
     assert list(export.parent.glob(".hf-serving.staging.*"))  # the staged one is never taken for an export
+
+
+def test_a_sharded_checkpoint_killed_mid_save_or_mid_swap_is_never_read_half_written(tmp_path):
+    """FSDP2's checkpoints are folders of shards, which Lightning writes over the previous folder. Ours are staged
+    beside it and swapped in (``swiftkv_distill.checkpointing``). Killed with step 4's checkpoint staged, and then
+    between the swap's two moves, the run resumes each time from step 2's whole checkpoint, and ends with the
+    weights of an uninterrupted run."""
+    model = tiny_llama(tmp_path / "tiny")
+    text = write_jsonl(tmp_path / "text.jsonl", [{"text": t} for t in TEXTS])
+    fit = [str(BIN / "swiftkv"), "distill", "fit", "--config"]
+    full_out, killed_out = tmp_path / "full", tmp_path / "killed"
+    run([*fit, str(recipe(tmp_path / "full-recipe", model, text, full_out))])
+    command = [*fit, str(recipe(tmp_path / "killed-recipe", model, text, killed_out, SHARDED))]
+    last = killed_out / "checkpoints" / "last.ckpt"
+
+    run(command, pause="checkpoint-staged", after=2)  # step 4's shards written beside step 2's checkpoint
+    assert last.is_dir() and last_step(last) == 2 and list(last.glob("*.distcp"))
+    assert last_step(last.with_name(".last.ckpt.staging")) == 4  # staged, never read
+    out = run(command, pause="replace-directory")  # resumed at 2; step 4's swap killed half way
+    assert f"resuming from {last}" in out
+    (set_aside,) = last.parent.glob(".last.ckpt.old.*")
+    assert not last.exists() and last_step(set_aside) == 2
+    out = run(command)  # resumed from the set-aside checkpoint: trained to 12, the export written
+    assert f"resuming from {set_aside}" in out and last_step(last) == 12
+    assert [p.name for p in last.parent.iterdir()] == ["last.ckpt"]  # nothing set aside or staged is left
+    assert_same_trained_weights(full_out / "export" / "hf-serving", killed_out / "export" / "hf-serving")
 
 
 def test_the_main_job_killed_mid_stage_and_mid_state_write_continues(tmp_path):

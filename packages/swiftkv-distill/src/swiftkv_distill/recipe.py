@@ -19,6 +19,7 @@ from pathlib import Path
 from jsonargparse import set_parsing_settings
 from lightning.pytorch.cli import LightningCLI
 
+from .checkpointing import last_checkpoint
 from .console import quiet_lightning, told_out_of_memory
 from .datamodule import DistillDataModule
 from .module import SwiftKVDistillation
@@ -62,16 +63,6 @@ class DistillCLI(LightningCLI):
         model.resume_from = ckpt_path  # under FSDP2 no process then reads the pretrained weights
         with told_out_of_memory(self.trainer, model, datamodule or self.datamodule):
             self.trainer.fit(model, datamodule=datamodule, ckpt_path=ckpt_path, **kwargs)
-
-
-def last_checkpoint(trainer) -> str | None:
-    """The ``last.ckpt`` a ModelCheckpoint callback of ``trainer`` wrote, if one is there (a file, or a folder of
-    shards under FSDP2). Written atomically by Lightning: a killed write leaves the previous one."""
-    for callback in trainer.checkpoint_callbacks:
-        last = Path(callback.dirpath or "") / "last.ckpt"
-        if callback.dirpath and last.exists():
-            return str(last)
-    return None
 
 
 def with_recipe_paths(args: list[str]) -> list[str]:
@@ -277,7 +268,7 @@ def budgeted_fit(
     checkpointing = checkpoint_seconds is not None
     if checkpointing:
         callbacks.insert(0, {
-            "class_path": "lightning.pytorch.callbacks.ModelCheckpoint",
+            "class_path": "swiftkv_distill.checkpointing.ModelCheckpoint",
             "init_args": {"dirpath": str(folder / "checkpoints"), "save_last": True, "save_top_k": 0,
                           "train_time_interval": str(timedelta(seconds=checkpoint_seconds)),  # "0:01:00"
                           "every_n_train_steps": None},  # not the recipe's (jsonargparse merges the two)

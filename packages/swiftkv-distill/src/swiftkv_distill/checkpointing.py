@@ -1,0 +1,60 @@
+"""Lightning checkpoints that a killed save never spoils, and the one a rerun resumes from.
+
+A one-file checkpoint is written atomically by Lightning (a temporary file, then a rename). A sharded one (FSDP2
+through ``ModelParallelStrategy``: a folder, each rank writing its own shards) is not: Lightning writes the shards
+into the existing folder, over the previous checkpoint, for as long as the save takes (minutes at 70B). A process
+killed then leaves a folder of old and new shards, which the next run would resume from. ``ModelCheckpoint`` here
+stages a sharded checkpoint beside its target and moves it into place whole (``atomic.replace_directory``).
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+from lightning.pytorch.callbacks import ModelCheckpoint as LightningModelCheckpoint
+
+from swiftkv_core.atomic import replace_directory, restore_set_aside
+from swiftkv_core.faults import pause_point
+
+
+class ModelCheckpoint(LightningModelCheckpoint):
+    """Lightning's ``ModelCheckpoint`` (same arguments) whose sharded checkpoints replace the previous one whole:
+    every rank writes into ``.NAME.staging`` beside the target, and once all have, rank 0 moves it into place. A
+    process killed during the save leaves the previous checkpoint as it was; killed between the two moves of the
+    swap, it leaves that checkpoint set aside, where ``last_checkpoint`` finds it."""
+
+    def _save_checkpoint(self, trainer, filepath: str) -> None:
+        if not getattr(trainer.strategy, "_save_distributed_checkpoint", False):
+            return super()._save_checkpoint(trainer, filepath)
+        target = Path(filepath)
+        staging = target.with_name(f".{target.name}.staging")
+        if trainer.is_global_zero:
+            target.parent.mkdir(parents=True, exist_ok=True)
+            restore_set_aside(target)  # a swap a killed run left half done
+            shutil.rmtree(staging, ignore_errors=True)  # a save a killed run left half written
+        trainer.strategy.barrier("swiftkv-checkpoint-staging")
+        super()._save_checkpoint(trainer, str(staging))
+        trainer.strategy.barrier(
+            "swiftkv-checkpoint-staged"
+        )  # every rank's shards and rank 0's meta.pt written
+        if trainer.is_global_zero:
+            pause_point(
+                "checkpoint-staged"
+            )  # the new checkpoint whole beside the target, the old one in place
+            replace_directory(staging, target)
+        trainer.strategy.barrier("swiftkv-checkpoint-in-place")
+        self._last_checkpoint_saved = filepath
+
+
+def last_checkpoint(trainer) -> str | None:
+    """The ``last.ckpt`` a ModelCheckpoint callback of ``trainer`` wrote, if one is there (a file, or a folder of
+    shards under FSDP2), or the one a swap killed half way set aside (read here, put back at the next save)."""
+    for callback in trainer.checkpoint_callbacks:
+        if not callback.dirpath:
+            continue
+        last = Path(callback.dirpath) / "last.ckpt"
+        set_aside = sorted(last.parent.glob(f".{last.name}.old.*"))
+        if last.exists() or set_aside:
+            return str(last if last.exists() else set_aside[0])
+    return None
