@@ -150,6 +150,31 @@ def test_data_errors(tmp_path, tiny_model, text_file):
         DistillDataModule(str(tiny_model), [str(text_file)], max_length=100_000).setup()
     with pytest.raises(DataError, match="train_files is empty"):
         DistillDataModule(str(tiny_model), [])
+    # chat records without an answer: nothing to distil (the loss would be 0, the export the untrained model)
+    unanswered = write_jsonl(
+        tmp_path / "unanswered.jsonl", [{"messages": [{"role": "user", "content": "Hi?"}]}] * 4
+    )
+    for val_files, name in (([], "training"), ([str(unanswered)], "validation")):
+        train = [str(text_file)] if val_files else [str(unanswered)]
+        with pytest.raises(DataError, match=f"The {name} data has no token to distil"):
+            DistillDataModule(str(tiny_model), train, val_files=val_files, max_length=64).setup()
+    DistillDataModule(str(tiny_model), [str(unanswered)], max_length=64, chat_tokens="all").setup()
+
+
+def test_kv_init_rows_are_as_many_on_every_process(tiny_model, text_file):
+    """Under FSDP2 each K/V-initialisation forward is a collective: a process with a batch fewer than the others
+    would leave them waiting for ever. Training rows fewer than the sample asked for are cut to a multiple of the
+    processes, never given out unevenly."""
+    from types import SimpleNamespace
+
+    dm = DistillDataModule(str(tiny_model), [str(text_file)], max_length=16, batch_size=1, max_train_rows=20)
+    dm.setup()
+    assert len(dm.train_rows) == 20
+    counts = []
+    for rank in range(8):
+        dm.trainer = SimpleNamespace(world_size=8, global_rank=rank)
+        counts.append(len(dm.kv_init_dataloader(10**6)))
+    assert counts == [2] * 8  # 16 of the 20 rows (before: 3 on ranks 0-3, 2 on ranks 4-7)
 
 
 def test_chat_data_needs_a_chat_template(tmp_path, tiny_model, chat_file, text_file):

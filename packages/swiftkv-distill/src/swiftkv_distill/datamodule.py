@@ -196,14 +196,23 @@ class DistillDataModule(L.LightningDataModule):
             val_records = {"": [train_records[i] for i in val_idx]}
             train_records = [train_records[i] for i in train_idx]
         self.train_rows = self._rows(train_records)
-        if hp.max_train_rows:
-            self.train_rows = self.train_rows[: hp.max_train_rows]
+        if hp.max_train_rows:  # spread over the data (every file, every genre), as the validation rows
+            self.train_rows = evenly_spaced(self.train_rows, hp.max_train_rows)
         for name, records in val_records.items():
             rows = self._rows(records)
             self.val_set_rows[name] = evenly_spaced(rows, hp.max_val_rows) if hp.max_val_rows else rows
         self.val_rows = next(iter(self.val_set_rows.values()))
         if not self.train_rows:
             raise DataError("No training rows after tokenisation.")
+        for name, rows in {"training": self.train_rows, **self.val_set_rows}.items():
+            if rows and not any(any(row["distilled"]) for row in rows):
+                raise DataError(
+                    f"The {name or 'validation'} data has no token to distil: with chat_tokens "
+                    f"'{hp.chat_tokens}' only the tokens of assistant answers are, and its records have none "
+                    "(chat records without an assistant turn, or answers cut off by max_length without packing). "
+                    "Give the prompts as 'prompt' records (every token distilled), have the teacher answer them "
+                    "(swiftkv prepare-data answer), set data.chat_tokens all, or give text."
+                )
 
     def check_batches(self, processes: int) -> None:
         """Refuse training rows too few for one batch on each of ``processes``: every process drops its last,
@@ -273,12 +282,13 @@ class DistillDataModule(L.LightningDataModule):
     def kv_init_dataloader(self, num_tokens: int) -> DataLoader:
         """This process's share of ``num_tokens`` training tokens, for the least-squares K/V initialisation: a
         seeded sample of rows (the same rows for any number of processes, their count rounded up to a multiple of
-        it), split among the processes."""
+        it, or down where the training rows are fewer), split evenly among the processes: under FSDP2 every
+        process must run as many forwards as the others, or their collectives would wait on each other for ever."""
         trainer = getattr(self, "trainer", None)
         world = trainer.world_size if trainer is not None else 1
         rank = trainer.global_rank if trainer is not None else 0
-        rows = math.ceil(num_tokens / self.hparams.max_length)
-        rows = min(len(self.train_rows), math.ceil(rows / world) * world)
+        rows = math.ceil(math.ceil(num_tokens / self.hparams.max_length) / world) * world
+        rows = min(rows, len(self.train_rows) // world * world)
         order = torch.randperm(
             len(self.train_rows), generator=torch.Generator().manual_seed(self.hparams.seed + 1)
         )
