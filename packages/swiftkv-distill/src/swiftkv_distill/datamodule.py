@@ -97,8 +97,8 @@ class DistillDataModule(L.LightningDataModule):
         pack: concatenate sequences into full rows (no padding); else one sequence per row, truncated.
         batch_size: rows per step and process.
         val_batch_size: rows per validation step (default: ``batch_size``).
-        max_train_rows / max_val_rows: cap on rows (after packing; 0: no cap), for quick runs. Capped validation
-            rows are spread evenly over the held-out data (every file, every genre), not taken from its start.
+        max_train_rows / max_val_rows: cap on rows (after packing; 0: no cap), for quick runs. Capped rows are
+            spread evenly over the data (every file, every genre), not taken from its start.
         seed: seed of the split and of the shuffling (one permutation per epoch).
         num_workers: DataLoader worker processes.
     """
