@@ -214,7 +214,8 @@ def main(
         peak_tflops: the device's dense bf16 peak for MFU (default: from its name; H100/H200 989).
         hbm_tbps: the device's memory bandwidth in TB/s for the prefill's memory-aware bound (default: from its
             name; H100 SXM 3.35, H200 4.8; none on a CPU).
-        out: output prefix (default benchmarks/results/gpu-<shape>).
+        out: output prefix (default benchmarks/results/gpu-<shape>, then -<part>... when not all parts run and
+            -cpu on a CPU: a partial or CPU run never replaces the full GPU results).
     """
     from swiftkv_core.runtime import device_description, release_device_memory, stack_versions
     from swiftkv_core.weights import cast_frozen
@@ -235,6 +236,11 @@ def main(
         raise SystemExit(
             "benchmarks/gpu.py needs a CUDA GPU (or --device cpu, or --tiny true for the small CPU run)."
         )
+    if distill_segments < 1 or distill_row_tokens % distill_segments:
+        raise SystemExit(
+            f"--distill_row_tokens {distill_row_tokens} does not split into --distill_segments {distill_segments} "
+            "equal documents: give a multiple of it."
+        )
     if device not in ("cuda", "cpu"):
         raise SystemExit(f"--device {device!r}: choose cuda or cpu.")
     if shape not in SHAPES:
@@ -247,12 +253,16 @@ def main(
     result = {"shape": shape, "num_key_value_layers": l, "num_hidden_layers": model.config.num_hidden_layers,
               "device": name, "peak_bf16_tflops": peak, "hbm_tbps": tbps, "versions": stack_versions(),
               "command": shlex.join(["python3", "benchmarks/gpu.py", *sys.argv[1:]])}  # fmt: skip
-    out = Path(out or RESULTS / f"gpu-{shape}")
+    partial = "" if set(parts) == set(PARTS) else "-" + "-".join(p for p in PARTS if p in parts)
+    out = Path(out or RESULTS / f"gpu-{shape}{partial}{'' if device == 'cuda' else '-' + device}")
     if "prefill" in parts:
         lengths = prefill_lengths or [2048, 8192, 32768]
         bandwidth = tbps * 1e12 if tbps else None
         result["prefill"] = prefill_rows(model, lengths, tuple(packed_prefill), repeats, None, bandwidth)
-        if prefill_compile:  # tiny: the batched case alone (a compile per case and side is the test's cost)
+        if prefill_compile:
+            write(
+                result, out, show=False
+            )  # the eager rows kept should a compiled case be refused  # tiny: the batched case alone (a compile per case and side is the test's cost)
             compiled_lengths = [] if tiny else lengths
             result["prefill"] += prefill_rows(
                 model, compiled_lengths, tuple(packed_prefill), repeats, prefill_compile, bandwidth

@@ -154,3 +154,18 @@ def test_each_part_is_written_as_it_ends(monkeypatch, tmp_path):
     written = json.loads((tmp_path / "gpu-parts.json").read_text())
     assert written["kv_cache"] and "distill" not in written
     assert "## KV cache" in (tmp_path / "gpu-parts.md").read_text()
+
+
+def test_bad_sizes_are_refused_and_a_partial_run_keeps_the_full_results(monkeypatch, tmp_path):
+    """A row that does not split into its documents is refused before any model is built (it failed after the
+    first setup's timings), and a run of some parts, or on a CPU, writes beside the full GPU results by default,
+    never over them."""
+    benchmark = load_benchmark()
+    with pytest.raises(SystemExit, match="does not split into --distill_segments 3"):
+        benchmark.main(device="cpu", distill_row_tokens=4096, distill_segments=3)
+    monkeypatch.setattr(benchmark, "RESULTS", tmp_path)
+    benchmark.main(tiny=True, parts=["kv_cache"])
+    assert [p.name for p in sorted(tmp_path.iterdir())] == [
+        "gpu-tiny-kv_cache-cpu.json",
+        "gpu-tiny-kv_cache-cpu.md",
+    ]
