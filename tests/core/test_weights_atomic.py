@@ -215,3 +215,19 @@ def test_swiftkv_mode_goes_through_the_checks(tmp_path):
     with pytest.raises(ValueError, match="serving export"), served.swiftkv_mode(False):
         pass
     assert served.config.swiftkv
+
+
+def test_a_model_trained_again_in_place_is_another_model(tmp_path):
+    """Fine-tuning in place keeps the weight files' sizes: the identity that keys the teacher's cached answers and
+    a quickstart run's results changes all the same (modification times), or they would be reused stale."""
+    from swiftkv_core.checkpoints import model_identity
+
+    (tmp_path / "config.json").write_text('{"model_type": "llama"}')
+    weights = tmp_path / "model.safetensors"
+    weights.write_bytes(b"\0" * 64)
+    before = model_identity(tmp_path)
+    assert model_identity(tmp_path) == before
+    weights.write_bytes(b"\1" * 64)  # same size, new weights
+    os.utime(weights, ns=(weights.stat().st_atime_ns, weights.stat().st_mtime_ns + 10**9))
+    after = model_identity(tmp_path)
+    assert after["weight_files"]["model.safetensors"]["bytes"] == 64 and after != before

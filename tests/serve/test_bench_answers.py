@@ -70,7 +70,7 @@ def test_teacher_answers_cache_is_reused_and_keyed_by_model(tmp_path, monkeypatc
     assert len(files) == 3  # llama@8, other@8, llama@9; cache=False wrote nothing
     metas = [json.loads(f.with_suffix(".meta.json").read_text()) for f in files]
     assert {m["model"]["path"] for m in metas} == {str(tiny_llama.resolve()), str(other.resolve())}
-    assert all(m["backend"] == "vllm" and m["num_prompts"] == 3 and m["model"]["weight_sizes"] for m in metas)
+    assert all(m["backend"] == "vllm" and m["num_prompts"] == 3 and m["model"]["weight_files"] for m in metas)
 
     # The same folder with other weights (a changed config) is another teacher.
     entry, _ = answers.teacher_answers_cache_file(records, str(tiny_llama), 8, backend="vllm")

@@ -125,7 +125,9 @@ def check_swiftkv_version_of(swiftkv: str | os.PathLike, base: str | os.PathLike
 
 
 def model_identity(path: str | os.PathLike) -> dict:
-    """What makes a checkpoint folder this model: its resolved path, its config and its weight files' sizes."""
+    """What makes a checkpoint folder this model: its resolved path, its config, and its weight files' sizes and
+    modification times (a model trained again in place keeps its files' sizes; a copy without its times is taken
+    for another model, which costs a rerun, never a stale result)."""
     path = Path(path).resolve()
     weights = sorted(
         f
@@ -135,7 +137,9 @@ def model_identity(path: str | os.PathLike) -> dict:
     return {
         "path": str(path),
         "config_sha256": hashlib.sha256((path / "config.json").read_bytes()).hexdigest(),
-        "weight_sizes": {f.name: f.stat().st_size for f in weights},
+        "weight_files": {
+            f.name: {"bytes": f.stat().st_size, "mtime_ns": f.stat().st_mtime_ns} for f in weights
+        },
     }
 
 

@@ -211,10 +211,12 @@ def _markdown(root: Path, settings: dict, results: dict, versions: dict, head: d
             lines.append(f"| {r['task']} | {r['metric']} | {r['teacher']:.3f} | {swiftkv} | {difference} |")
         lines += ["", f"Standard errors and settings: `{tasks['file']}`.", ""]
     analysis = results["analyze"]
+    similarity = analysis["similarity"]
+    at_l = f"{similarity[l]:.3f}" if l < len(similarity) else "n/a: the last layer"
     lines += [
         "## Which l (paper Eq. 1: similarity of each layer's input to the later layers' inputs)",
         "",
-        f"Chosen l = {l} (similarity {analysis['similarity'][l]:.3f}); the threshold rule "
+        f"Chosen l = {l} (similarity {at_l}); the threshold rule "
         f"({analysis['threshold']}) would pick l = {analysis['recommended_num_key_value_layers']}.",
         "",
         f"![layer input similarity]({results['analyze']['plot']})",

@@ -73,9 +73,14 @@ class Run:
     def _check_same_run(self, earlier: dict) -> None:
         before, now = earlier["settings"], asdict(self.settings)
         if before.get("model_identity") != now["model_identity"]:
+            path = before.get("model_identity", {}).get("path")
+            which = (
+                f"of {path} as it was before its files changed (config or weights)"
+                if path == now["model_identity"]["path"]
+                else f"of another model ({path})"
+            )
             raise QuickstartError(
-                f"--out {self.root} holds the run of another model ({before.get('model_identity', {}).get('path')}): "
-                "choose another --out, or --force to replace it."
+                f"--out {self.root} holds the run {which}: choose another --out, or --force to replace it."
             )
         changed = sorted(k for k in now if before.get(k) != now[k])
         if changed:

@@ -51,9 +51,9 @@ def analyze(run: Run) -> dict:
         run.num_key_value_layers,
         recommend_num_key_value_layers(similarity, run.settings.threshold),
     )
-    print(
-        f"   similarity at l={l}: {similarity[l]:.3f}; the threshold rule ({run.settings.threshold}) picks l={rule}"
-    )
+    # defined up to l = L - 2: the last layer's input has no later layer's input to be like
+    at_l = f"{similarity[l]:.3f}" if l < len(similarity) else "n/a (the last layer)"
+    print(f"   similarity at l={l}: {at_l}; the threshold rule ({run.settings.threshold}) picks l={rule}")
     return {**result, "chosen": l, "plot": "analysis/similarity.png"}
 
 
