@@ -11,6 +11,7 @@ from pathlib import Path
 import lightning as L
 from lightning.pytorch.loggers import CSVLogger
 
+from swiftkv_core.atomic import atomic_write_text
 from swiftkv_core.runtime import Stopwatch
 
 
@@ -63,7 +64,7 @@ class RunReport(L.Callback):
                 k: v for k, v in dict(pl_module.hparams).items() if isinstance(v, (int, float, str, bool))
             },
         }
-        (folder / "summary.json").write_text(json.dumps(summary, indent=2))
+        atomic_write_text(folder / "summary.json", json.dumps(summary, indent=2))  # the main job reads it back
         if self.plot and (folder / "metrics.csv").is_file():
             plot_metrics(folder / "metrics.csv", folder / "metrics.png", summary["before"], summary["init"])
 
