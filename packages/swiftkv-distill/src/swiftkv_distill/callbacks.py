@@ -64,7 +64,8 @@ class RunReport(L.Callback):
                 k: v for k, v in dict(pl_module.hparams).items() if isinstance(v, (int, float, str, bool))
             },
         }
-        atomic_write_text(folder / "summary.json", json.dumps(summary, indent=2))  # the main job reads it back
+        # atomically: the main job reads it back
+        atomic_write_text(folder / "summary.json", json.dumps(summary, indent=2))
         if self.plot and (folder / "metrics.csv").is_file():
             plot_metrics(folder / "metrics.csv", folder / "metrics.png", summary["before"], summary["init"])
 
