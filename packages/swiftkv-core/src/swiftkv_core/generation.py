@@ -117,10 +117,11 @@ def compile_prefill(model, mode: str = "reduce-overhead"):
 
 @torch.inference_mode()
 def check_compiled_prefill(model, forward, ids: torch.Tensor) -> float:
-    """Refuse (``RuntimeError``) to time a compiled forward whose last-position logits (SwiftKV off and on) are not
-    the eager ones up to the dtype's rounding, or that compiled one graph for both sides of a new prompt shape (a
-    missed guard on the SwiftKV switch: one side would run the other's forward). Call it as the timed prefill runs,
-    so the graphs it compiles are the ones timed. Returns the larger relative error, ||compiled - eager|| / ||eager||.
+    """Refuse (``RuntimeError``) to time a compiled forward whose last-position logits (SwiftKV off and on, from its
+    third call: with CUDA graphs, the first replay) are not the eager ones up to the dtype's rounding, or that
+    compiled one graph for both sides of a new prompt shape (a missed guard on the SwiftKV switch: one side would
+    run the other's forward). Call it as the timed prefill runs, so the graphs it compiles are the ones timed.
+    Returns the larger relative error, ||compiled - eager|| / ||eager||.
 
     The bf16 tolerance is above that dtype's rounding at a real depth, where eager bf16 itself is several percent
     from an fp32 copy (benchmarks/results/gpu-llama-3.1-8b-compiled-prefill.md). It catches a broken graph, not the
@@ -129,14 +130,20 @@ def check_compiled_prefill(model, forward, ids: torch.Tensor) -> float:
 
     tolerance = 0.15 if model.dtype == torch.bfloat16 else 1e-3
     errors, graphs = [], counters["stats"]["unique_graphs"]
+
+    def logits(f):
+        cache = make_kv_cache(model.config, "auto")
+        # a copy: a CUDA graph's next replay overwrites its output
+        return f(ids, past_key_values=cache, use_cache=True, logits_to_keep=1).logits.to(
+            torch.float32, copy=True
+        )
+
     for on in (False, True):
         model.swiftkv(on)
-        eager, compiled = (
-            f(
-                ids, past_key_values=make_kv_cache(model.config, "auto"), use_cache=True, logits_to_keep=1
-            ).logits.float()
-            for f in (model, forward)
-        )
+        eager = logits(model)
+        # compile (a CUDA graph's first call runs eagerly), record, replay: the replay is checked
+        for _ in range(3):
+            compiled = logits(forward)
         errors.append(((compiled - eager).norm() / eager.norm()).item())
         if not errors[-1] <= tolerance:  # NaN fails too
             model.swiftkv(True)

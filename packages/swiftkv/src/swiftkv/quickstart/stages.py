@@ -228,20 +228,23 @@ def prefill(run: Run) -> dict:
     torch.manual_seed(0)
     for length in tqdm(run.settings.prompt_lengths, desc="   prefill lengths", unit="length"):
         ids = sample_prompt_ids(tokenizer, length).to(run.device)
+        measured = None
         if compiled is not None:
-            try:
+            try:  # checked and timed: a CUDA graph is recorded and replayed in both (its memory pool may not fit)
                 check_compiled_prefill(model, compiled, ids)
+                measured = time_prefill_off_on(model, ids, repeats=3, warmup=3, forward=compiled)
             except Exception as error:  # a timing stage: fall back to eager, never lose the run
                 print(f"   the compiled prefill failed at {length} tokens ({type(error).__name__}: {error}); "
                       "timing the eager forward", flush=True)  # fmt: skip
                 compiled = None
-        forward, warmup = (compiled, 3) if compiled is not None else (None, 1)
-        measured = time_prefill_off_on(model, ids, repeats=3, warmup=warmup, forward=forward)
+                torch.compiler.reset()  # its graphs and their memory
+        if measured is None:
+            measured = time_prefill_off_on(model, ids, repeats=3, warmup=1)
         times = {k: sorted(v)[1] for k, v in measured.items()}  # medians
         bound = prefill_flops_total(shape, length) / prefill_flops_total(shape, length, l, g)
         rows.append({"prompt_tokens": length, "off_s": times[False], "on_s": times[True],
                      "speedup_x": times[False] / times[True], "flops_bound_x": bound,
-                     "forward": "compiled, CUDA graphs" if forward is not None else "eager"})  # fmt: skip
+                     "forward": "compiled, CUDA graphs" if compiled is not None else "eager"})  # fmt: skip
     from .report import ABOVE_BOUND, DISTURBED
 
     for r in rows:
