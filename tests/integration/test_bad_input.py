@@ -119,6 +119,7 @@ CASES = [  # (arguments, what the error must say)
     ([*FIT, "--data.batch_size", "0"], "batch_size must be a positive integer"),
     *([([*FIT, "--trainer.accelerator", "gpu"], "no CUDA GPU is visible here")] if NO_GPU else []),
     ([*FIT, "--data.train_files", "[TEXT]", "--data.batch_size", "64"], "make no batch of batch_size 64"),
+    ([*FIT, "--data.train_files", "[UNANSWERED]"], "The training data has no token to distil"),
     (["prepare-data", "answer", "--prompts", "NOPROMPTS", "--out", "OUT"], "no {'prompt': ...} records"),
     (["prepare-data", "prepare_data", "--names", "[brown, chat]"], "unknown data sets"),
     ([*QUICK, "--budget_minutes", "-1"], "too small to run one distillation step"),
@@ -140,6 +141,8 @@ CASES = [  # (arguments, what the error must say)
     ([*QUICK, "--prompt_lengths", "[0, 512]"], "each a positive integer"),
     ([*QUICK, "--prompt_lengths", "512", "0"], r"--prompt_lengths \[512, 0\]: .*each a positive integer"),
     ([*QUICK, "--threshold", "0"], r"\(0, 1\]"),
+    ([*QUICK, "--prompt_lengths", "[16, 100000]"], r"\[100000\]: beyond the model's context \(256 tokens\)"),
+    ([*QUICK, "--train_files", "[dataset:brown_trian]"], r"\['dataset:brown_trian'\]: unknown data set"),
     ([*QUICK, "--recipe", "BADVALUES"], "bad-values.yaml names no data.train_files: .* or --train_files"),
     (
         [*QUICK, "--recipe", "BADVALUES", "--train_files", "[TEXT]", "--heldout_text", "TEXT"],

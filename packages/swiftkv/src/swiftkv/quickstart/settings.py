@@ -49,6 +49,8 @@ class Settings:
     min_agreement: float = 0.85
     eval_tasks: list[str] = field(default_factory=list)
     model_identity: dict = field(default_factory=dict)
+    # the recipe file's and the local data files' sizes and modification times: an edited one is another run
+    input_files: dict = field(default_factory=dict)
 
 
 def check(
@@ -77,7 +79,7 @@ def check(
 
     from swiftkv_core.checkpoints import CheckpointError, check_checkpoint, model_identity
     from swiftkv_core.runtime import gpu_computes_bf16
-    from swiftkv_distill.corpora import dataset_name
+    from swiftkv_distill.corpora import DATASETS, dataset_name
     from swiftkv_distill.data import DataError, load_records
     from swiftkv_distill.recipe import RecipeError, parse, recipe_path
 
@@ -160,6 +162,13 @@ def check(
             raise QuickstartError(
                 f"{option} {files}: an empty file name; give the files, or leave the option out."
             )
+    named = [
+        f for f in train_files + heldout_text + [heldout_chat_prompts] if f and dataset_name(f) is not None
+    ]
+    if unknown := [f for f in named if dataset_name(f) not in DATASETS]:
+        raise QuickstartError(
+            f"{unknown}: unknown data set(s); name one of {[f'dataset:{n}' for n in DATASETS]}, or give a file."
+        )
     local = [f for f in train_files + heldout_text + [heldout_chat_prompts] if f and dataset_name(f) is None]
     for name in local:
         if not Path(name).is_file():
@@ -190,6 +199,10 @@ def check(
             f"{math.ceil(step_seconds / 6) / 10:.1f}."
         )
     context = getattr(config, "max_position_embeddings", 4096)
+    if too_long := [n for n in prompt_lengths or [] if n > context]:
+        raise QuickstartError(
+            f"--prompt_lengths {too_long}: beyond the model's context ({context} tokens); give shorter prompts."
+        )
     lengths = sorted(n for n in (prompt_lengths or DEFAULT_PROMPT_LENGTHS) if n <= context)
     workloads = list(serve_workloads or DEFAULT_WORKLOADS)
     for workload in workloads if serve is not False else []:
@@ -226,10 +239,17 @@ def check(
         serve=serve, serve_workloads=workloads, serve_requests=serve_requests, serve_compile=serve_compile,
         threshold=threshold, min_agreement=min_agreement, eval_tasks=list(eval_tasks or []),
         model_identity=model_identity(path),
+        input_files=_stamps([recipe_path(recipe), *local]),
     )  # fmt: skip
     name = (path.name if model in ("default", None) else Path(model).name.removesuffix(".gguf")).lower()
     default_out = Path("runs") / (f"{name}-l{l}" + ("" if g == 1 else f"-g{g}"))
     return settings, Path(out) if out is not None else default_out
+
+
+def _stamps(files) -> dict:
+    """``{resolved path: [bytes, modification time in ns]}`` of ``files``."""
+    stats = {str(Path(f).resolve()): Path(f).stat() for f in files}
+    return {name: [stat.st_size, stat.st_mtime_ns] for name, stat in stats.items()}
 
 
 def default_num_key_value_layers(model: str, num_layers: int, recipe_settings) -> int:
