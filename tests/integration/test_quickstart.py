@@ -390,6 +390,41 @@ def test_bad_input_fails_before_any_compute(inputs, tmp_path, monkeypatch):
     assert (mine / "thesis.tex").read_text() == "not a run"  # --force deletes only quickstart runs
 
 
+def test_a_run_whose_inputs_changed_is_not_continued(inputs, tmp_path):
+    """An edited data file, or the model trained again in place, keep their names (and the files their sizes):
+    rerunning the same command must not continue the earlier run with its stale stages. Nothing is computed."""
+    import shutil
+
+    from swiftkv.quickstart.run import Run
+    from swiftkv.quickstart.settings import QuickstartError, check
+
+    train, model = tmp_path / "train.jsonl", tmp_path / "model"
+    shutil.copy(inputs["train"], train)
+    shutil.copytree(inputs["model"], model)
+    arguments = dict(
+        model=str(model), out=tmp_path / "run", accelerator="cpu", num_key_value_layers=4, key_value_group_size=2,
+        budget_minutes=0.05, recipe=None, train_files=[str(train)], heldout_text=[inputs["heldout"]],
+        heldout_chat_prompts="", max_eval_rows=4, prompt_lengths=[64], serve=False, serve_workloads=None,
+        serve_requests=2, serve_compile=False, threshold=0.9,
+    )  # fmt: skip
+    settings, out = check(**arguments)
+    Run(out, settings, force=False)
+    Run(out, check(**arguments)[0], force=False)  # the same inputs: the run continues
+
+    def touch(path):  # rewritten with the same size, a second later
+        path.write_bytes(path.read_bytes())
+        os.utime(path, ns=(path.stat().st_atime_ns, path.stat().st_mtime_ns + 10**9))
+
+    touch(train)
+    with pytest.raises(QuickstartError, match="other settings \\(input_files"):
+        Run(out, check(**arguments)[0], force=False)
+    settings, out = check(**arguments | {"out": tmp_path / "run2"})
+    Run(out, settings, force=False)
+    touch(model / "model.safetensors")
+    with pytest.raises(QuickstartError, match="as it was before its files changed"):
+        Run(out, check(**arguments | {"out": tmp_path / "run2"})[0], force=False)
+
+
 def test_an_earlier_run_opens_read_only_with_its_finished_stages(tmp_path):
     """Run.open: what benchmarks build on (recipe_candidates.py, group_kv_init.py): settings and results as the run
     left them, nothing written; a folder that is no run, or a run short of a needed stage, says so."""
