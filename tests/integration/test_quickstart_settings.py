@@ -1,0 +1,126 @@
+"""The main job's settings: bad input refused before any compute, a run continued only with the same inputs, and
+an earlier run opened read-only."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import use_data_cache
+from tests.integration.test_quickstart import make_inputs, run_quickstart
+
+
+@pytest.fixture(scope="module")
+def inputs(tmp_path_factory):
+    return make_inputs(tmp_path_factory.mktemp("quickstart-settings"))
+
+
+@pytest.fixture(autouse=True)
+def own_data_cache(tmp_path, monkeypatch):
+    """Nothing here should reach the data, but should it, never the user's cache."""
+    use_data_cache(monkeypatch, tmp_path / "data-cache")
+
+
+def test_bad_input_fails_before_any_compute(inputs, tmp_path, monkeypatch):
+    from swiftkv.quickstart import QuickstartError
+
+    monkeypatch.chdir(tmp_path)  # the main job needs nothing of the repository's folder
+
+    cases = [
+        (dict(model=str(tmp_path / "missing")), "does not exist"),
+        (dict(num_key_value_layers=8), r"\[1, 7\]"),
+        (dict(key_value_group_size=3), "must divide"),
+        (
+            dict(num_key_value_layers=None, key_value_group_size=3),
+            "l was not given: 4 is the default.*must divide",
+        ),
+        (dict(budget_minutes=0.0), "too small to run one distillation step"),
+        (dict(serve_workloads=["2000"]), "PROMPT/OUTPUT"),
+    ]
+    for overrides, message in cases:
+        with pytest.raises(QuickstartError, match=message):
+            run_quickstart(inputs, tmp_path / "never", **overrides)
+        assert not (tmp_path / "never").exists()
+    config = json.loads((Path(inputs["model"]) / "config.json").read_text())
+    gemma = tmp_path / "gemma"
+    gemma.mkdir()
+    (gemma / "config.json").write_text(json.dumps({**config, "model_type": "gemma3_text"}))
+    with pytest.raises(QuickstartError, match="not supported.*llama"):
+        run_quickstart(inputs, tmp_path / "never", model=str(gemma))
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "state.json").write_text(
+        json.dumps({"settings": {"model": "x", "model_identity": {"path": "x"}}, "results": {}})
+    )
+    with pytest.raises(QuickstartError, match="another model"):
+        run_quickstart(inputs, other)
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "thesis.tex").write_text("not a run")
+    for force in (False, True):
+        with pytest.raises(QuickstartError, match="not a quickstart run"):
+            run_quickstart(inputs, mine, force=force)
+    assert (mine / "thesis.tex").read_text() == "not a run"  # --force deletes only quickstart runs
+
+
+def test_a_run_whose_inputs_changed_is_not_continued(inputs, tmp_path):
+    """An edited data file, or the model trained again in place, keep their names (and the files their sizes):
+    rerunning the same command must not continue the earlier run with its stale stages. Nothing is computed."""
+    import shutil
+
+    from swiftkv.quickstart.run import Run
+    from swiftkv.quickstart.settings import QuickstartError, check
+
+    train, model = tmp_path / "train.jsonl", tmp_path / "model"
+    shutil.copy(inputs["train"], train)
+    shutil.copytree(inputs["model"], model)
+    arguments = dict(
+        model=str(model), out=tmp_path / "run", accelerator="cpu", num_key_value_layers=4, key_value_group_size=2,
+        budget_minutes=0.05, recipe=None, train_files=[str(train)], heldout_text=[inputs["heldout"]],
+        heldout_chat_prompts="", max_eval_rows=4, prompt_lengths=[64], serve=False, serve_workloads=None,
+        serve_requests=2, serve_compile=False, threshold=0.9,
+    )  # fmt: skip
+    settings, out = check(**arguments)
+    Run(out, settings, force=False)
+    Run(out, check(**arguments)[0], force=False)  # the same inputs: the run continues
+
+    def touch(path):  # rewritten with the same size, a second later
+        path.write_bytes(path.read_bytes())
+        os.utime(path, ns=(path.stat().st_atime_ns, path.stat().st_mtime_ns + 10**9))
+
+    touch(train)
+    with pytest.raises(QuickstartError, match="other settings \\(input_files"):
+        Run(out, check(**arguments)[0], force=False)
+    settings, out = check(**arguments | {"out": tmp_path / "run2"})
+    Run(out, settings, force=False)
+    touch(model / "model.safetensors")
+    with pytest.raises(QuickstartError, match="as it was before its files changed"):
+        Run(out, check(**arguments | {"out": tmp_path / "run2"})[0], force=False)
+
+
+def test_an_earlier_run_opens_read_only_with_its_finished_stages(tmp_path):
+    """Run.open: what benchmarks build on (recipe_candidates.py, group_kv_init.py): settings and results as the run
+    left them, nothing written; a folder that is no run, or a run short of a needed stage, says so."""
+    from dataclasses import asdict
+
+    from swiftkv.quickstart.run import Run
+    from swiftkv.quickstart.settings import QuickstartError, Settings
+
+    settings = Settings(
+        model="m", accelerator="cpu", num_key_value_layers="auto", key_value_group_size=1, budget_minutes=1.0,
+        recipe="smollm2-135m-cpu", train_files=[], heldout_text=[], heldout_chat_prompts="", max_eval_rows=1,
+        prompt_lengths=[256], serve=False, serve_workloads=[], serve_requests=1, serve_compile=False, threshold=0.9,
+    )  # fmt: skip
+    state = tmp_path / "state.json"
+    state.write_text(json.dumps({"settings": asdict(settings), "results": {"frontier": {"chosen": 17}}}))
+    before = state.stat().st_mtime_ns
+    run = Run.open(tmp_path, needs=("frontier",))
+    assert run.settings == settings and run.num_key_value_layers == 17 and run.root == tmp_path
+    assert state.stat().st_mtime_ns == before
+    with pytest.raises(QuickstartError, match=r"not finished its stages \['distill'\]"):
+        Run.open(tmp_path, needs=("frontier", "distill"))
+    with pytest.raises(QuickstartError, match="no state.json"):
+        Run.open(tmp_path / "elsewhere")
