@@ -103,7 +103,7 @@ LONGEST_FILES = {
     "tests/serve/test_offline.py": 265,
     "tests/serve/test_compose.py": 265,
     "tests/distill/test_distributed.py": 215,
-    "tests/integration/test_kill.py": 280,  # 215 + the sharded checkpoint kill (66 s alone, twenty-first session)
+    "tests/integration/test_kill.py": 280,  # 215, and 66 s of the sharded checkpoint kill since
     "tests/integration/test_gpu_benchmark.py": 170,
     "tests/serve/test_soak.py": 140,
     "tests/serve/test_bench_answers.py": 120,
