@@ -11,6 +11,7 @@ from transformers import AutoModelForCausalLM
 
 from swiftkv_core.early_exit import EarlyExitHead, generate_with_early_exit
 from swiftkv_distill import DistillDataModule, SwiftKVDistillation, export
+from swiftkv_distill.schedule import total_steps
 
 
 class Interrupt(L.Callback):
@@ -36,6 +37,8 @@ def _run(
     extra_callbacks=(),
     learning_rate=3e-3,
     num_workers=0,
+    checkpoint_every_epoch=False,
+    **trainer_settings,
 ):
     L.seed_everything(0)
     module = SwiftKVDistillation(
@@ -56,7 +59,12 @@ def _run(
         val_fraction=0.1,
         num_workers=num_workers,
     )
-    checkpoint = ModelCheckpoint(dirpath=root / "ckpt", save_last=True, every_n_train_steps=1, save_top_k=0)
+    every = (
+        dict(every_n_epochs=1, save_on_train_epoch_end=True)
+        if checkpoint_every_epoch
+        else {"every_n_train_steps": 1}
+    )
+    checkpoint = ModelCheckpoint(dirpath=root / "ckpt", save_last=True, save_top_k=0, **every)
     callbacks = [*extra_callbacks, checkpoint] + ([Interrupt(interrupt_at)] if interrupt_at else [])
     trainer = L.Trainer(
         max_steps=max_steps,
@@ -67,6 +75,7 @@ def _run(
         limit_val_batches=0,
         default_root_dir=root,
         enable_model_summary=False,
+        **trainer_settings,
     )
     trainer.fit(module, dm, ckpt_path=ckpt_path)
     return module, trainer
@@ -76,28 +85,53 @@ def _trained(module):
     return {k: v.clone() for k, v in module.step.state_dict().items() if "swiftkv" in k or "early_exit" in k}
 
 
+EPOCHS = {"max_steps": -1, "max_epochs": 2, "num_workers": 1}  # as the 8B recipes: bound by epochs, workers
+
+
 @pytest.mark.parametrize(
-    "interrupt_at, num_workers",
-    [(5, 0), (12, 0), (15, 0), (15, 1)],
-    ids=["mid-epoch-0", "epoch-0-end", "mid-epoch-1", "mid-epoch-1-worker"],
+    "interrupt_at, settings",
+    [
+        (5, {}),
+        (12, {}),
+        (15, {}),
+        (15, {"num_workers": 1}),
+        (10, {"limit_train_batches": 10}),
+        (15, EPOCHS),
+        (12, EPOCHS | {"checkpoint_every_epoch": True}),
+    ],
+    ids=[
+        "mid-epoch-0",
+        "epoch-0-end",
+        "mid-epoch-1",
+        "mid-epoch-1-worker",
+        "limited-epoch-end",
+        "epochs-mid-epoch-1",
+        "epochs-epoch-end-hook",
+    ],
 )
-def test_resume_equals_uninterrupted(tiny_model, text_file, tmp_path, interrupt_at, num_workers):
+def test_resume_equals_uninterrupted(tiny_model, text_file, tmp_path, interrupt_at, settings):
     """25 rows of 16 tokens, batch 2: 12 steps per epoch, 18 in all. Interrupted in the middle of the first epoch,
     at its end, or in the middle of the second (with a worker process too, which draws its indices as soon as the
-    loader is iterated), the resumed run trains on exactly the batches of the uninterrupted one: the same weights.
-    (Resumed in a later epoch, the loader once skipped nothing and trained the epoch's first batches twice; resumed
-    at an epoch's end, it skipped the whole next epoch.)"""
-    full, uninterrupted = _run(tiny_model, text_file, tmp_path / "full", max_steps=18)
-    assert uninterrupted.num_training_batches == 12  # the second epoch is reached
-    _, interrupted = _run(tiny_model, text_file, tmp_path / "part", max_steps=18, interrupt_at=interrupt_at)
+    loader is iterated), at the end of an epoch cut to 10 steps (``limit_train_batches``), and in a run bound by 2
+    epochs (whose schedule once made Lightning iterate the loader before the resume was restored) in the middle of
+    the second or at the first's end, checkpointed at each epoch's end, the resumed run trains on exactly the batches of the uninterrupted one: the
+    same weights. (Resumed in a later epoch, the loader once skipped nothing and trained the epoch's first batches
+    twice; resumed at an epoch's end, it skipped the whole next epoch, or trained it in the first epoch's order.)"""
+    settings = {"max_steps": 18} | settings
+    workers = settings.pop("num_workers", 0)
+    full, uninterrupted = _run(tiny_model, text_file, tmp_path / "full", **settings)
+    assert uninterrupted.num_training_batches == settings.get("limit_train_batches", 12)
+    # the schedule's length, counted without iterating the loader, is Lightning's
+    assert total_steps(uninterrupted) == uninterrupted.estimated_stepping_batches
+    _, interrupted = _run(tiny_model, text_file, tmp_path / "part", interrupt_at=interrupt_at, **settings)
     assert interrupted.global_step == interrupt_at
     ckpt = tmp_path / "part" / "ckpt" / "last.ckpt"
     state = torch.load(ckpt, weights_only=False)
     assert all("swiftkv" in k for k in state["state_dict"])  # only trained weights, not the frozen base
     resumed, trainer = _run(
-        tiny_model, text_file, tmp_path / "part", max_steps=18, ckpt_path=ckpt, num_workers=num_workers
+        tiny_model, text_file, tmp_path / "part", ckpt_path=ckpt, num_workers=workers, **settings
     )
-    assert trainer.global_step == 18
+    assert trainer.global_step == uninterrupted.global_step
     expected, got = _trained(full), _trained(resumed)
     assert expected.keys() == got.keys()
     for name in expected:

@@ -47,15 +47,16 @@ class SkippingDistributedSampler(DistributedSampler):
 
 
 class ResumableDataLoader(DataLoader):
-    """A DataLoader whose position inside an epoch travels in Lightning checkpoints, so resuming from a mid-epoch
-    checkpoint continues with exactly the batches an uninterrupted run would have seen.
+    """A DataLoader whose position inside an epoch travels in Lightning checkpoints, so resuming from a checkpoint
+    continues with exactly the batches an uninterrupted run would have seen.
 
-    ``progress()`` returns the batches processed so far in the current epoch (Lightning's counter: the loader's own
-    count would include the batch Lightning prefetches)."""
+    ``progress()``: the batches processed so far in the current epoch (Lightning's counter: the loader's own count
+    would include the batch Lightning prefetches). ``epoch()``: the epoch Lightning is in or about to start.
+    ``batches_per_epoch(n)``: the batches Lightning takes of the ``n`` the loader holds (``limit_train_batches``)."""
 
-    def __init__(self, *args, progress=None, **kwargs):
+    def __init__(self, *args, progress=None, epoch=None, batches_per_epoch=None, **kwargs):
         super().__init__(*args, **kwargs)
-        self._progress = progress
+        self._progress, self._epoch, self._batches_per_epoch = progress, epoch, batches_per_epoch
         self._resume: tuple[int, int] | None = None
 
     def state_dict(self) -> dict:
@@ -65,17 +66,23 @@ class ResumableDataLoader(DataLoader):
         self._resume = (state["epoch"], state["batches_done"])
 
     def __iter__(self):
-        """The first iterator after a resume starts where the checkpoint stopped: its epoch's permutation, less the
-        batches done, or the next epoch from its start when the checkpoint closed an epoch. The sampler's epoch is
-        set here: Lightning iterates the loader once before it sets the epoch (``FitLoop.setup_data``), and a
-        worker process draws its indices as soon as the loader is iterated."""
+        """Each iterator draws its epoch's permutation: the sampler's epoch is set here, as Lightning iterates the
+        loader once before it sets the epoch (``FitLoop.setup_data``), and a worker process draws its indices as
+        soon as the loader is iterated. The first iterator after a resume starts where the checkpoint stopped: less
+        the batches done, or at the next epoch's start when the checkpoint closed an epoch."""
+        done = 0
         if self._resume is not None:
             epoch, done = self._resume
             self._resume = None
-            if done >= len(self):
+            epoch_batches = self._batches_per_epoch(len(self)) if self._batches_per_epoch else len(self)
+            if done >= epoch_batches:
                 epoch, done = epoch + 1, 0
-            self.sampler.set_epoch(epoch)
-            self.sampler.skip = done * self.batch_size
+        elif self._epoch is not None:
+            epoch = self._epoch()
+        else:
+            epoch = self.sampler.epoch
+        self.sampler.set_epoch(epoch)
+        self.sampler.skip = done * self.batch_size
         return super().__iter__()
 
 
@@ -265,6 +272,23 @@ class DistillDataModule(L.LightningDataModule):
         trainer = getattr(self, "trainer", None)
         return trainer.fit_loop.epoch_loop.batch_progress.current.processed if trainer is not None else 0
 
+    def _epoch(self) -> int:
+        trainer = getattr(self, "trainer", None)
+        return trainer.fit_loop.epoch_progress.current.processed if trainer is not None else 0
+
+    def train_batches_per_epoch(self) -> int:
+        """The training batches of one epoch on each process (what Lightning counts, without iterating the loader):
+        each process's share of the rows (``DistributedSampler``, ``drop_last``), in whole batches, limited."""
+        trainer = getattr(self, "trainer", None)
+        world = trainer.world_size if trainer is not None else 1
+        return self._batches_per_epoch(len(self.train_rows) // world // self.hparams.batch_size)
+
+    def _batches_per_epoch(self, batches: int) -> int:
+        """As Lightning limits an epoch (``Trainer(limit_train_batches=)``: a count, or a fraction)."""
+        trainer = getattr(self, "trainer", None)
+        limit = trainer.limit_train_batches if trainer is not None else 1.0
+        return min(batches, limit) if isinstance(limit, int) else int(batches * limit)
+
     def train_dataloader(self) -> DataLoader:
         trainer = getattr(self, "trainer", None)
         self.check_batches(trainer.world_size if trainer is not None else 1)
@@ -277,6 +301,8 @@ class DistillDataModule(L.LightningDataModule):
             num_workers=self.hparams.num_workers,
             drop_last=True,
             progress=self._batches_done,
+            epoch=self._epoch,
+            batches_per_epoch=self._batches_per_epoch,
         )
 
     def kv_init_dataloader(self, num_tokens: int) -> DataLoader:

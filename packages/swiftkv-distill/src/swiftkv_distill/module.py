@@ -30,7 +30,7 @@ from .build import (
     warn_if_bf16_emulated,
 )
 from .parallelize import shard_from_rank0
-from .schedule import FIRST_STEP_FLOOR, check_optimizer_settings, lr_factor, run_progress
+from .schedule import FIRST_STEP_FLOOR, check_optimizer_settings, lr_factor, run_progress, total_steps
 from .step import DistillationStep, LossSettings, ValidationMetrics, is_trained_name
 
 
@@ -272,7 +272,7 @@ class SwiftKVDistillation(L.LightningModule):
         hp = self.hparams
         optimizer = torch.optim.AdamW(self.trainable_parameters(), lr=hp.learning_rate, betas=tuple(hp.betas),
                                       weight_decay=hp.weight_decay)  # fmt: skip
-        total = max(1, int(self._trainer.estimated_stepping_batches)) if self._trainer is not None else 1
+        total = max(1, int(total_steps(self._trainer))) if self._trainer is not None else 1
         floor = max(1.0 / (total + 1), FIRST_STEP_FLOOR)
 
         def factor(step: int) -> float:

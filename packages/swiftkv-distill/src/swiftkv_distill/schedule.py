@@ -62,3 +62,16 @@ def lr_factor(
     """``warmup_cosine``, at least ``floor`` during the warm-up (the first step already moves the weights)."""
     value = warmup_cosine(progress, warmup_fraction, min_lr_ratio)
     return max(value, floor) if progress < warmup_fraction else value
+
+
+def total_steps(trainer) -> float:
+    """The run's optimizer steps, for the schedule: Lightning's ``estimated_stepping_batches``, but for a run bound
+    by epochs counted from the data module's rows. Lightning's estimate would build and iterate the training loader
+    while the optimizers are configured, before a resumed run's loop state is restored, and the loader would never
+    be told where the checkpoint stopped: the resumed epoch would start over from its first batch."""
+    datamodule = trainer.datamodule
+    if trainer.max_epochs in (-1, None) or not hasattr(datamodule, "train_batches_per_epoch"):
+        return trainer.estimated_stepping_batches
+    per_epoch = math.ceil(datamodule.train_batches_per_epoch() / trainer.accumulate_grad_batches)
+    steps = per_epoch * trainer.max_epochs
+    return steps if trainer.max_steps == -1 else min(steps, trainer.max_steps)
