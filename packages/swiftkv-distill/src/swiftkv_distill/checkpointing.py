@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import shutil
 from pathlib import Path
+from weakref import proxy
 
 from lightning.pytorch.callbacks import ModelCheckpoint as LightningModelCheckpoint
 
@@ -22,7 +23,8 @@ class ModelCheckpoint(LightningModelCheckpoint):
     """Lightning's ``ModelCheckpoint`` (same arguments) whose sharded checkpoints replace the previous one whole:
     every rank writes into ``.NAME.staging`` beside the target, and once all have, rank 0 moves it into place. A
     process killed during the save leaves the previous checkpoint as it was; killed between the two moves of the
-    swap, it leaves that checkpoint set aside, where ``last_checkpoint`` finds it."""
+    swap, it leaves that checkpoint set aside, where ``last_checkpoint`` and ``ckpt_path="last"`` find it. While a
+    checkpoint is saved, the disk holds it and the previous one: twice a checkpoint's size at the peak."""
 
     def _save_checkpoint(self, trainer, filepath: str) -> None:
         if not getattr(trainer.strategy, "_save_distributed_checkpoint", False):
@@ -34,7 +36,7 @@ class ModelCheckpoint(LightningModelCheckpoint):
             restore_set_aside(target)  # a swap a killed run left half done
             shutil.rmtree(staging, ignore_errors=True)  # a save a killed run left half written
         trainer.strategy.barrier("swiftkv-checkpoint-staging")
-        super()._save_checkpoint(trainer, str(staging))
+        trainer.save_checkpoint(str(staging), self.save_weights_only)
         trainer.strategy.barrier(
             "swiftkv-checkpoint-staged"
         )  # every rank's shards and rank 0's meta.pt written
@@ -44,7 +46,19 @@ class ModelCheckpoint(LightningModelCheckpoint):
             )  # the new checkpoint whole beside the target, the old one in place
             replace_directory(staging, target)
         trainer.strategy.barrier("swiftkv-checkpoint-in-place")
+        # Lightning's bookkeeping after a save, the loggers told once the checkpoint is where it says
+        self._last_global_step_saved = trainer.global_step
         self._last_checkpoint_saved = filepath
+        if trainer.is_global_zero:
+            for logger in trainer.loggers:
+                logger.after_save_checkpoint(proxy(self))
+
+    def _find_last_checkpoints(self, trainer) -> set[str]:
+        """``ckpt_path="last"``'s candidates: Lightning's, and a last checkpoint a killed swap set aside."""
+        found = super()._find_last_checkpoints(trainer)
+        if self.dirpath:
+            found |= {str(p) for p in Path(self.dirpath).glob(f".{self.CHECKPOINT_NAME_LAST}*.old.*")}
+        return found
 
 
 def last_checkpoint(trainer) -> str | None:
