@@ -219,15 +219,18 @@ def test_swiftkv_mode_goes_through_the_checks(tmp_path):
 
 def test_a_model_trained_again_in_place_is_another_model(tmp_path):
     """Fine-tuning in place keeps the weight files' sizes: the identity that keys the teacher's cached answers and
-    a quickstart run's results changes all the same (modification times), or they would be reused stale."""
+    a quickstart run's results changes all the same (digests of samples of the bytes), or they would be reused
+    stale. The same bytes written again (a cache made anew) are the same model."""
     from swiftkv_core.checkpoints import model_identity
 
     (tmp_path / "config.json").write_text('{"model_type": "llama"}')
     weights = tmp_path / "model.safetensors"
-    weights.write_bytes(b"\0" * 64)
+    shard = torch.randn(3 << 20)  # 12 MiB: sampled, not read whole
+    save_file({"w": shard}, weights)
     before = model_identity(tmp_path)
+    save_file({"w": shard}, weights)  # written again: a new modification time
     assert model_identity(tmp_path) == before
-    weights.write_bytes(b"\1" * 64)  # same size, new weights
-    os.utime(weights, ns=(weights.stat().st_atime_ns, weights.stat().st_mtime_ns + 10**9))
+    save_file({"w": shard + 1e-3}, weights)  # trained again: the same size
     after = model_identity(tmp_path)
-    assert after["weight_files"]["model.safetensors"]["bytes"] == 64 and after != before
+    assert after["weight_files"]["model.safetensors"]["bytes"] == weights.stat().st_size
+    assert after != before

@@ -4,7 +4,6 @@ an earlier run opened read-only."""
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import pytest
@@ -68,8 +67,11 @@ def test_bad_input_fails_before_any_compute(inputs, tmp_path, monkeypatch):
 
 def test_a_run_whose_inputs_changed_is_not_continued(inputs, tmp_path):
     """An edited data file, or the model trained again in place, keep their names (and the files their sizes):
-    rerunning the same command must not continue the earlier run with its stale stages. Nothing is computed."""
+    rerunning the same command must not continue the earlier run with its stale stages. The same bytes written
+    again, and a run an earlier version wrote (no digests), continue. Nothing is computed."""
     import shutil
+
+    from safetensors.torch import load_file, save_file
 
     from swiftkv.quickstart.run import Run
     from swiftkv.quickstart.settings import QuickstartError, check
@@ -85,18 +87,24 @@ def test_a_run_whose_inputs_changed_is_not_continued(inputs, tmp_path):
     )  # fmt: skip
     settings, out = check(**arguments)
     Run(out, settings, force=False)
+    for path in (train, model / "model.safetensors"):
+        path.write_bytes(path.read_bytes())  # the same bytes written again: a new modification time
     Run(out, check(**arguments)[0], force=False)  # the same inputs: the run continues
 
-    def touch(path):  # rewritten with the same size, a second later
-        path.write_bytes(path.read_bytes())
-        os.utime(path, ns=(path.stat().st_atime_ns, path.stat().st_mtime_ns + 10**9))
+    state = json.loads((out / "state.json").read_text())  # as an earlier version wrote it
+    identity = state["settings"]["model_identity"]
+    identity["weight_sizes"] = {name: f["bytes"] for name, f in identity.pop("weight_files").items()}
+    del state["settings"]["input_files"]
+    (out / "state.json").write_text(json.dumps(state))
+    Run(out, check(**arguments)[0], force=False)  # continued, and written in today's terms
 
-    touch(train)
+    train.write_text(train.read_text().replace("the", "teh", 1))  # edited: the same size
     with pytest.raises(QuickstartError, match="other settings \\(input_files"):
         Run(out, check(**arguments)[0], force=False)
     settings, out = check(**arguments | {"out": tmp_path / "run2"})
     Run(out, settings, force=False)
-    touch(model / "model.safetensors")
+    weights = load_file(model / "model.safetensors")
+    save_file({name: w + 1e-3 for name, w in weights.items()}, model / "model.safetensors")  # trained again
     with pytest.raises(QuickstartError, match="as it was before its files changed"):
         Run(out, check(**arguments | {"out": tmp_path / "run2"})[0], force=False)
 

@@ -71,7 +71,7 @@ class Run:
         return run
 
     def _check_same_run(self, earlier: dict) -> None:
-        before, now = earlier["settings"], asdict(self.settings)
+        before, now = _written_now(earlier["settings"], asdict(self.settings)), asdict(self.settings)
         if before.get("model_identity") != now["model_identity"]:
             path = before.get("model_identity", {}).get("path")
             which = (
@@ -220,3 +220,20 @@ _HARMLESS_WARNINGS = (
     ".*Checkpoint directory .* exists and is not empty.*",
     ".*max_steps.*",
 )
+
+
+def _written_now(before: dict, now: dict) -> dict:
+    """The settings of a run an earlier version wrote, in today's terms where they say the same: its model identity
+    without the weights' digests (sizes, config and path equal), no input files' digests (not recorded then). So a
+    run interrupted before an upgrade continues."""
+    before = dict(before)
+    old, current = before.get("model_identity") or {}, now["model_identity"]
+    sizes = {name: file["bytes"] for name, file in current["weight_files"].items()}
+    same_rest = {k: v for k, v in old.items() if k != "weight_sizes"} == {
+        k: v for k, v in current.items() if k != "weight_files"
+    }
+    if "weight_sizes" in old and old["weight_sizes"] == sizes and same_rest:
+        before["model_identity"] = current
+    if "input_files" not in before:
+        before["input_files"] = now["input_files"]
+    return before

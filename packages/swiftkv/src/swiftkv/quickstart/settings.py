@@ -49,7 +49,7 @@ class Settings:
     min_agreement: float = 0.85
     eval_tasks: list[str] = field(default_factory=list)
     model_identity: dict = field(default_factory=dict)
-    # the recipe file's and the local data files' sizes and modification times: an edited one is another run
+    # the recipe file's and the local data files' sha256: an edited one makes another run
     input_files: dict = field(default_factory=dict)
 
 
@@ -239,17 +239,22 @@ def check(
         serve=serve, serve_workloads=workloads, serve_requests=serve_requests, serve_compile=serve_compile,
         threshold=threshold, min_agreement=min_agreement, eval_tasks=list(eval_tasks or []),
         model_identity=model_identity(path),
-        input_files=_stamps([recipe_path(recipe), *local]),
+        input_files=_digests([recipe_path(recipe), *local]),
     )  # fmt: skip
     name = (path.name if model in ("default", None) else Path(model).name.removesuffix(".gguf")).lower()
     default_out = Path("runs") / (f"{name}-l{l}" + ("" if g == 1 else f"-g{g}"))
     return settings, Path(out) if out is not None else default_out
 
 
-def _stamps(files) -> dict:
-    """``{resolved path: [bytes, modification time in ns]}`` of ``files``."""
-    stats = {str(Path(f).resolve()): Path(f).stat() for f in files}
-    return {name: [stat.st_size, stat.st_mtime_ns] for name, stat in stats.items()}
+def _digests(files) -> dict:
+    """``{resolved path: sha256 of its bytes}`` of ``files`` (a recipe, data files: read once, at the start)."""
+    import hashlib
+
+    digests = {}
+    for name in files:
+        with open(name, "rb") as f:
+            digests[str(Path(name).resolve())] = hashlib.file_digest(f, "sha256").hexdigest()
+    return digests
 
 
 def default_num_key_value_layers(model: str, num_layers: int, recipe_settings) -> int:
