@@ -236,7 +236,7 @@ def main(
         raise SystemExit(
             "benchmarks/gpu.py needs a CUDA GPU (or --device cpu, or --tiny true for the small CPU run)."
         )
-    if distill_segments < 1 or distill_row_tokens % distill_segments:
+    if "distill" in parts and (distill_segments < 1 or distill_row_tokens % distill_segments):
         raise SystemExit(
             f"--distill_row_tokens {distill_row_tokens} does not split into --distill_segments {distill_segments} "
             "equal documents: give a multiple of it."
@@ -260,9 +260,9 @@ def main(
         bandwidth = tbps * 1e12 if tbps else None
         result["prefill"] = prefill_rows(model, lengths, tuple(packed_prefill), repeats, None, bandwidth)
         if prefill_compile:
-            write(
-                result, out, show=False
-            )  # the eager rows kept should a compiled case be refused  # tiny: the batched case alone (a compile per case and side is the test's cost)
+            # the eager rows kept should a compiled case be refused
+            write(result, out, show=False)
+            # tiny: the batched case alone (a compile per case and side is the test's cost)
             compiled_lengths = [] if tiny else lengths
             result["prefill"] += prefill_rows(
                 model, compiled_lengths, tuple(packed_prefill), repeats, prefill_compile, bandwidth

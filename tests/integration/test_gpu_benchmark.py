@@ -162,7 +162,7 @@ def test_bad_sizes_are_refused_and_a_partial_run_keeps_the_full_results(monkeypa
     never over them."""
     benchmark = load_benchmark()
     with pytest.raises(SystemExit, match="does not split into --distill_segments 3"):
-        benchmark.main(device="cpu", distill_row_tokens=4096, distill_segments=3)
+        benchmark.main(device="cpu", parts=["distill"], distill_row_tokens=4096, distill_segments=3)
     monkeypatch.setattr(benchmark, "RESULTS", tmp_path)
     benchmark.main(tiny=True, parts=["kv_cache"])
     assert [p.name for p in sorted(tmp_path.iterdir())] == [
