@@ -103,7 +103,8 @@ def quiet_environment(environment: dict) -> dict:
 
 def option_value(options: list[str], name: str) -> str | None:
     """The value of ``--name VALUE`` or ``--name=VALUE`` in ``options`` (the last one given), else ``None``; as
-    vLLM's parser reads them: dashes or underscores in the name, and after the keys of a ``--config`` YAML file."""
+    vLLM's parser reads them: dashes or underscores in the name, and after the keys of a ``--config`` YAML file.
+    Not argparse's abbreviations (``--max-model 512``), which vLLM's parser also takes: write names in full."""
     value = config_file_settings(options).get(name[2:])
     value = None if value is None else str(value)
     for i, option in enumerate(options):
