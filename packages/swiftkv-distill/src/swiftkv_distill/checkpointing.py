@@ -37,13 +37,11 @@ class ModelCheckpoint(LightningModelCheckpoint):
             shutil.rmtree(staging, ignore_errors=True)  # a save a killed run left half written
         trainer.strategy.barrier("swiftkv-checkpoint-staging")
         trainer.save_checkpoint(str(staging), self.save_weights_only)
-        trainer.strategy.barrier(
-            "swiftkv-checkpoint-staged"
-        )  # every rank's shards and rank 0's meta.pt written
+        # every rank's shards and rank 0's meta.pt written
+        trainer.strategy.barrier("swiftkv-checkpoint-staged")
         if trainer.is_global_zero:
-            pause_point(
-                "checkpoint-staged"
-            )  # the new checkpoint whole beside the target, the old one in place
+            # the new checkpoint whole beside the target, the old one in place
+            pause_point("checkpoint-staged")
             replace_directory(staging, target)
         trainer.strategy.barrier("swiftkv-checkpoint-in-place")
         # Lightning's bookkeeping after a save, the loggers told once the checkpoint is where it says
