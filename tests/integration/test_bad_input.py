@@ -143,6 +143,10 @@ CASES = [  # (arguments, what the error must say)
     ([*QUICK, "--threshold", "0"], r"\(0, 1\]"),
     ([*QUICK, "--prompt_lengths", "[16, 100000]"], r"\[100000\]: beyond the model's context \(256 tokens\)"),
     ([*QUICK, "--train_files", "[dataset:brown_trian]"], r"\['dataset:brown_trian'\]: unknown data set"),
+    (
+        [*QUICK, "--train_files", "[TEXT, dataset:chat_answrs]"],
+        r"\['dataset:chat_answrs'\]: unknown data set",
+    ),
     ([*QUICK, "--recipe", "BADVALUES"], "bad-values.yaml names no data.train_files: .* or --train_files"),
     (
         [*QUICK, "--recipe", "BADVALUES", "--train_files", "[TEXT]", "--heldout_text", "TEXT"],

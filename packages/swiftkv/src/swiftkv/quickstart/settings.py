@@ -151,6 +151,13 @@ def check(
         raise QuickstartError(
             f"--recipe {recipe} names no held-out text (data.val_files) to evaluate on: give --heldout_text."
         )
+    named = [
+        f for f in train_files + heldout_text + [heldout_chat_prompts] if f and dataset_name(f) is not None
+    ]
+    if unknown := [f for f in named if dataset_name(f) not in DATASETS]:
+        raise QuickstartError(
+            f"{unknown}: unknown data set(s); name one of {[f'dataset:{n}' for n in DATASETS]}, or give a file."
+        )
     if not _has_chat_template(path):  # a base model: no chat to distil or evaluate
         chat = [f for f in train_files if (dataset_name(f) or "").startswith("chat_")]
         if chat:
@@ -162,13 +169,6 @@ def check(
             raise QuickstartError(
                 f"{option} {files}: an empty file name; give the files, or leave the option out."
             )
-    named = [
-        f for f in train_files + heldout_text + [heldout_chat_prompts] if f and dataset_name(f) is not None
-    ]
-    if unknown := [f for f in named if dataset_name(f) not in DATASETS]:
-        raise QuickstartError(
-            f"{unknown}: unknown data set(s); name one of {[f'dataset:{n}' for n in DATASETS]}, or give a file."
-        )
     local = [f for f in train_files + heldout_text + [heldout_chat_prompts] if f and dataset_name(f) is None]
     for name in local:
         if not Path(name).is_file():
