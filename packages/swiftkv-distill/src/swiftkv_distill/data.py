@@ -207,7 +207,8 @@ def unpacked(
 def collate(rows: Sequence[dict], pad_id: int = 0, pad_to: int | None = None) -> dict[str, torch.Tensor]:
     """Batch rows into ``input_ids``, ``position_ids`` (restarting per packed sequence), ``token_mask`` (real
     tokens), ``loss_mask`` (the distilled ones: real and flagged in the row's ``distilled``) and ``labels`` (the
-    next token of the same sequence, ``-100`` at each sequence's last token).
+    next token of the same sequence, ``-100`` at each sequence's last token); where a row is flagged ``counted``,
+    ``counted`` (per row: False for a repeated row, run but not scored).
 
     Padding is on the right and gets its own positions (a separate "sequence"), so real tokens never see it.
     """
@@ -231,6 +232,8 @@ def collate(rows: Sequence[dict], pad_id: int = 0, pad_to: int | None = None) ->
             batch["labels"][i, start : start + seg - 1] = ids[start + 1 : start + seg]
             start += seg
         batch["position_ids"][i, n:] = torch.arange(length - n)
+    if any("counted" in row for row in rows):
+        batch["counted"] = torch.tensor([row.get("counted", True) for row in rows])
     return batch
 
 

@@ -25,6 +25,9 @@ from .data import (
 
 
 class RowsDataset(Dataset):
+    """The rows; an index past the end names a row repeated to even out the processes' shares (``EvenSampler``),
+    flagged ``counted: False``."""
+
     def __init__(self, rows: list[dict]):
         self.rows = rows
 
@@ -32,7 +35,19 @@ class RowsDataset(Dataset):
         return len(self.rows)
 
     def __getitem__(self, index: int) -> dict:
-        return self.rows[index]
+        if index < len(self.rows):
+            return self.rows[index]
+        return self.rows[index % len(self.rows)] | {"counted": False}
+
+
+class EvenSampler(DistributedSampler):
+    """Validation: each process's share of the rows, in order. Every process must run as many batches (under FSDP2
+    each forward is a collective), so ``DistributedSampler`` repeats the first rows where the rows are not a multiple
+    of the processes; here they are named past the dataset's end (``RowsDataset``), and the validation step leaves
+    them out of the figures instead of counting them twice."""
+
+    def __iter__(self):
+        return iter(range(self.rank, self.total_size, self.num_replicas))
 
 
 class SkippingDistributedSampler(DistributedSampler):
@@ -259,7 +274,7 @@ class DistillDataModule(L.LightningDataModule):
         rank = trainer.global_rank if trainer is not None else 0
         # Explicit DistributedSampler (also for one process): a seeded permutation per epoch, which Lightning
         # keeps as is and advances with set_epoch, so a resumed run sees the same batches.
-        return SkippingDistributedSampler(
+        return (SkippingDistributedSampler if shuffle else EvenSampler)(
             dataset,
             num_replicas=replicas,
             rank=rank,

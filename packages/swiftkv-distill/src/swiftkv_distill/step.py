@@ -15,7 +15,7 @@ and without autograd (nothing before layer l is trainable, so nothing there need
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 from torch import nn
@@ -93,6 +93,12 @@ class Evaluation:
     """Per-position KL, top-1 agreement and next-token NLLs of student and teacher."""
     early_exit_agreement: torch.Tensor | None
     """Per-position top-1 agreement of the early-exit head with the teacher (None without a head)."""
+
+    def select(self, keep: torch.Tensor) -> Evaluation:
+        """The statistics of the positions where ``keep`` is True."""
+        early = self.early_exit_agreement
+        stats = EvalStats(*(getattr(self.stats, field.name)[keep] for field in fields(EvalStats)))
+        return Evaluation(stats, None if early is None else early[keep])
 
 
 class DistillationStep(nn.Module):
@@ -222,7 +228,11 @@ class DistillationStep(nn.Module):
             early_agree = _top1_agreement(
                 early, self.early_exit_head.lm_head.weight, teacher, head_weight, chunk_size
             )
-        return Evaluation(stats, early_agree)
+        evaluation = Evaluation(stats, early_agree)
+        if "counted" in batch:  # rows repeated to even out the processes (EvenSampler): run, not scored
+            rows = torch.arange(mask.shape[0], device=mask.device)[:, None].expand_as(mask)[mask]
+            evaluation = evaluation.select(batch["counted"][rows])
+        return evaluation
 
     @torch.no_grad()
     def teacher_pass(self, batch: dict) -> None:
@@ -256,10 +266,10 @@ class ValidationMetrics(nn.Module):
         m["kl"].update(stats.kl)
         m["agreement"].update(stats.agree.float())
         self.tokens.update(float(stats.agree.numel()))
+        # updated even when empty (a batch of repeated rows): each process must compute what the others do
         valid = ~torch.isnan(stats.student_nll)
-        if valid.any():
-            m["student_nll"].update(stats.student_nll[valid])
-            m["teacher_nll"].update(stats.teacher_nll[valid])
+        m["student_nll"].update(stats.student_nll[valid])
+        m["teacher_nll"].update(stats.teacher_nll[valid])
         if evaluation.early_exit_agreement is not None:
             m["early_exit_agreement"].update(evaluation.early_exit_agreement.float())
 
@@ -273,8 +283,10 @@ class ValidationMetrics(nn.Module):
             "tokens": self.tokens.compute(),
         }
         if m["student_nll"].update_count:
-            values["student_ppl"] = m["student_nll"].compute().exp()
-            values["teacher_ppl"] = m["teacher_nll"].compute().exp()
+            # computed on every process (summed over them); NaN where no position had a next token
+            student, teacher = m["student_nll"].compute(), m["teacher_nll"].compute()
+            if not torch.isnan(student):
+                values["student_ppl"], values["teacher_ppl"] = student.exp(), teacher.exp()
         if m["early_exit_agreement"].update_count or early_exit:
             values["early_exit_agreement"] = m["early_exit_agreement"].compute()
         self.reset()
