@@ -97,6 +97,13 @@ def _losses(out):
         return [float(row["train/loss"]) for row in csv.DictReader(f) if row.get("train/loss")]
 
 
+def _metrics(out, prefixes) -> dict[str, float]:
+    (metrics,) = out.glob("logs/*/metrics.csv")
+    with open(metrics) as f:
+        rows = list(csv.DictReader(f))
+    return {k: float(v) for row in rows for k, v in row.items() if k.startswith(prefixes) and v}
+
+
 def _trained(out):
     state = load_file(out / "export" / "hf" / "model.safetensors")
     return {k: v for k, v in state.items() if "swiftkv" in k}
@@ -294,3 +301,64 @@ def test_when_rank_0_cannot_load_the_model_every_process_stops(tmp_path, tiny_mo
         "rank 0 could not build the model, so this process stops too: OSError: rank 0 may not load the model"
     )
     assert rank_1 in output, output
+
+
+class ShardDtypes(L.Callback):
+    """Writes ``dtypes-rank<r>.json``: the dtypes of the process's shards of the frozen and of the trained weights."""
+
+    def on_train_end(self, trainer, pl_module):
+        import json
+
+        dtypes = {"frozen": set(), "trained": set()}
+        for p in pl_module.parameters():
+            dtypes["trained" if p.requires_grad else "frozen"].add(str(p.dtype))
+        out = Path(trainer.default_root_dir) / f"dtypes-rank{trainer.global_rank}.json"
+        out.write_text(json.dumps({k: sorted(v) for k, v in dtypes.items()}))
+
+
+@pytest.mark.distributed
+def test_fsdp2_shards_bf16_frozen_weights_beside_fp32_trained_ones(tmp_path, tiny_model, text_file):
+    """``frozen_dtype: bfloat16`` under FSDP2 (the GPU recipes): each process holds its shards of the teacher in bf16
+    and of the trained weights in fp32 (their AdamW master weights), the K/V fit and the steps run, and the losses
+    are the single process's, up to bf16's rounding in another batch split (the weights' updates then differ by up to
+    AdamW's step size wherever a gradient is near zero: the fp32 test above checks the weights exactly)."""
+    import json
+
+    fsdp2 = {
+        "class_path": "lightning.pytorch.strategies.ModelParallelStrategy",
+        "init_args": {"data_parallel_size": 2, "tensor_parallel_size": 1},
+    }
+    # 3 held-out rows: the second process runs the first row again (every process runs as many batches) unscored
+    mixed = {
+        "trainer": {"precision": "bf16-mixed"},
+        "model": {"frozen_dtype": "bfloat16", "compile_layers": False, "evaluate_before_training": True},
+        "data": {"val_files": [str(text_file)], "max_val_rows": 3, "val_batch_size": 1},
+    }
+    dtypes = [{"class_path": "tests.distill.test_distributed.ShardDtypes"}]
+    single_cfg, single_out = _config(
+        tmp_path, tiny_model, text_file, "single", 4, "auto", callbacks=dtypes, **mixed
+    )
+    sharded_cfg, sharded_out = _config(
+        tmp_path, tiny_model, text_file, "sharded", 2, fsdp2, callbacks=dtypes, **mixed
+    )
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    app = str(ROOT / "apps" / "distill.py")
+    subprocess.run([sys.executable, app, "--config", str(single_cfg), "--trainer.devices", "1"],
+                   check=True, env=env, cwd=tmp_path, timeout=300)  # fmt: skip
+    fabric = shutil.which("fabric", path=str(Path(sys.executable).parent))
+    subprocess.run([fabric, "run", "--accelerator", "cpu", "--devices", "2", app, "--config", str(sharded_cfg)],
+                   check=True, env=env, cwd=tmp_path, timeout=300)  # fmt: skip
+    for out, ranks in ((single_out, 1), (sharded_out, 2)):
+        for rank in range(ranks):
+            held = json.loads((out / f"dtypes-rank{rank}.json").read_text())
+            assert held == {"frozen": ["torch.bfloat16"], "trained": ["torch.float32"]}, (out.name, rank)
+    # the losses after the first step follow the distilled weights: an update wrongly reduced would show there
+    single, sharded = _losses(single_out), _losses(sharded_out)
+    assert len(single) == len(sharded) == 4
+    torch.testing.assert_close(torch.tensor(sharded), torch.tensor(single), rtol=1e-2, atol=1e-6)
+    # the held-out figures before and after the K/V fit: the same positions scored, the same values
+    expected, got = _metrics(single_out, ("before/", "init/")), _metrics(sharded_out, ("before/", "init/"))
+    assert expected.keys() == got.keys() and "before/agreement" in expected
+    assert got["before/tokens"] == expected["before/tokens"] == 3 * 16
+    for name, value in expected.items():
+        assert got[name] == pytest.approx(value, rel=1e-2, abs=1e-4), name

@@ -201,32 +201,6 @@ def test_bf16_mixed_trains(tiny_model, text_file, tmp_path, monkeypatch):
     assert all(p.dtype == torch.float32 for p in module.trainable_parameters())  # fp32 master weights
 
 
-def test_frozen_weights_in_bf16_beside_fp32_master_weights(tiny_model, text_file, tmp_path, monkeypatch):
-    """frozen_dtype bfloat16: the teacher's weights are held (and stay) in bf16, the trained ones in fp32 (the
-    early-exit head too, though it starts from the frozen LM head); the K/V init, validation and the steps run.
-    Without a mixed precision: a clear error before any step."""
-    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)
-    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False)
-    dm = DistillDataModule(str(tiny_model), [str(text_file)], max_length=32, batch_size=2, val_fraction=0.2)
-    module = SwiftKVDistillation(
-        str(tiny_model), num_key_value_layers=2, frozen_dtype="bfloat16", early_exit=True
-    )
-    trainer = quiet_trainer(tmp_path, max_steps=2, precision="bf16-mixed", num_sanity_val_steps=0)
-    with pytest.warns(UserWarning, match="bf16 is emulated here"):
-        trainer.fit(module, dm)
-    dtypes = {p.dtype for p in module.trainable_parameters()}
-    frozen = {p.dtype for p in module.swiftkv_model.parameters() if not p.requires_grad}
-    assert dtypes == {torch.float32} and frozen == {torch.bfloat16}
-    assert module.step.early_exit_head.lm_head.weight.dtype == torch.float32
-    # the least-squares init ran on the bf16 weights
-    assert module.init_metrics["kl"] < module.before_metrics["kl"]
-    assert torch.isfinite(trainer.callback_metrics["train/loss"])
-    with pytest.raises(ValueError, match="frozen_dtype=bfloat16 needs a mixed precision .*bf16-mixed"):
-        quiet_trainer(tmp_path, max_steps=1).fit(
-            SwiftKVDistillation(str(tiny_model), num_key_value_layers=2, frozen_dtype="bfloat16"), dm
-        )
-
-
 def test_bf16_on_a_gpu_without_it_is_refused_saying_what_to_set(monkeypatch):
     """A V100 or T4 (compute capability < 8.0) computes no bf16: a bf16 recipe there is refused before any weight is
     read, naming fp16's precision instead; other precisions, devices and GPUs pass."""

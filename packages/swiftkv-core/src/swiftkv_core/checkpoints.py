@@ -93,16 +93,48 @@ def check_weight_files(path: Path) -> None:
             )
 
 
-def _safetensors_end(file: Path) -> int | None:
-    """The byte where a safetensors file's last tensor ends, from its header; ``None`` if the header is cut."""
+def _safetensors_header(file: Path) -> tuple[int, dict] | None:
+    """``(header bytes, header)`` of a safetensors file, its tensors' entries only; ``None`` if the header is cut."""
     try:
         with file.open("rb") as f:
             header_bytes = int.from_bytes(f.read(8), "little")
             header = json.loads(f.read(header_bytes))
     except (OSError, ValueError):
         return None
-    ends = [entry["data_offsets"][1] for key, entry in header.items() if key != "__metadata__"]
-    return 8 + header_bytes + max(ends, default=0)
+    return header_bytes, {key: entry for key, entry in header.items() if key != "__metadata__"}
+
+
+def _safetensors_end(file: Path) -> int | None:
+    """The byte where a safetensors file's last tensor ends, from its header; ``None`` if the header is cut."""
+    if (read := _safetensors_header(file)) is None:
+        return None
+    header_bytes, tensors = read
+    return 8 + header_bytes + max((entry["data_offsets"][1] for entry in tensors.values()), default=0)
+
+
+SAFETENSORS_DTYPES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16"}
+
+
+def stored_dtype(model: str | os.PathLike):
+    """The one floating-point dtype every weight of ``model`` (as ``read_config`` names it) is stored in, from its
+    safetensors headers alone (a ``torch.dtype``); ``None`` where they are of several, of another (fp8, fp64), not in
+    safetensors files, or ``model`` names no checkpoint (``check_checkpoint`` says why)."""
+    import torch
+
+    try:
+        files = sorted(resolve_model_path(model).glob("*.safetensors"))
+    except (OSError, ValueError):
+        return None
+    found = set()
+    for file in files:
+        read = _safetensors_header(file)
+        if read is None:
+            return None
+        found |= {
+            entry["dtype"] for entry in read[1].values() if entry["dtype"] not in ("I64", "I32", "BOOL")
+        }
+    name = SAFETENSORS_DTYPES.get(found.pop()) if files and len(found) == 1 else None
+    return getattr(torch, name) if name else None
 
 
 def check_swiftkv_version_of(swiftkv: str | os.PathLike, base: str | os.PathLike):

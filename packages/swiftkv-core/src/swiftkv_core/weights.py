@@ -56,11 +56,12 @@ def match_swiftkv_kv(name: str) -> tuple[int, str, str] | None:
     return (int(match.group(1)), match.group(2), match.group(3)) if match else None
 
 
-def cast_frozen(model: nn.Module, dtype) -> nn.Module:
-    """Keep the frozen parameters (the teacher: all but the trained ones) in ``dtype``; the trained ones stay as
-    they are (the fp32 master weights). Under bf16 autocast every matmul casts its weight to bf16 anyway: frozen
-    weights stored in bf16 halve their memory and skip that cast at every step."""
+def cast_frozen(model: nn.Module, dtype, trained_dtype=None) -> nn.Module:
+    """Keep the frozen parameters (the teacher: all but the trained ones) in ``dtype``, and the trained ones in
+    ``trained_dtype`` (their fp32 master weights; default: as they are). Under bf16 autocast every matmul casts its
+    weight to bf16 anyway: frozen weights stored in bf16 halve their memory and skip that cast at every step."""
     for param in model.parameters():
-        if not param.requires_grad:
-            param.data = param.data.to(dtype)
+        cast = dtype if not param.requires_grad else trained_dtype or param.dtype
+        if param.dtype != cast:
+            param.data = param.data.to(cast)
     return model

@@ -10,7 +10,7 @@ import warnings
 
 import torch
 
-from swiftkv_core.checkpoints import check_checkpoint
+from swiftkv_core.checkpoints import check_checkpoint, stored_dtype
 from swiftkv_core.convert import SWIFTKV_FAMILIES, convert
 from swiftkv_core.early_exit import EarlyExitHead
 from swiftkv_core.runtime import DTYPES, device_description, device_memory_bytes, gpu_computes_bf16
@@ -88,20 +88,14 @@ def attention_for(device: torch.device | str, requested: str = "auto", half: boo
     return "flash_attention_2" if flash else "flex_attention"
 
 
-def check_frozen_dtype(frozen: str, trainer, sharded: bool) -> None:
-    """Frozen weights in another dtype than the trained ones need autocast (a mixed precision) and one device
-    (``trainer``: the Lightning trainer, or None; ``sharded``: whether the module has an FSDP2 device mesh)."""
+def check_frozen_dtype(frozen: str, trainer) -> None:
+    """Frozen weights in another dtype than the trained ones need autocast (a mixed precision); FSDP2 shards them
+    as they are (its all-gathers carry bytes, its reduce-scatters only the trained ones' fp32 gradients)."""
     precision = trainer_precision(trainer)
     if not precision.endswith("-mixed"):
         raise ValueError(
             f"frozen_dtype={frozen} needs a mixed precision (trainer.precision bf16-mixed), got {precision}: "
             f"set trainer.precision: bf16-mixed, or drop model.frozen_dtype."
-        )
-    if sharded or (trainer is not None and trainer.world_size > 1):
-        strategy = trainer.strategy.__class__.__name__ if trainer is not None else "FSDP2"
-        raise ValueError(
-            f"frozen_dtype={frozen} runs on one device (FSDP2 shards parameters of one dtype), got {strategy}: "
-            f"drop model.frozen_dtype, or set model.model_dtype: {frozen}."
         )
 
 
@@ -249,26 +243,30 @@ def build_swiftkv_model(
     return built
 
 
-def distillation_step(hp, device: torch.device, trainer, sharded: bool, settings, weights: bool = True):
+def distillation_step(hp, device: torch.device, trainer, settings, weights: bool = True):
     """A fresh, unsharded ``DistillationStep`` of a run's settings ``hp`` (``SwiftKVDistillation``'s hyperparameters)
-    on ``device``, under ``trainer`` (or None; ``sharded``: FSDP2 will shard it), with the loss ``settings``: the
-    frozen base weights, the SwiftKV ones initialised, the early-exit head. ``weights=False``: from the config
-    alone (``build_swiftkv_model``)."""
+    on ``device``, under ``trainer`` (or None), with the loss ``settings``: the frozen base weights in
+    ``frozen_dtype``, the SwiftKV ones initialised, the early-exit head. ``weights=False``: from the config alone
+    (``build_swiftkv_model``)."""
     from .step import DistillationStep
 
     precision = trainer_precision(trainer)
     half = precision.startswith(("bf16", "16")) or hp.model_dtype in ("bfloat16", "float16")
     attention = attention_for(device, hp.attn_implementation, half)
-    model = build_swiftkv_model(hp.model, hp.num_key_value_layers, hp.key_value_group_size, DTYPES[hp.model_dtype],
-                                attention, hp.lora_rank, hp.lora_prefix, weights)  # fmt: skip
+    trained, frozen = DTYPES[hp.model_dtype], DTYPES[hp.frozen_dtype or hp.model_dtype]
+    if frozen != trained:
+        check_frozen_dtype(hp.frozen_dtype, trainer)
+    # A checkpoint stored in the frozen dtype (Llama's bf16) is read in it, and only the trained weights widened:
+    # the same values as reading all of it in fp32, in half the host memory (70B: 141 GB, not 282 GB)
+    load = frozen if weights and stored_dtype(hp.model) == frozen else trained
+    model = build_swiftkv_model(hp.model, hp.num_key_value_layers, hp.key_value_group_size, load, attention,
+                                hp.lora_rank, hp.lora_prefix, weights)  # fmt: skip
     model.train()  # dropout is 0 in these families; train() only matters for the module flags
     checkpoint_activations(model, hp.activation_checkpointing)
-    # the early-exit head trains: copied from the LM head before frozen_dtype's cast, so it stays in model_dtype
+    # the early-exit head trains: a copy of the LM head made before the frozen weights' cast
     head = EarlyExitHead.from_model(model) if hp.early_exit else None
-    if hp.frozen_dtype not in (None, hp.model_dtype):
-        check_frozen_dtype(hp.frozen_dtype, trainer, sharded)
-        cast_frozen(model, DTYPES[hp.frozen_dtype])
-    return DistillationStep(model, settings, head)
+    step = DistillationStep(model, settings, head)
+    return cast_frozen(step, frozen, trained)
 
 
 def resident_bytes(module: torch.nn.Module) -> int:
@@ -291,7 +289,7 @@ def check_fits(device: torch.device, module: torch.nn.Module, model: str, shards
     dtypes = sorted({str(p.dtype).removeprefix("torch.") for p in frozen})
     trained = sum(p.numel() for p in module.parameters() if p.requires_grad)
     changes = []
-    if any(p.dtype == torch.float32 for p in frozen) and shards == 1:
+    if any(p.dtype == torch.float32 for p in frozen):
         changes.append(
             "model.frozen_dtype: bfloat16 with trainer.precision: bf16-mixed (halves the frozen weights)"
         )

@@ -64,7 +64,7 @@ def out_of_memory_advice(trainer, module, datamodule) -> str:
     changes = []
     if not hp.activation_checkpointing:
         changes.append("model.activation_checkpointing: 1 (recomputes the layers >= l in the backward pass)")
-    if trainer.world_size == 1 and hp.model_dtype == "float32" and hp.frozen_dtype in (None, "float32"):
+    if hp.model_dtype == "float32" and hp.frozen_dtype in (None, "float32"):
         changes.append(
             "model.frozen_dtype: bfloat16 with trainer.precision: bf16-mixed (fp32 only where weights train)"
         )

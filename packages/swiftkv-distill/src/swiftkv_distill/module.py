@@ -56,7 +56,8 @@ class SwiftKVDistillation(L.LightningModule):
         frozen_dtype: dtype the frozen weights (the teacher: all but the trained SwiftKV ones) are kept in
             (default: ``model_dtype``). ``bfloat16`` with ``float32`` weights and ``bf16-mixed`` precision keeps
             fp32 master weights for what trains and halves the teacher's memory (an 8B model distils on one
-            80 GB GPU: benchmarks/results/gpu-llama-3.1-8b.md). One device only: FSDP2 shards one dtype.
+            80 GB GPU: benchmarks/results/gpu-llama-3.1-8b.md) and, under FSDP2, its gathers. A checkpoint
+            stored in this dtype is read in it (only the trained weights widened).
         evaluate_before_training: run the validation metrics once before the first step (the undistilled model)
             and log them as ``before/*``.
         reshard_after_forward: FSDP2 (ModelParallelStrategy only): free gathered layer weights after each forward.
@@ -165,9 +166,8 @@ class SwiftKVDistillation(L.LightningModule):
     # --- model -------------------------------------------------------------------------------------------------
     def build_step(self, weights: bool = True) -> DistillationStep:
         """A fresh, unsharded step (``build.distillation_step``; ``weights=False``: from the config alone)."""
-        sharded = self.device_mesh is not None
         return distillation_step(
-            self.hparams, self._root_device(), self._trainer, sharded, self.loss_settings, weights
+            self.hparams, self._root_device(), self._trainer, self.loss_settings, weights
         )
 
     def _root_device(self) -> torch.device:
