@@ -148,6 +148,8 @@ def test_a_sharded_checkpoint_killed_mid_save_or_mid_swap_is_never_read_half_wri
     assert f"resuming from {last}" in out
     (set_aside,) = last.parent.glob(".last.ckpt.old.*")
     assert not last.exists() and last_step(set_aside) == 2
+    # a staged checkpoint of a name no save comes back to (one with a metric in it) is removed as the rerun starts
+    (last.parent / ".epoch=0-step=3-kl=0.1.ckpt.staging").mkdir()
     out = run(command)  # resumed from the set-aside checkpoint: trained to 12, the export written
     assert f"resuming from {set_aside}" in out and last_step(last) == 12
     assert [p.name for p in last.parent.iterdir()] == ["last.ckpt"]  # nothing set aside or staged is left

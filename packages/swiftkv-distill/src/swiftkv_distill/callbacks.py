@@ -153,14 +153,12 @@ class ExportHF(L.Callback):
                 check_replaceable(self.dirpath / name, pl_module.model_path, f"ExportHF's {name}/ folder")
 
     def on_fit_end(self, trainer, pl_module) -> None:
-        from .export import export
+        from .export import export_checkpoints
 
-        if self.full:
-            path = export(pl_module, self.dirpath / "hf", serving=False)
-            if path is not None:
-                print(f"exported {path}")
+        folders = {self.dirpath / "hf": False} if self.full else {}
         if self.serving:
-            path = export(pl_module, self.dirpath / "hf-serving", serving=True)
+            folders[self.dirpath / "hf-serving"] = True
+        for path in export_checkpoints(pl_module, folders):
             if path is not None:
                 print(f"exported {path}")
 

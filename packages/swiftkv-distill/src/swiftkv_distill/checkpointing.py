@@ -26,6 +26,14 @@ class ModelCheckpoint(LightningModelCheckpoint):
     swap, it leaves that checkpoint set aside, where ``last_checkpoint`` and ``ckpt_path="last"`` find it. While a
     checkpoint is saved, the disk holds it and the previous one: twice a checkpoint's size at the peak."""
 
+    def setup(self, trainer, pl_module, stage: str) -> None:
+        """Lightning's, then the staging folders a killed run left removed: they are never read, and one of a name
+        saved again is removed then, but one of a name that does not come back (a metric in it) would stay."""
+        super().setup(trainer, pl_module, stage)
+        if stage == "fit" and trainer.is_global_zero and self.dirpath:
+            for staging in Path(self.dirpath).glob(f".*{self.FILE_EXTENSION}.staging"):
+                shutil.rmtree(staging, ignore_errors=True)
+
     def _save_checkpoint(self, trainer, filepath: str) -> None:
         if not getattr(trainer.strategy, "_save_distributed_checkpoint", False):
             return super()._save_checkpoint(trainer, filepath)

@@ -34,30 +34,44 @@ def write_checkpoint(
 
 
 def trained_state_dict(module: SwiftKVDistillation) -> dict[str, torch.Tensor]:
-    """Full (unsharded) trained weights, keyed as in the HF model / ``early_exit_head.*``; collective under FSDP."""
-    step = module.step
-    if module.device_mesh is not None:
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+    """Full (unsharded) trained weights on the CPU, keyed as in the HF model / ``early_exit_head.*``. Under FSDP2
+    every rank must call this: each trained weight is gathered in turn (the frozen ones never are: 3.4B weights, not
+    74B, at 70B), and only rank 0 keeps them (the others get an empty dict)."""
+    from torch.distributed.tensor import DTensor
 
-        state = get_model_state_dict(step, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    else:
-        state = step.state_dict()
-    return {k: v.detach().cpu() for k, v in state.items() if is_trained_name(k)}
+    trainer = module._trainer  # the ``trainer`` property raises when none is attached
+    keep = trainer is None or trainer.is_global_zero
+    state = {}
+    for name, param in module.step.named_parameters():
+        if is_trained_name(name):
+            whole = param.full_tensor() if isinstance(param, DTensor) else param
+            if keep:
+                state[name] = whole.detach().cpu()
+    return state
 
 
 def export(
     module: SwiftKVDistillation, out_dir: str | Path, serving: bool = False, tokenizer=None
 ) -> Path | None:
-    """Write the distilled model as a HF SwiftKV checkpoint (full, or the smaller serving export) atomically.
+    """Write the distilled model as a HF SwiftKV checkpoint (full, or the smaller serving export) atomically;
+    ``export_checkpoints`` for both at once."""
+    return export_checkpoints(module, {out_dir: serving}, tokenizer)[0]
+
+
+def export_checkpoints(
+    module: SwiftKVDistillation, folders: dict[str | Path, bool], tokenizer=None
+) -> list[Path | None]:
+    """Write the distilled model into each of ``folders`` (``True``: the serving export, ``False``: the full
+    checkpoint) as a HF SwiftKV checkpoint, atomically.
 
     The early-exit head, when trained, is written beside it (``early_exit_head.safetensors``). Works with or
     without a Trainer (e.g. on a module from ``load_from_checkpoint``). Under FSDP every rank must call this (the
-    weights are gathered); rank 0 writes. Returns the folder (``None`` on other ranks).
-    """
+    trained weights are gathered); rank 0 rebuilds the model once (reading the pretrained weights) and writes.
+    Returns the folders (``None`` on other ranks)."""
     state = trained_state_dict(module)
-    trainer = module._trainer  # the ``trainer`` property raises when none is attached
+    trainer = module._trainer
     if trainer is not None and not trainer.is_global_zero:
-        return None
+        return [None] * len(folders)
     step = module.step
     if (
         module.device_mesh is not None
@@ -69,4 +83,7 @@ def export(
         from transformers import AutoTokenizer
 
         tokenizer = AutoTokenizer.from_pretrained(module.model_path)
-    return write_checkpoint(model, out_dir, tokenizer=tokenizer, serving=serving, early_exit_head=head)
+    return [
+        write_checkpoint(model, out_dir, tokenizer=tokenizer, serving=serving, early_exit_head=head)
+        for out_dir, serving in folders.items()
+    ]

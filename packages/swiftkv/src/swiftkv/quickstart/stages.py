@@ -128,7 +128,7 @@ def teacher_answers(run: Run) -> dict:
 def distill(run: Run) -> dict:
     """Lightning distillation of the converted model for --budget_minutes of training (the recipe's settings, through
     ``swiftkv_distill.recipe``); resumes from its last checkpoint if interrupted; the full and serving exports."""
-    from swiftkv_distill.export import export
+    from swiftkv_distill.export import export_checkpoints
     from swiftkv_distill.recipe import budgeted_fit
 
     s = run.settings
@@ -152,8 +152,7 @@ def distill(run: Run) -> dict:
         overrides,
         checkpoint_seconds=CHECKPOINT_SECONDS,
     )
-    export(built.module, run.path("distilled"))
-    export(built.module, run.path("distilled-serving"), serving=True)
+    export_checkpoints(built.module, {run.path("distilled"): False, run.path("distilled-serving"): True})
     metrics = {}  # the distillation's own validation: the converted model before the first step, and the last
     for checkpoint, values in (("converted", summary["before"]), ("distilled", summary["after"])):
         for name in val_files:
