@@ -14,6 +14,7 @@ from swiftkv_distill import DistillDataModule, LossSettings, SwiftKVDistillation
 from swiftkv_distill.build import attention_for, checkpoint_activations, compile_layers
 from swiftkv_distill.data import collate, pack
 from swiftkv_distill.loss import distillation_kl
+from swiftkv_distill.step import sampled_positions
 from tests.distill.conftest import quiet_trainer
 
 
@@ -54,8 +55,10 @@ def test_distilling_a_subset_of_positions_equals_the_full_forward_there(tiny_mod
             if is_swiftkv_parameter(name):
                 p.add_(0.05 * torch.randn_like(p))
     batch = collate(pack([[5, 17, 300, 42, 9, 8], [77, 1000, 3, 4, 5], [12, 13, 14, 15]], max_length=8), 0, 8)
-    positions = module.step_positions(8, "cpu")
-    assert len(positions) == 4 and torch.equal(positions, module.step_positions(8, "cpu"))  # seeded by step
+    positions = sampled_positions(8, 0.5, 0, "cpu")
+    assert len(positions) == 4 and torch.equal(
+        positions, sampled_positions(8, 0.5, 0, "cpu")
+    )  # seeded by step
     mask = batch["loss_mask"][:, positions]
     seen = []
     hook = model.model.layers[3].mlp.gate_proj.register_forward_hook(

@@ -31,7 +31,14 @@ from .build import (
 )
 from .parallelize import shard_from_rank0
 from .schedule import FIRST_STEP_FLOOR, check_optimizer_settings, lr_factor, run_progress, total_steps
-from .step import DistillationStep, LossSettings, ValidationMetrics, is_trained_name
+from .step import (
+    AccumulationWindow,
+    DistillationStep,
+    LossSettings,
+    ValidationMetrics,
+    is_trained_name,
+    sampled_positions,
+)
 
 
 class SwiftKVDistillation(L.LightningModule):
@@ -157,6 +164,7 @@ class SwiftKVDistillation(L.LightningModule):
         self.last_val_metrics: dict[str, float] = {}
         self.last_val_step = -1
         self._tokens_seen = 0
+        self._window = AccumulationWindow()
         self._step_started: float | None = None
         self._step_ended: float | None = None  # after the optimizer step, before the callbacks' batch end
         self._fit_started: float | None = None  # the clock (_now) at the first step, less resumed time
@@ -205,19 +213,18 @@ class SwiftKVDistillation(L.LightningModule):
         return value
 
     def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
-        world = self._world_size()
-        # Normalise by the GLOBAL number of real tokens: data-parallel gradient averaging then gives exactly the
-        # single-process gradient of the same global batch.
-        positions = self.step_positions(batch["input_ids"].shape[1], batch["input_ids"].device)
+        world, window = self._world_size(), self.trainer.accumulate_grad_batches
+        length, fraction = batch["input_ids"].shape[1], self.hparams.position_fraction
+        positions = sampled_positions(length, fraction, self.global_step, batch["input_ids"].device)
         distilled = batch["loss_mask"] if positions is None else batch["loss_mask"][:, positions]
-        row_scale = world / self._sum_over_processes(distilled.sum().float()).clamp(min=1)
+        # each distilled position's weight: the step's gradient is their mean over every process and batch
+        tokens = self._sum_over_processes(distilled.sum().float())
+        row_scale = self._window.row_scale(tokens, world, window)
         out = self.step(batch, row_scale, positions=positions)
         pause_point("training-step")  # mid-step: the forward done, the backward and the update to come
-        batch_size = batch["input_ids"].shape[0]
-        log = dict(on_step=True, on_epoch=False, batch_size=batch_size)
-        self.log(
-            "train/loss", out["loss"].detach() / world, prog_bar=True, sync_dist=True, reduce_fx="sum", **log
-        )
+        log = dict(on_step=True, on_epoch=False, batch_size=batch["input_ids"].shape[0])
+        loss = out["loss"].detach() / (row_scale * tokens.clamp(min=1))  # this process's share of the mean
+        self.log("train/loss", loss, prog_bar=True, sync_dist=True, reduce_fx="sum", **log)
         self.log("train/kl", out["kl"], sync_dist=True, **log)
         self.log("train/agreement", out["agreement"], prog_bar=True, sync_dist=True, **log)
         self.log("train/hidden_mse", out["hidden_mse"], sync_dist=True, **log)
@@ -225,16 +232,6 @@ class SwiftKVDistillation(L.LightningModule):
             self.log("train/early_exit_kl", out["early_kl"], sync_dist=True, **log)
         self._tokens_seen += int(batch["token_mask"].sum()) * world
         return out["loss"]
-
-    def step_positions(self, length: int, device, step: int | None = None) -> torch.Tensor | None:
-        """The positions distilled at ``step`` (default: the current one): all (None), or a random
-        ``position_fraction`` of them drawn from the step number (the same on every process and after a resume)."""
-        fraction = self.hparams.position_fraction
-        if fraction >= 1:
-            return None
-        generator = torch.Generator().manual_seed(self.global_step if step is None else step)
-        count = max(1, round(length * fraction))
-        return torch.randperm(length, generator=generator)[:count].sort().values.to(device)
 
     @property
     def train_seconds(self) -> float:
@@ -252,6 +249,9 @@ class SwiftKVDistillation(L.LightningModule):
         self._step_started = self._now()
         if self._fit_started is None:  # a resumed run's clock goes on from the checkpoint's elapsed time
             self._fit_started = self._step_started - self._resumed_seconds
+
+    def on_before_optimizer_step(self, optimizer) -> None:  # before clipping
+        self._window.normalise(self.trainable_parameters())
 
     def optimizer_step(self, *args, **kwargs) -> None:
         super().optimizer_step(*args, **kwargs)

@@ -32,6 +32,47 @@ def is_trained_name(name: str) -> bool:
     return is_swiftkv_parameter(name) or ".early_exit_head." in f".{name}"
 
 
+def sampled_positions(length: int, fraction: float, step: int, device) -> torch.Tensor | None:
+    """The positions distilled at optimizer step ``step``: all (None), or a random ``fraction`` of the ``length``
+    drawn from the step number (the same on every process, and after a resume)."""
+    if fraction >= 1:
+        return None
+    generator = torch.Generator().manual_seed(step)
+    count = max(1, round(length * fraction))
+    return torch.randperm(length, generator=generator)[:count].sort().values.to(device)
+
+
+class AccumulationWindow:
+    """The weight of each distilled position, such that an optimizer step's gradient is the mean over every position
+    its batches distil on all processes: what one process taking them all at once computes.
+
+    One batch per step: 1 / the batch's positions on all processes, times the processes (data-parallel training
+    averages the gradients over them). Gradients accumulated over a window of batches: the window's positions are
+    counted only at its end, so each weighs the same until then (times the window, which Lightning divides the loss
+    by) and ``normalise`` divides the gradients by their count before the update. Each batch's own mean would weigh
+    the positions of a batch with fewer of them (shorter answers) more."""
+
+    def __init__(self):
+        self.positions: torch.Tensor | None = None  # the window's so far, on all processes
+
+    def row_scale(self, positions: torch.Tensor, processes: int, window: int) -> torch.Tensor | float:
+        """The weight of each of a batch's ``positions`` (their count on all processes)."""
+        if window == 1:
+            return processes / positions.clamp(min=1)
+        self.positions = positions if self.positions is None else self.positions + positions
+        return float(processes * window)
+
+    def normalise(self, parameters) -> None:
+        """At a window's end, before the update and the clipping: the summed gradients made the window's mean."""
+        if self.positions is None:
+            return
+        count = float(self.positions.clamp(min=1))  # one host sync per optimizer step
+        for param in parameters:
+            if param.grad is not None:
+                param.grad.div_(count)
+        self.positions = None
+
+
 @dataclass(frozen=True)
 class LossSettings:
     """What the distillation loss weighs and how it is computed (the module builds it once from its arguments)."""
