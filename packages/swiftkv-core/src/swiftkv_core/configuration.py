@@ -131,6 +131,12 @@ class SwiftKVConfigMixin:
         return self.num_hidden_layers - self.num_kv_cache_layers if self.swiftkv else 0
 
 
+def cache_slots(config) -> int:
+    """The K/V slots a cache built from ``config`` holds, as transformers' caches count them: one per layer, less
+    ``num_kv_shared_layers`` (SwiftKV on: one per layer ``< l`` and per AcrossKV group); any family's config."""
+    return config.num_hidden_layers - getattr(config, "num_kv_shared_layers", 0)
+
+
 @strict
 class LlamaSwiftKVConfig(SwiftKVConfigMixin, LlamaConfig):
     """``LlamaConfig`` + SwiftKV keys. Also used for Mistral checkpoints (same layer structure)."""

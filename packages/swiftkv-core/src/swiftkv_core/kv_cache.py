@@ -16,6 +16,8 @@ from __future__ import annotations
 import torch
 from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
 
+from .configuration import cache_slots
+
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8_DTYPE).max  # 448
 SCALE_DTYPE = torch.float32  # one scale per token and KV head; fp32 so the scale adds no rounding of its own
@@ -148,8 +150,7 @@ class FP8KVCache(Cache):
 
     def __init__(self, config):
         config = config.get_text_config(decoder=True)
-        slots = config.num_hidden_layers - getattr(config, "num_kv_shared_layers", 0)
-        super().__init__(layers=[FP8KVLayer() for _ in range(slots)])
+        super().__init__(layers=[FP8KVLayer() for _ in range(cache_slots(config))])
 
 
 def make_kv_cache(config, kv_cache_dtype: str = "auto") -> Cache:

@@ -66,7 +66,7 @@ from transformers.models.qwen2.modeling_qwen2 import (
 from transformers.utils.generic import merge_with_config_defaults
 from transformers.utils.output_capturing import capture_outputs
 
-from .configuration import LlamaSwiftKVConfig, Qwen2SwiftKVConfig
+from .configuration import LlamaSwiftKVConfig, Qwen2SwiftKVConfig, cache_slots
 from .runtime import check_flex_attention
 
 
@@ -489,7 +489,7 @@ def _check_cache_slots(cache, config) -> None:
     or with SwiftKV on one per layer ``< l`` and per AcrossKV group: ``num_kv_shared_layers``)."""
     if cache is None or getattr(cache, "layer_class_to_replicate", None) is not None or not cache.layers:
         return  # no cache, or one that grows its slots as they are written
-    needed = config.num_hidden_layers - config.num_kv_shared_layers
+    needed = cache_slots(config)
     if len(cache.layers) != needed:
         raise ValueError(
             f"this cache holds {len(cache.layers)} layer slots and the model, with SwiftKV "
