@@ -116,24 +116,30 @@ SAFETENSORS_DTYPES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16"}
 
 
 def stored_dtype(model: str | os.PathLike):
-    """The one floating-point dtype every weight of ``model`` (as ``read_config`` names it) is stored in, from its
-    safetensors headers alone (a ``torch.dtype``); ``None`` where they are of several, of another (fp8, fp64), not in
-    safetensors files, or ``model`` names no checkpoint (``check_checkpoint`` says why)."""
+    """The one floating-point dtype every weight of ``model`` (as ``read_config`` names it) is stored in, from the
+    safetensors headers of its weight files alone (those ``from_pretrained`` reads: not an early-exit head beside
+    them); a ``torch.dtype``, or ``None`` where they are of several (an export's bf16 teacher and fp32 trained
+    weights), of another (fp8, fp64), not in safetensors files, or ``model`` names no checkpoint."""
     import torch
 
     try:
-        files = sorted(resolve_model_path(model).glob("*.safetensors"))
+        path = resolve_model_path(model)
     except (OSError, ValueError):
         return None
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        files = [path / name for name in sorted(set(json.loads(index.read_text())["weight_map"].values()))]
+    else:
+        files = [path / "model.safetensors"]
     found = set()
     for file in files:
-        read = _safetensors_header(file)
+        read = _safetensors_header(file) if file.is_file() else None
         if read is None:
             return None
         found |= {
             entry["dtype"] for entry in read[1].values() if entry["dtype"] not in ("I64", "I32", "BOOL")
         }
-    name = SAFETENSORS_DTYPES.get(found.pop()) if files and len(found) == 1 else None
+    name = SAFETENSORS_DTYPES.get(found.pop()) if len(found) == 1 else None
     return getattr(torch, name) if name else None
 
 

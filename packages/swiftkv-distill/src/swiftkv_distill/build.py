@@ -254,10 +254,11 @@ def distillation_step(hp, device: torch.device, trainer, settings, weights: bool
     half = precision.startswith(("bf16", "16")) or hp.model_dtype in ("bfloat16", "float16")
     attention = attention_for(device, hp.attn_implementation, half)
     trained, frozen = DTYPES[hp.model_dtype], DTYPES[hp.frozen_dtype or hp.model_dtype]
-    if frozen != trained:
+    if frozen != trained and trainer is not None:  # without one (load_from_checkpoint): an export, no step
         check_frozen_dtype(hp.frozen_dtype, trainer)
-    # A checkpoint stored in the frozen dtype (Llama's bf16) is read in it, and only the trained weights widened:
-    # the same values as reading all of it in fp32, in half the host memory (70B: 141 GB, not 282 GB)
+    # A checkpoint stored in the frozen dtype (Llama's bf16) is read in it, and only the trained weights widened, in
+    # half the host memory (70B: 141 GB, not 282 GB): the values of reading it all in fp32, but for those computed
+    # as the model is built (AcrossKV's group means, LoRA's random start), computed in bf16
     load = frozen if weights and stored_dtype(hp.model) == frozen else trained
     model = build_swiftkv_model(hp.model, hp.num_key_value_layers, hp.key_value_group_size, load, attention,
                                 hp.lora_rank, hp.lora_prefix, weights)  # fmt: skip

