@@ -127,10 +127,15 @@ def stored_dtype(model: str | os.PathLike):
     except (OSError, ValueError):
         return None
     index = path / "model.safetensors.index.json"
-    if index.is_file():
-        files = [path / name for name in sorted(set(json.loads(index.read_text())["weight_map"].values()))]
-    else:
-        files = [path / "model.safetensors"]
+    try:
+        names = (
+            set(json.loads(index.read_text())["weight_map"].values())
+            if index.is_file()
+            else {"model.safetensors"}
+        )
+    except (OSError, ValueError, KeyError, AttributeError):
+        return None  # from_pretrained says what is wrong with the index
+    files = [path / name for name in sorted(names)]
     found = set()
     for file in files:
         read = _safetensors_header(file) if file.is_file() else None

@@ -164,7 +164,7 @@ class SwiftKVDistillation(L.LightningModule):
         self.last_val_metrics: dict[str, float] = {}
         self.last_val_step = -1
         self._tokens_seen = 0
-        self._window = AccumulationWindow()
+        self._window = AccumulationWindow()  # the gradient-accumulation window (made anew as each fit starts)
         self._step_started: float | None = None
         self._step_ended: float | None = None  # after the optimizer step, before the callbacks' batch end
         self._fit_started: float | None = None  # the clock (_now) at the first step, less resumed time
@@ -208,9 +208,7 @@ class SwiftKVDistillation(L.LightningModule):
         return self._trainer.world_size if self._trainer is not None else 1
 
     def _sum_over_processes(self, value: torch.Tensor) -> torch.Tensor:
-        if self._world_size() > 1:
-            value = self._trainer.strategy.reduce(value, reduce_op="sum")
-        return value
+        return self._trainer.strategy.reduce(value, reduce_op="sum") if self._world_size() > 1 else value
 
     def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
         world, window = self._world_size(), self.trainer.accumulate_grad_batches
@@ -223,7 +221,7 @@ class SwiftKVDistillation(L.LightningModule):
         out = self.step(batch, row_scale, positions=positions)
         pause_point("training-step")  # mid-step: the forward done, the backward and the update to come
         log = dict(on_step=True, on_epoch=False, batch_size=batch["input_ids"].shape[0])
-        loss = out["loss"].detach() / (row_scale * tokens.clamp(min=1))  # this process's share of the mean
+        loss = self._window.mean_loss(out["loss"].detach(), row_scale, tokens)
         self.log("train/loss", loss, prog_bar=True, sync_dist=True, reduce_fx="sum", **log)
         self.log("train/kl", out["kl"], sync_dist=True, **log)
         self.log("train/agreement", out["agreement"], prog_bar=True, sync_dist=True, **log)
@@ -250,11 +248,13 @@ class SwiftKVDistillation(L.LightningModule):
         if self._fit_started is None:  # a resumed run's clock goes on from the checkpoint's elapsed time
             self._fit_started = self._step_started - self._resumed_seconds
 
-    def on_before_optimizer_step(self, optimizer) -> None:  # before clipping
-        self._window.normalise(self.trainable_parameters())
+    def optimizer_step(self, epoch, batch_idx, optimizer, optimizer_closure=None) -> None:
+        def closure():  # the window's last batch, then its mean before any hook, the clipping or the update
+            loss = optimizer_closure()
+            self._window.normalise(self.trainable_parameters())
+            return loss
 
-    def optimizer_step(self, *args, **kwargs) -> None:
-        super().optimizer_step(*args, **kwargs)
+        super().optimizer_step(epoch, batch_idx, optimizer, closure)
         self._step_ended = self._now()  # before the callbacks' batch-end work (a checkpoint's write)
 
     def on_train_batch_end(self, outputs, batch, batch_idx) -> None:
@@ -343,6 +343,7 @@ class SwiftKVDistillation(L.LightningModule):
         """A fresh run: measure the converted model (``before/*``), fit the K/V init, measure again (``init/*``); a
         resumed run's checkpoint holds the trained weights and these metrics. Then ``compile_layers``, after the
         fit (its hooks observe eager layers)."""
+        self._window = AccumulationWindow()  # a window a stopped fit left open counts for nothing
         if self.global_step == 0:
             self._measure_and_init_kv()
         compile_layers(self.swiftkv_model, self.hparams.compile_layers)
@@ -415,10 +416,9 @@ class SwiftKVDistillation(L.LightningModule):
             return
         self.last_val_metrics = self.evaluate(loader)
         self.last_val_step = self.global_step
+        metrics = {f"val/{k}": v for k, v in self.last_val_metrics.items()}
         for logger in self.loggers:
-            logger.log_metrics(
-                {f"val/{k}": v for k, v in self.last_val_metrics.items()}, step=self.global_step
-            )
+            logger.log_metrics(metrics, step=self.global_step)
 
     # --- checkpoints -------------------------------------------------------------------------------------------
     def on_save_checkpoint(self, checkpoint: dict) -> None:

@@ -49,11 +49,12 @@ class AccumulationWindow:
     One batch per step: 1 / the batch's positions on all processes, times the processes (data-parallel training
     averages the gradients over them). Gradients accumulated over a window of batches: the window's positions are
     counted only at its end, so each weighs the same until then (times the window, which Lightning divides the loss
-    by) and ``normalise`` divides the gradients by their count before the update. Each batch's own mean would weigh
-    the positions of a batch with fewer of them (shorter answers) more."""
+    by) and ``normalise`` divides the gradients by their count before anything reads them. Each batch's own mean
+    would weigh the positions of a batch with fewer of them (shorter answers) more."""
 
     def __init__(self):
         self.positions: torch.Tensor | None = None  # the window's so far, on all processes
+        self.loss: torch.Tensor | float = 0.0  # the window's summed loss so far, on this process
 
     def row_scale(self, positions: torch.Tensor, processes: int, window: int) -> torch.Tensor | float:
         """The weight of each of a batch's ``positions`` (their count on all processes)."""
@@ -62,15 +63,23 @@ class AccumulationWindow:
         self.positions = positions if self.positions is None else self.positions + positions
         return float(processes * window)
 
+    def mean_loss(self, loss: torch.Tensor, row_scale, positions: torch.Tensor) -> torch.Tensor:
+        """This process's share of the mean of ``loss`` (a batch's, weighted by ``row_scale``) over every process:
+        the batch's, or, accumulating, the window's so far (the step's at its last batch)."""
+        if self.positions is None:
+            return loss / (row_scale * positions.clamp(min=1))
+        self.loss = self.loss + loss / row_scale
+        return self.loss / self.positions.clamp(min=1)
+
     def normalise(self, parameters) -> None:
-        """At a window's end, before the update and the clipping: the summed gradients made the window's mean."""
+        """At a window's end: the summed gradients made the window's mean."""
         if self.positions is None:
             return
         count = float(self.positions.clamp(min=1))  # one host sync per optimizer step
         for param in parameters:
             if param.grad is not None:
                 param.grad.div_(count)
-        self.positions = None
+        self.positions, self.loss = None, 0.0
 
 
 @dataclass(frozen=True)
@@ -199,7 +208,7 @@ class DistillationStep(nn.Module):
     ) -> dict:
         """The training loss (``loss``, with a graph) and its parts (detached) for ``batch``.
 
-        ``row_scale``: the weight of each distilled position (1 / the global number of distilled tokens).
+        ``row_scale``: the weight of each distilled position (``AccumulationWindow.row_scale``).
         ``positions``: distil only these sequence positions (sorted indices; None: all). Every position still gets
         its K/V; the student's layers >= l and both LM heads run for these positions only."""
         settings, head_weight = self.settings, self.model.lm_head.weight
