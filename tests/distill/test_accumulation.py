@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from swiftkv_distill import DistillDataModule, SwiftKVDistillation
+from swiftkv_distill.callbacks import BudgetProgress
 from tests.distill.conftest import quiet_trainer
 
 
@@ -54,3 +55,16 @@ def test_accumulated_batches_step_as_one_batch_of_all_their_rows(tiny_model, tex
         assert step_one.keys() == step_accumulated.keys() and step_one
         for name, grad in step_one.items():
             torch.testing.assert_close(step_accumulated[name], grad, rtol=1e-4, atol=1e-9, msg=name)
+
+
+def test_a_spent_budget_stops_at_the_end_of_a_window(tiny_model, text_file, tmp_path):
+    """The time budget is checked after each batch, but a stop waits for the window's last batch: stopping inside a
+    window would drop its gradients, or end the run before its first step (here: a budget spent by the first batch)."""
+    dm = DistillDataModule(str(tiny_model), [str(text_file)], max_length=16, batch_size=1, max_train_rows=8)
+    module = SwiftKVDistillation(str(tiny_model), num_key_value_layers=2, evaluate_before_training=False,
+                                 kv_init="published")  # fmt: skip
+    record = StepRecord()
+    trainer = quiet_trainer(tmp_path, max_steps=5, accumulate_grad_batches=3, limit_val_batches=0,
+                            num_sanity_val_steps=0, callbacks=[BudgetProgress(1e-9), record])  # fmt: skip
+    trainer.fit(module, dm)
+    assert trainer.global_step == 1 and len(record.positions) == 3  # one window of 3 batches, one step

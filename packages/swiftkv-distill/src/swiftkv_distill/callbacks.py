@@ -181,7 +181,7 @@ class BudgetProgress(L.Callback):
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         if not trainer.is_global_zero:
-            return self._stop_if_spent(trainer, pl_module)
+            return self._stop_if_spent(trainer, pl_module, batch_idx)
         if self._bar is None:
             from tqdm.auto import tqdm
 
@@ -199,11 +199,15 @@ class BudgetProgress(L.Callback):
         postfix["ETA"] = f"{(self.budget - spent) / 60:.1f} min"
         self._bar.set_postfix(postfix, refresh=False)
         self._bar.update(round(spent) - self._bar.n)
-        self._stop_if_spent(trainer, pl_module)
+        self._stop_if_spent(trainer, pl_module, batch_idx)
 
-    def _stop_if_spent(self, trainer, pl_module) -> None:
-        # rank 0's clock decides for every process (each reads its own): processes that stopped at different steps
-        # would wait for each other in the next collective for ever
+    def _stop_if_spent(self, trainer, pl_module, batch_idx: int) -> None:
+        # Only where an optimizer step just ended: a stop inside a gradient-accumulation window would drop its
+        # batches' gradients (or end a run before its first step). Rank 0's clock decides for every process (each
+        # reads its own): processes that stopped at different steps would wait for each other in the next collective.
+        done = batch_idx + 1
+        if done % trainer.accumulate_grad_batches and done != trainer.num_training_batches:
+            return
         if trainer.strategy.broadcast(pl_module.train_seconds >= self.budget):
             trainer.should_stop = True
 
