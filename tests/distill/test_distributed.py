@@ -321,7 +321,8 @@ def test_fsdp2_shards_bf16_frozen_weights_beside_fp32_trained_ones(tmp_path, tin
     """``frozen_dtype: bfloat16`` under FSDP2 (the GPU recipes): each process holds its shards of the teacher in bf16
     and of the trained weights in fp32 (their AdamW master weights), the K/V fit and the steps run, and the losses
     are the single process's, up to bf16's rounding in another batch split (the weights' updates then differ by up to
-    AdamW's step size wherever a gradient is near zero: the fp32 test above checks the weights exactly)."""
+    AdamW's step size wherever a gradient is near zero: the fp32 test above checks the weights exactly). The sharded
+    run accumulates its gradients over 2 batches a step."""
     import json
 
     fsdp2 = {
@@ -338,8 +339,11 @@ def test_fsdp2_shards_bf16_frozen_weights_beside_fp32_trained_ones(tmp_path, tin
     single_cfg, single_out = _config(
         tmp_path, tiny_model, text_file, "single", 4, "auto", callbacks=dtypes, **mixed
     )
+    # each process's 2 rows of a step as a window of 2 batches of 1 row: the gradients summed as sharded
+    # tensors, then made the mean over both processes' 4 rows (step.AccumulationWindow)
+    accumulated = mixed | {"trainer": {"precision": "bf16-mixed", "accumulate_grad_batches": 2}}
     sharded_cfg, sharded_out = _config(
-        tmp_path, tiny_model, text_file, "sharded", 2, fsdp2, callbacks=dtypes, **mixed
+        tmp_path, tiny_model, text_file, "sharded", 1, fsdp2, callbacks=dtypes, **accumulated
     )
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     app = str(ROOT / "apps" / "distill.py")
