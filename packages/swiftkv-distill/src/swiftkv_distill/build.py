@@ -259,7 +259,7 @@ def distillation_step(hp, device: torch.device, trainer, settings, weights: bool
     # A checkpoint stored in the frozen dtype (Llama's bf16) is read in it, and only the trained weights widened, in
     # half the host memory (70B: 141 GB, not 282 GB): the values of reading it all in fp32, but for those computed
     # as the model is built (AcrossKV's group means, LoRA's random start), computed in bf16
-    load = frozen if weights and stored_dtype(hp.model) == frozen else trained
+    load = frozen if frozen != trained and weights and stored_dtype(hp.model) == frozen else trained
     model = build_swiftkv_model(hp.model, hp.num_key_value_layers, hp.key_value_group_size, load, attention,
                                 hp.lora_rank, hp.lora_prefix, weights)  # fmt: skip
     model.train()  # dropout is 0 in these families; train() only matters for the module flags
