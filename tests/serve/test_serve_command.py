@@ -88,8 +88,6 @@ def test_api_key_options(tmp_path):
     # as vLLM: keys on the command line replace the environment's
     _, env, _ = cli.server_environment(["--api-key", "k4"], environ)
     assert env == {auth.KEYS_VARIABLE: "k4"}
-    with pytest.raises(ValueError, match="--api-k: write --api-key in full"):
-        cli.server_environment(["--api-k", "k5"], {})  # vLLM's parser takes the abbreviation
     for given, keys in (
         (["--api-key", "a", "b", "--port", "1"], "a\nb"),
         (["--api_key=a", "--port", "1"], "a"),
@@ -150,6 +148,38 @@ def test_options_are_read_as_vllms_parser_reads_them(tmp_path):
     with pytest.raises(ValueError, match="not valid YAML at line 3") as error:
         cli.server_environment(options, {})
     assert "sk-secret" not in str(error.value)
+
+
+def test_abbreviations_of_the_options_read_here_are_refused(tmp_path):
+    """vLLM's parser takes an abbreviation (``--max-model 512``) for its option, and this command reads names in
+    full: an abbreviation of a name it reads is refused, on the command line and in the ``--config`` file; full
+    names, underscore spellings and other options pass."""
+    from vllm.entrypoints.launchers.cli_args import make_arg_parser
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    vllm_parser = make_arg_parser(FlexibleArgumentParser())
+    vllm_names = {name for action in vllm_parser._actions for name in action.option_strings}
+    assert set(cli.READ_OPTIONS) <= vllm_names
+    assert vllm_parser.parse_args(["--model", "m", "--max-model", "512"]).max_model_len == 512
+    for given, message in (
+        (["--max-model", "512"], "--max-model: write --max-model-len in full"),
+        (["--max_model=512"], "--max-model: write --max-model-len in full"),
+        (["--port", "1", "--api-k", "secret"], "--api-k: write --api-key in full"),
+        (["--dt", "float32"], "--dt: write --dtype in full"),
+        (["--kv-cache-mem", "1G"], "--kv-cache-mem: write --kv-cache-memory-bytes in full"),
+    ):
+        with pytest.raises(ValueError, match=message):
+            cli.check_full_names(given)
+    config = tmp_path / "serve.yaml"
+    config.write_text("max_num: 2\n")
+    with pytest.raises(ValueError, match="--max-num: write --max-num-seqs in full"):
+        cli.check_full_names(["--config", str(config)])
+    config.write_text("max_num_seqs: 2\n")
+    for given in (
+        ["--config", str(config), "--max_model_len", "512", "--kv-cache-dtype", "fp8", "--api-key=k"],
+        ["--max-num-batched-tokens", "64", "--kv-cache-dtype-skip-layers", "0", "--", "--max"],
+    ):
+        cli.check_full_names(given)
 
 
 def test_available_memory_is_the_control_groups_where_it_has_a_limit(tmp_path):

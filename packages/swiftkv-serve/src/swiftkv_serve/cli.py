@@ -80,6 +80,7 @@ def main(argv: list[str] | None = None) -> None:
     try:
         print(describe(args.checkpoint), flush=True)
         options = list(args.vllm_options)
+        check_full_names(options)
         options += cpu_dtype_options(Path(args.checkpoint), options)
         options += cpu_kv_cache_options(Path(args.checkpoint), options, os.environ)
         options, environment, authentication = server_environment(options, os.environ)
@@ -104,7 +105,8 @@ def quiet_environment(environment: dict) -> dict:
 def option_value(options: list[str], name: str) -> str | None:
     """The value of ``--name VALUE`` or ``--name=VALUE`` in ``options`` (the last one given), else ``None``; as
     vLLM's parser reads them: dashes or underscores in the name, and after the keys of a ``--config`` YAML file.
-    Not argparse's abbreviations (``--max-model 512``), which vLLM's parser also takes: write names in full."""
+    Not argparse's abbreviations (``--max-model 512``), which vLLM's parser also takes: ``check_full_names``
+    refuses those of the names read here."""
     value = config_file_settings(options).get(name[2:])
     value = None if value is None else str(value)
     for i, option in enumerate(options):
@@ -115,6 +117,34 @@ def option_value(options: list[str], name: str) -> str | None:
             elif i + 1 < len(options):
                 value = options[i + 1]
     return value
+
+
+# the vLLM options this command reads (the CPU's dtype and KV cache size, the API key)
+READ_OPTIONS = (
+    "--api-key",
+    "--config",
+    "--dtype",
+    "--gpu-memory-utilization",
+    "--kv-cache-dtype",
+    "--kv-cache-memory-bytes",
+    "--max-model-len",
+    "--max-num-seqs",
+)
+
+
+def check_full_names(options: list[str]) -> None:
+    """Raises ``ValueError`` for an abbreviation of an option in ``READ_OPTIONS`` (``--max-model 512``, or
+    ``max-model: 512`` in the ``--config`` file): vLLM's parser would take it for the option, and this command,
+    which reads names in full, would miss it (an API key would stay on the command line, unguarded)."""
+    # options end at a bare "--", as in vLLM's parser
+    given = options[: options.index("--")] if "--" in options else options
+    names = [_option_name(option.partition("=")[0]) for option in given if option.startswith("--")]
+    for name in names + ["--" + key for key in config_file_settings(options)]:
+        full = next((read for read in READ_OPTIONS if read.startswith(name) and read != name), None)
+        if full is not None:
+            raise ValueError(
+                f"{name}: write {full} in full (vLLM would take it for {full}, which this command reads)"
+            )
 
 
 def _option_name(given: str) -> str:
@@ -326,10 +356,6 @@ def _without_api_key(options: list[str]) -> tuple[list[str], list[str]]:
         given, equals, value = options[index].partition("=")
         name = _option_name(given)
         index += 1
-        if name.startswith("--api-k") and name != "--api-key":
-            raise ValueError(
-                f"{given}: write --api-key in full (the key would stay on the command line, unguarded)"
-            )
         if name != "--api-key":
             kept.append(options[index - 1])
             continue
