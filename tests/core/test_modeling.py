@@ -334,3 +334,16 @@ def test_a_cast_model_keeps_its_rope_frequencies_and_is_the_model_loaded_in_that
         assert torch.equal(
             model(ids, position_ids=positions).logits, loaded(ids, position_ids=positions).logits
         )
+
+
+def test_swiftkv_key_value_on_another_device_than_the_rotary_embedding():
+    """A model split across devices (``device_map``) computes a layer's K/V on the layer's device while the rotary
+    embedding's cos/sin stay on its own; only a module's forward moves its inputs. Here the layer sits on the meta
+    device and the cos/sin on the CPU."""
+    model = convert(tiny_base("llama"), 2).eval()
+    x = torch.randn(1, 5, 64)
+    cos, sin = model.model.rotary_emb(x, torch.arange(5)[None])
+    attention = model.model.layers[3].self_attn.to("meta")
+    key, value = attention.swiftkv_key_value(x.to("meta"), (cos, sin))
+    assert key.device.type == value.device.type == "meta"
+    assert key.shape == value.shape == (1, 2, 5, 16)

@@ -53,6 +53,16 @@ def num_kv_cache_layers(
     return num_key_value_layers + (num_hidden_layers - num_key_value_layers) // key_value_group_size
 
 
+# transformers' tensor-parallel plan (``from_pretrained(..., distributed_config=DistributedConfig(tp_plan="auto"))``)
+# for the projections SwiftKV adds: split by heads as the family's q/k/v, so each process's o_proj (split by its
+# input) gets its own heads; the other added weights (norm_swiftkv) are replicated
+SWIFTKV_TP_PLAN = {
+    "layers.*.self_attn.q_proj_swiftkv": "colwise",
+    "layers.*.self_attn.k_proj_swiftkv": "colwise",
+    "layers.*.self_attn.v_proj_swiftkv": "colwise",
+}
+
+
 class SwiftKVConfigMixin:
     """Validation and layer bookkeeping shared by every SwiftKV config (the AcrossKV group arithmetic lives here).
 
@@ -142,6 +152,7 @@ class LlamaSwiftKVConfig(SwiftKVConfigMixin, LlamaConfig):
     """``LlamaConfig`` + SwiftKV keys. Also used for Mistral checkpoints (same layer structure)."""
 
     model_type = "llama_swiftkv"
+    base_model_tp_plan = {**LlamaConfig.base_model_tp_plan, **SWIFTKV_TP_PLAN}
 
     swiftkv: bool = False
     num_key_value_layers: int | None = None
@@ -164,6 +175,7 @@ class Qwen2SwiftKVConfig(SwiftKVConfigMixin, Qwen2Config):
     """``Qwen2Config`` + SwiftKV keys. Sliding-window attention is not supported (Qwen2.5 does not use it)."""
 
     model_type = "qwen2_swiftkv"
+    base_model_tp_plan = {**Qwen2Config.base_model_tp_plan, **SWIFTKV_TP_PLAN}
 
     swiftkv: bool = False
     num_key_value_layers: int | None = None

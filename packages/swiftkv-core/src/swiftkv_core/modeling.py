@@ -135,7 +135,10 @@ class SwiftKVAttentionMixin:
         shape = (*swiftkv_input.shape[:-1], -1, self.head_dim)
         key = self.k_proj_swiftkv(swiftkv_input).view(shape).transpose(1, 2)
         value = self.v_proj_swiftkv(swiftkv_input).view(shape).transpose(1, 2)
-        return _rope(key, position_embeddings), value
+        # on the projection's device: with a model split across devices (device_map), the rotary embedding's
+        # cos/sin are on its own device, and only the forward of a module moves its inputs
+        cos, sin = (t.to(key.device) for t in position_embeddings)
+        return _rope(key, (cos, sin)), value
 
     # Set where each decoder layer is compiled alone (regional compilation, as distillation's compiled layers are):
     # then, in a compiled layer, flex_attention runs outside the layer's graph, as eager runs it.
@@ -720,6 +723,11 @@ class SwiftKVForCausalLMMixin:
                     for kind, names in problems.items()
                 )
                 + ". Fix config.json to the values the weights were trained with, or re-export the checkpoint."
+            )
+        if model.config.lora_rank and (model.tp_size or 1) > 1:
+            raise ValueError(
+                f"This checkpoint has rank-{model.config.lora_rank} adapters, which the tensor-parallel plan does not "
+                "split: export it for serving (export_for_serving merges them into the weights) and load that."
             )
         return (model, info) if return_info else model
 
