@@ -303,6 +303,30 @@ def test_when_rank_0_cannot_load_the_model_every_process_stops(tmp_path, tiny_mo
     assert rank_1 in output, output
 
 
+@pytest.mark.distributed
+def test_a_tensor_parallel_mesh_is_refused_before_any_weight_is_read(tmp_path, tiny_model, text_file):
+    """ModelParallelStrategy with a tensor-parallel dimension (Lightning's ``auto`` sizes on one node give it every
+    GPU): each process would train its own unsharded replica on its own batches. Both processes stop at once, with
+    the sizes to set."""
+    strategy = {
+        "class_path": "lightning.pytorch.strategies.ModelParallelStrategy",
+        "init_args": {"data_parallel_size": 1, "tensor_parallel_size": 2, "timeout": "0:02:00"},
+    }
+    config, out = _config(tmp_path, tiny_model, text_file, "tp", 2, strategy, model={"kv_init": "published"})
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    fabric = shutil.which("fabric", path=str(Path(sys.executable).parent))
+    result = subprocess.run(
+        [fabric, "run", "--accelerator", "cpu", "--devices", "2", str(ROOT / "apps" / "distill.py"),
+         "--config", str(config)],
+        env=env, cwd=tmp_path, timeout=300, capture_output=True, text=True,
+    )  # fmt: skip
+    output = result.stdout + result.stderr
+    assert result.returncode != 0
+    fix = "--trainer.strategy.data_parallel_size 2 --trainer.strategy.tensor_parallel_size 1"
+    assert output.count("ModelParallelStrategy has tensor_parallel_size 2") == 2 and fix in output, output
+    assert not (out / "export").exists()
+
+
 class ShardDtypes(L.Callback):
     """Writes ``dtypes-rank<r>.json``: the dtypes of the process's shards of the frozen and of the trained weights."""
 

@@ -1,8 +1,8 @@
 """The SwiftKV distillation LightningModule, on the one model definition of swiftkv_core.
 
-One copy of the base weights, frozen; the SwiftKV projections (and an optional early-exit head) train. The model
-is built in build.py, the step and its loss are in step.py, the FSDP2 sharding in parallelize.py, the learning-rate
-schedule in schedule.py and the HF export in export.py; this file wires them into Lightning's hooks.
+One copy of the base weights, frozen; the SwiftKV projections (and an optional early-exit head) train. The model is
+built in build.py, the step and its loss in step.py, the FSDP2 sharding in parallelize.py, the learning-rate
+schedule in schedule.py, the HF export in export.py; this file wires them into Lightning's hooks.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from .build import (
     distillation_step,
     warn_if_bf16_emulated,
 )
-from .parallelize import shard_from_rank0
+from .parallelize import check_data_parallel_only, shard_from_rank0
 from .schedule import FIRST_STEP_FLOOR, check_optimizer_settings, lr_factor, run_progress, total_steps
 from .step import (
     AccumulationWindow,
@@ -186,6 +186,7 @@ class SwiftKVDistillation(L.LightningModule):
             return
         device = self._root_device()
         check_precision(device, self._trainer)
+        check_data_parallel_only(self.device_mesh)
         with torch.device("meta"):  # what the run holds throughout, sized before any weight is read
             sized = self.build_step(weights=False)
         check_fits(device, sized, self.hparams.model, self._world_size() if self.device_mesh else 1)
@@ -423,9 +424,8 @@ class SwiftKVDistillation(L.LightningModule):
     # --- checkpoints -------------------------------------------------------------------------------------------
     def on_save_checkpoint(self, checkpoint: dict) -> None:
         pause_point("checkpoint-save")  # inside Trainer.save_checkpoint: the file is not written yet
-        # The frozen base weights are the pretrained checkpoint (hparams.model): keep only what training changed.
-        # Under FSDP2 (a distributed checkpoint: each rank writes its own shards) the loader wants every key, so
-        # the sharded state is kept whole there.
+        # The frozen base weights are the pretrained checkpoint (hparams.model): keep only what training changed;
+        # under FSDP2 all (a distributed checkpoint, each rank's shards: the loader wants every key).
         if self.device_mesh is None:
             state = checkpoint["state_dict"]
             checkpoint["state_dict"] = {k: v for k, v in state.items() if is_trained_name(k)}

@@ -13,6 +13,21 @@ from .step import DistillationStep
 FORWARD_METHODS = ("evaluate", "teacher_pass")
 
 
+def check_data_parallel_only(device_mesh) -> None:
+    """Refuses the device mesh of Lightning's ModelParallelStrategy (``None`` under any other strategy) where it has
+    a tensor-parallel dimension: FSDP2 shards over the data-parallel one alone, so each tensor-parallel rank would
+    train its own unsharded replica on its own batches, its gradients never averaged. Lightning's ``auto`` sizes
+    give tensor parallelism the GPUs of a node."""
+    names = (device_mesh.mesh_dim_names or ()) if device_mesh is not None else ()
+    tensor_parallel = device_mesh["tensor_parallel"].size() if "tensor_parallel" in names else 1
+    if tensor_parallel != 1:
+        raise ValueError(
+            f"ModelParallelStrategy has tensor_parallel_size {tensor_parallel}, and distillation has no tensor "
+            "parallelism (FSDP2 shards over the data-parallel processes): set --trainer.strategy.data_parallel_size "
+            f"{device_mesh.size()} --trainer.strategy.tensor_parallel_size 1 (as the GPU recipes do)."
+        )
+
+
 def parallelize(step: DistillationStep, mesh, reshard_after_forward: bool = True) -> DistillationStep:
     """Shard ``step`` with FSDP2 over the 1-D data-parallel ``mesh``, in place: one unit per decoder layer, the
     shared K/V projections their own units, and the step itself as the root (embeddings, norms, LM heads)."""
