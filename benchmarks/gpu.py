@@ -42,8 +42,10 @@ RESULTS = Path(__file__).parent / "results"
 # dense bf16 TFLOP/s (vendors' datasheets; the first name the device's contains: the PCIe and NVL cards before the SXM)
 PEAK_BF16_TFLOPS = {"H100 PCIe": 756.0, "H100 NVL": 835.0, "H200 NVL": 835.0, "H100": 989.0, "H200": 989.0,
                     "A100": 312.0, "L40S": 362.0}  # fmt: skip
-# memory bandwidth, TB/s (datasheets; the first name the device's contains: the PCIe and NVL H100s before the SXM)
-HBM_TBPS = {"H100 PCIe": 2.0, "H100 NVL": 3.9, "H100": 3.35, "H200": 4.8, "A100": 2.0, "L40S": 0.864}
+# memory bandwidth, TB/s (datasheets; the first name the device's contains: the PCIe and NVL H100s before the SXM;
+# a GH200's name does not tell its 4.0 from its 4.9: none, give --hbm_tbps)
+HBM_TBPS = {"H100 PCIe": 2.0, "H100 NVL": 3.9, "H100": 3.35, "GH200": None, "H200": 4.8, "A100": 2.0,
+            "L40S": 0.864}  # fmt: skip
 
 
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
@@ -249,30 +251,35 @@ def main(
     name = device_description(device)
     peak = peak_tflops or next((v for k, v in PEAK_BF16_TFLOPS.items() if k in name), None)
     tbps = hbm_tbps or next((v for k, v in HBM_TBPS.items() if k in name), None)
-    model, l = random_swiftkv_model(shape, num_key_value_layers, device, dtype, 1, num_hidden_layers)
-    result = {"shape": shape, "num_key_value_layers": l, "num_hidden_layers": model.config.num_hidden_layers,
+    depth = num_hidden_layers or SHAPES[shape]["num_hidden_layers"]
+    l = depth // 2 if num_key_value_layers is None else num_key_value_layers
+    result = {"shape": shape, "num_key_value_layers": l, "num_hidden_layers": depth,
               "device": name, "peak_bf16_tflops": peak, "hbm_tbps": tbps, "versions": stack_versions(),
               "command": shlex.join(["python3", "benchmarks/gpu.py", *sys.argv[1:]])}  # fmt: skip
     partial = "" if set(parts) == set(PARTS) else "-" + "-".join(p for p in PARTS if p in parts)
     out = Path(out or RESULTS / f"gpu-{shape}{partial}{'' if device == 'cuda' else '-' + device}")
-    if "prefill" in parts:
+    # each part's figures are written as it ends: a later part may fail (a compiled case refused, out of memory)
+    if {"prefill", "decode"} & set(parts):
+        model, _ = random_swiftkv_model(shape, l, device, dtype, 1, num_hidden_layers)
         lengths = prefill_lengths or [2048, 8192, 32768]
         bandwidth = tbps * 1e12 if tbps else None
-        result["prefill"] = prefill_rows(model, lengths, tuple(packed_prefill), repeats, None, bandwidth)
-        if prefill_compile:
-            # the eager rows kept should a compiled case be refused
+        if "prefill" in parts:
+            result["prefill"] = prefill_rows(model, lengths, tuple(packed_prefill), repeats, None, bandwidth)
             write(result, out, show=False)
+        if "decode" in parts:
+            result["decode"] = decode_tpot(model, lengths[0], decode_tokens)
+            write(result, out, show=False)
+        if "prefill" in parts and prefill_compile:
             # tiny: the batched case alone (a compile per case and side is the test's cost)
             compiled_lengths = [] if tiny else lengths
             result["prefill"] += prefill_rows(
                 model, compiled_lengths, tuple(packed_prefill), repeats, prefill_compile, bandwidth
             )
-        write(result, out, show=False)  # each part's figures kept as it ends: a later part may fail
-    if "decode" in parts:
-        result["decode"] = decode_tpot(model, prefill_lengths[0] if prefill_lengths else 2048, decode_tokens)
-        write(result, out, show=False)
-    del model
-    release_device_memory(device)  # the compiled prefill's graphs and CUDA graph pools went on holding memory
+            write(result, out, show=False)
+        del model
+        release_device_memory(
+            device
+        )  # the compiled prefill's graphs and CUDA graph pools went on holding memory
     if "kv_cache" in parts:
         result["kv_cache"] = kv_bytes(shape, l, device, dtype, 512 if tiny else 2048, num_hidden_layers)
         write(result, out, show=False)

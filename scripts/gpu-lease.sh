@@ -18,7 +18,7 @@
 #               with dynamic shapes: compile times and timed forwards (benchmarks/results/prefill-compile-dynamic.py;
 #               not yet run on a GPU: about 4 by the H100's 55 s per static length)
 #   distill     benchmarks/gpu.py: the 8B distillation step, eager, compiled layers, activation checkpointing (2 on
-#               an H200); GPU_LEASE_DISTILL_FLAGS replaces the last two (e.g. '--compile_layers true' alone)
+#               an H200); GPU_LEASE_DISTILL_FLAGS replaces the last two (e.g. '--compile_layers true' alone; empty: eager alone)
 #   quickstart  the main job on the GPU (`--accelerator gpu`, short settings, no serving: vLLM cannot run there)
 #               with RANDOM weights of the default model's shape (the real weights exceed what a call carries):
 #               it checks that every stage runs on the GPU, not the quality figures (5.3, of which 1.8 compile the
@@ -107,7 +107,7 @@ tests/distill/test_module.py -q -p no:cacheprovider --tb=short" ;;
     distill)
         limit=540
         command="python3 benchmarks/gpu.py --parts '[distill]' --frozen '[bf16]' \
-${GPU_LEASE_DISTILL_FLAGS:---activation_checkpointing true --compile_layers true} --out $OUT/gpu-distill" ;;
+${GPU_LEASE_DISTILL_FLAGS---activation_checkpointing true --compile_layers true} --out $OUT/gpu-distill" ;;
     prefill-dynamic)
         limit=420
         command="for kind in static dynamic; do TORCHINDUCTOR_CACHE_DIR=\$(mktemp -d) \

@@ -141,7 +141,8 @@ def test_a_setup_out_of_device_memory_is_a_row_and_the_others_still_run(monkeypa
 
 
 def test_each_part_is_written_as_it_ends(monkeypatch, tmp_path):
-    """A part that fails (here the distillation's data, by a stand-in) leaves the parts before it on disk."""
+    """A part that fails (here the distillation's data, by a stand-in) leaves the parts before it on disk; so does a
+    compiled prefill, after the eager rows and decode."""
     import swiftkv_distill.bench
 
     def no_data(*args, **kwargs):
@@ -154,6 +155,17 @@ def test_each_part_is_written_as_it_ends(monkeypatch, tmp_path):
     written = json.loads((tmp_path / "gpu-parts.json").read_text())
     assert written["kv_cache"] and "distill" not in written
     assert "## KV cache" in (tmp_path / "gpu-parts.md").read_text()
+    # a compiled prefill refused (its logits off the eager ones, by a stand-in) comes after the eager rows and decode
+    import swiftkv_core.generation
+
+    def refused(*args, **kwargs):
+        raise RuntimeError("the compiled logits differ")
+
+    monkeypatch.setattr(swiftkv_core.generation, "check_compiled_prefill", refused)
+    with pytest.raises(RuntimeError, match="logits differ"):
+        load_benchmark().main(tiny=True, out=out, parts=["prefill", "decode"], prefill_compile="default")
+    written = json.loads((tmp_path / "gpu-parts.json").read_text())
+    assert written["decode"] and {row["forward"] for row in written["prefill"]} == {"eager"}
 
 
 def test_bad_sizes_are_refused_and_a_partial_run_keeps_the_full_results(monkeypatch, tmp_path):
