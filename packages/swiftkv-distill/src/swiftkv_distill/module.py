@@ -277,7 +277,7 @@ class SwiftKVDistillation(L.LightningModule):
         floor = max(1.0 / (total + 1), FIRST_STEP_FLOOR)
 
         def factor(step: int) -> float:
-            elapsed = self.train_seconds if self._fit_started is not None else None
+            elapsed = self.train_seconds if hp.schedule_seconds and self._fit_started is not None else None
             progress = run_progress(step, total, elapsed, hp.schedule_seconds)
             return lr_factor(progress, hp.warmup_fraction, hp.min_lr_ratio, floor)
 
