@@ -2,7 +2,8 @@
 prefill cheaper), and the logits equal sdpa's, on a Llama (g=1) and, for the main cases, a Qwen2 with AcrossKV (g=2).
 flex_attention compiles its kernels on first use (about ten seconds a shape on a CPU). flash_attention_2 runs
 flash-attn where it is installed with a GPU; elsewhere transformers' flash path runs on the CPU with flash-attn's
-kernels written in plain PyTorch (``tests/flash_reference.py``), which a ``gpu`` test compares with flash-attn."""
+kernels written in plain PyTorch (``tests/flash_reference.py``), which a ``gpu`` test compares with flash-attn; so
+does a flash-attn kernel from the hub (``kernels-community/flash-attn3``) by the same path."""
 
 from __future__ import annotations
 
@@ -12,12 +13,20 @@ import importlib.util
 
 import pytest
 import torch
+from transformers import AttentionInterface
+from transformers.integrations.flash_attention import flash_attention_forward
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, flash_attention_mask
 
 from swiftkv_core.convert import convert
 from tests.conftest import FLEX_HEADS, tiny_base
 from tests.flash_reference import flash_attention_2_on_the_reference
 
-IMPLEMENTATIONS = ["eager", "sdpa", "flex_attention", "flash_attention_2"]
+# a flash-attn kernel from the hub (FA3 on Hopper), registered as transformers registers one it downloads (its
+# flash-attn entry points through transformers' flash path and mask), here with the reference kernels: no hub
+HUB_FLASH = "kernels-community/flash-attn3"
+AttentionInterface.register(HUB_FLASH, flash_attention_forward)
+ALL_MASK_ATTENTION_FUNCTIONS.register(HUB_FLASH, flash_attention_mask)
+IMPLEMENTATIONS = ["eager", "sdpa", "flex_attention", "flash_attention_2", HUB_FLASH]
 FLASH_ATTN = importlib.util.find_spec("flash_attn") is not None and torch.cuda.is_available()
 
 
@@ -64,10 +73,11 @@ def swift_family(request, swift):
 
 def model_and_kernels(swift, implementation: str):
     """The model to run ``implementation`` on and the kernels' context: for flash_attention_2 a bf16 copy on the GPU
-    (flash-attn takes no fp32) where flash-attn is installed, else the CPU model on the reference kernels."""
-    if not implementation.startswith("flash"):
+    (flash-attn takes no fp32) where flash-attn is installed, else (and for the hub kernel) the CPU model on the
+    reference kernels."""
+    if "flash" not in implementation:
         return swift, contextlib.nullcontext()
-    if FLASH_ATTN:
+    if FLASH_ATTN and implementation == "flash_attention_2":
         return copy.deepcopy(swift).to("cuda", torch.bfloat16), contextlib.nullcontext()
     return swift, flash_attention_2_on_the_reference()
 
@@ -188,7 +198,7 @@ def test_packed_rows_given_one_row_of_positions_match_the_whole_forward(swift_fa
                 ),
             )
             kept = slice(-keep, None) if isinstance(keep, int) else keep
-            expected_rows = 24 if implementation.startswith("flash") else len(whole[0, kept])
+            expected_rows = 24 if "flash" in implementation else len(whole[0, kept])
             assert rows == {expected_rows}
             torch.testing.assert_close(
                 out["logits"], whole[:, kept], atol=2e-5 if device == "cpu" else 2e-2, rtol=0
@@ -196,7 +206,7 @@ def test_packed_rows_given_one_row_of_positions_match_the_whole_forward(swift_fa
     model.config._attn_implementation = "sdpa"
 
 
-@pytest.mark.parametrize("implementation", ["flex_attention", "flash_attention_2"])
+@pytest.mark.parametrize("implementation", ["flex_attention", "flash_attention_2", HUB_FLASH])
 def test_packed_rows_over_several_blocks_match_sdpa(swift, implementation):
     """Rows longer than flex_attention's 128-token blocks (blocks a sequence cannot see skipped, blocks cut by a
     sequence's start masked), a one-token sequence, a row ending in padding (collate's: positions restarting, its own
@@ -214,7 +224,7 @@ def test_packed_rows_over_several_blocks_match_sdpa(swift, implementation):
         model.config._attn_implementation = implementation
         out = model(ids, position_ids=positions, use_cache=False).logits
         torch.testing.assert_close(out, whole, atol=atol, rtol=0)
-        keeps = [5] if implementation.startswith("flash") else [5, torch.tensor([0, 129, 130, 131, 250, 299])]
+        keeps = [5] if "flash" in implementation else [5, torch.tensor([0, 129, 130, 131, 250, 299])]
         for keep in keeps:
             kept = slice(-keep, None) if isinstance(keep, int) else keep.to(device)
             out = model(ids, position_ids=positions, use_cache=False, logits_to_keep=keep).logits

@@ -32,6 +32,7 @@ from torch import nn
 from torch.nn.attention.flex_attention import create_block_mask
 from torch.utils.checkpoint import checkpoint
 from transformers import DynamicCache
+from transformers.integrations.flash_attention import flash_attention_forward
 from transformers.masking_utils import (
     and_masks,
     causal_mask_function,
@@ -369,7 +370,7 @@ class SwiftKVModelMixin:
         length = inputs_embeds.shape[1]
         implementation = config._attn_implementation
         plain = (
-            (implementation == "sdpa" or implementation.startswith("flash_attention"))
+            (implementation == "sdpa" or _runs_flash_attn(implementation))
             and length > 1
             and _plain_prompt(attention_mask, position_ids, past_seen, length)
         )
@@ -390,7 +391,7 @@ class SwiftKVModelMixin:
         # kernels)
         sdpa_is_causal = plain and past_seen == 0 and implementation == "sdpa"
         causal_mask = None if sdpa_is_causal else create_causal_mask(**mask_kwargs)
-        if implementation.startswith("flash_attention"):
+        if _runs_flash_attn(implementation):
             kwargs = {**_flash_varlen_kwargs(mask_kwargs), **kwargs}  # the caller's own win
         subset = config.swiftkv and keep is not None
         subset_mask = _kept_rows_mask(mask_kwargs, causal_mask, keep, plain, kwargs) if subset else None
@@ -520,6 +521,14 @@ def _plain_prompt(attention_mask, position_ids, past_seen: int, length: int) -> 
 NO_SUBSET = object()  # ``_kept_rows_mask``: the attention implementation cannot run the kept rows alone
 
 
+def _runs_flash_attn(implementation: str) -> bool:
+    """Whether ``implementation`` runs transformers' flash-attn path: ``flash_attention_2/3/4``, or a kernel from the
+    hub with flash-attn's entry points (``"kernels-community/flash-attn3"``, registered to the same path). Its
+    padding mask is passed as it is, its causal mask aligned to the bottom-right corner, and packed rows need its
+    variable-length arguments."""
+    return ALL_ATTENTION_FUNCTIONS.get(implementation) is flash_attention_forward
+
+
 def _kept_rows_mask(mask_kwargs: dict, causal_mask, keep, plain: bool, attention_kwargs: dict):
     """The attention mask of layers ``>= l`` when they run for the kept query positions only, for the model's
     attention implementation; ``NO_SUBSET`` where it cannot express one (those layers then run for every position,
@@ -532,8 +541,8 @@ def _kept_rows_mask(mask_kwargs: dict, causal_mask, keep, plain: bool, attention
       is prompt length squared: 1 GiB at 32k tokens, 16 GiB at 128k); otherwise (padding, packing, a 4-D mask)
       layers < l hold transformers' full mask anyway, and the kept rows are taken from it, not from a second one;
     - flex_attention: a block mask of the kept rows (blocks a kept row cannot see are skipped);
-    - flash_attention_*: flash-attn aligns its causal mask to the bottom-right corner, which is what the LAST rows
-      need (``logits_to_keep=N``, what ``generate`` asks for); its mask is the padding mask as it is. Other row
+    - flash-attn (``_runs_flash_attn``): its causal mask is aligned to the bottom-right corner, which is what the
+      LAST rows need (``logits_to_keep=N``, what ``generate`` asks for); its mask is the padding mask as it is. Other row
       subsets, and packed sequences, have no flash-attn form here: ours (``_flash_varlen_kwargs``), a caller's own
       variable-length arguments, and those transformers' flash path finds by itself in ONE row with no padding (from
       its positions, with a cache too: its rule, not sdpa's; an all-ones mask is no padding to it).
@@ -553,7 +562,7 @@ def _kept_rows_mask(mask_kwargs: dict, causal_mask, keep, plain: bool, attention
         if mask is not None and not (isinstance(mask, torch.Tensor) and mask.dim() == 2):
             return NO_SUBSET  # a caller's own 4-D mask or BlockMask: no kept-rows form of it here
         return _kept_rows_block_mask(mask_kwargs, keep)
-    if implementation.startswith("flash_attention") and isinstance(keep, slice):
+    if _runs_flash_attn(implementation) and isinstance(keep, slice):
         if "cu_seq_lens_q" in attention_kwargs:
             return NO_SUBSET
         if plain:
