@@ -275,6 +275,40 @@ def test_a_time_budget_stops_every_process_at_the_same_step(tmp_path, tiny_model
     assert _trained(out)
 
 
+class SlowExport(L.Callback):
+    """Rank 0's export takes 40 s (a 70B export to slow storage: longer than the process group's timeout)."""
+
+    def on_fit_end(self, trainer, pl_module):
+        if trainer.global_rank == 0:
+            time.sleep(40)
+
+
+@pytest.mark.distributed
+def test_the_other_processes_wait_for_rank_0s_export_past_the_process_groups_timeout(
+    tmp_path, tiny_model, text_file
+):
+    """Rank 0 writes the export alone, after the last collective; the others wait for it at the end of the job. A
+    wait bounded by the process group's timeout (here 20 s; Lightning's default is 30 min) ended them with an error,
+    and the launcher then stopped rank 0 mid-write: no export, a failed job."""
+    strategy = {
+        "class_path": "lightning.pytorch.strategies.ModelParallelStrategy",
+        "init_args": {"data_parallel_size": 2, "tensor_parallel_size": 1, "timeout": "0:00:20"},
+    }
+    config, out = _config(
+        tmp_path, tiny_model, text_file, "slow-export", 2, strategy, trainer={"max_steps": 1},
+        callbacks=[{"class_path": "tests.distill.test_distributed.SlowExport"}],
+        model={"compile_layers": False, "kv_init": "published"},
+    )  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    fabric = shutil.which("fabric", path=str(Path(sys.executable).parent))
+    subprocess.run(
+        [fabric, "run", "--accelerator", "cpu", "--devices", "2", str(ROOT / "apps" / "distill.py"),
+         "--config", str(config)],
+        check=True, env=env, cwd=tmp_path, timeout=300,
+    )  # fmt: skip
+    assert _trained(out)
+
+
 @pytest.mark.distributed
 def test_when_rank_0_cannot_load_the_model_every_process_stops(tmp_path, tiny_model, text_file):
     """The other processes wait for rank 0's weights: they must stop with its error, not wait in the broadcast until

@@ -42,15 +42,29 @@ def _with_fix(message: str) -> str:
     return message
 
 
+RANK0_DONE = "swiftkv-rank0-done"
+
+
 def _end_process_group() -> None:
-    """Under a launcher, wait for every rank (rank 0 may still be writing the export) and tear the process group
-    down before the interpreter exits: a rank that exits with it alive can abort in gloo's threads ("terminate
-    called without an active exception"), and the launcher then kills the others mid-write."""
+    """Under a launcher, wait for rank 0 (it may still be writing the export) and tear the process group down before
+    the interpreter exits: a rank that exits with it alive can abort in gloo's threads ("terminate called without an
+    active exception"), and the launcher then kills the others mid-write. The wait is on the launcher's store, not
+    a collective: a collective's wait ends at the process group's timeout (Lightning's 30 min; a 70B export to slow
+    storage takes longer), which failed the job and had the launcher kill rank 0 mid-write. A rank 0 that fails
+    ends the job through the launcher instead."""
+    from datetime import timedelta
+
     import torch.distributed as dist
 
-    if dist.is_available() and dist.is_initialized():
-        dist.barrier()
-        dist.destroy_process_group()
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    store = dist.distributed_c10d._get_default_store()
+    if dist.get_rank() == 0:
+        store.set(RANK0_DONE, "1")
+    else:
+        store.wait([RANK0_DONE], timedelta(days=7))
+    dist.barrier()
+    dist.destroy_process_group()
 
 
 if __name__ == "__main__":
