@@ -5,7 +5,7 @@ import torch
 from torch.testing import assert_close
 
 from swiftkv_core.convert import convert
-from swiftkv_core.kv_init import fit_kv_projections
+from swiftkv_core.kv_init import KVLeastSquares, fit_kv_projections
 from tests.conftest import tiny_base
 
 
@@ -154,6 +154,27 @@ def test_attention_weighting_is_the_weighted_least_squares_solution():
                 attn.v_proj_swiftkv.weight[cols].double(), solution[:, head_dim:].T, atol=2e-4, rtol=1e-3
             )
     assert 0 < report["explained/3"] < 1
+
+
+@torch.no_grad()
+@pytest.mark.parametrize(("family", "group"), [("llama", 1), ("qwen2", 2)])
+def test_the_fit_holds_its_normal_equations_and_no_attention_matrix(family, group):
+    """What a fit holds is known before it runs (``statistics_bytes``: the size check of a run) and is exactly what
+    it accumulates; under attention weighting each layer's ``heads x T x T`` probabilities are reduced to per-token
+    weights as the layer ends (at 8B and 8k tokens, 16 layers' matrices would take 69 GB)."""
+    model = convert(tiny_base(family), 2, group).swiftkv(False)
+    batch = _batches(n_batches=1)[0]
+    for weighting in ("uniform", "attention"):
+        with KVLeastSquares(model, weighting=weighting) as fit:
+            model(**batch)
+            weights = [t for (_, kind), t in fit._outputs.items() if kind == "a"]
+            assert len(weights) == (2 if weighting == "attention" else 0)
+            assert all(
+                t.shape == (batch["input_ids"].numel(), model.config.num_key_value_heads) for t in weights
+            )
+            fit.collect()
+        held = sum(t.numel() * t.element_size() for sums in (fit.xx, fit.xy) for t in sums.values())
+        assert held == fit.statistics_bytes(), weighting
 
 
 @torch.no_grad()

@@ -1,6 +1,8 @@
 """What ``swiftkv distill fit`` tells its user when a step does not fit the device: one line, where and when, and
 the recipe's keys that lower the memory (on a GPU for real: test_gpu.py)."""
 
+import re
+
 import pytest
 import torch
 from lightning.pytorch.callbacks import Callback
@@ -86,3 +88,33 @@ def test_the_size_check_counts_what_a_real_step_holds(tiny_model):
         t for state in optimizer.state.values() for t in state.values() if t.ndim
     ]  # not the step count
     assert sized == storage_bytes([*step.parameters(), *(p.grad for p in trained), *moments])
+
+
+def test_a_kv_fit_that_cannot_hold_its_normal_equations_is_refused_before_reading_weights(
+    tiny_model, text_file, tmp_path
+):
+    """The least-squares K/V fit holds float64 normal equations whole on every process: with attention weighting,
+    one ``hidden x hidden`` matrix per layer group and KV head (at Llama-3.1-70B 177 GB), which ran out of memory after
+    the weights were read. A weightless model of hidden size 8192 with 64 KV heads (34 GB of them per group) and as
+    many groups as this machine's memory takes to overflow, its weights well within it: refused, with the weighting
+    that fits."""
+    from transformers import AutoTokenizer, LlamaConfig
+
+    from swiftkv_core.runtime import device_memory_bytes
+
+    groups = device_memory_bytes("cpu") // (64 * 8193**2 * 8) + 1
+    path = tmp_path / "wide"
+    LlamaConfig(vocab_size=49152, hidden_size=8192, intermediate_size=1024, num_hidden_layers=1 + groups,
+                num_attention_heads=64, num_key_value_heads=64).save_pretrained(path)  # fmt: skip
+    AutoTokenizer.from_pretrained(tiny_model).save_pretrained(path)
+    args = ["fit", "--config", "smollm2-135m-cpu", "--model.model", str(path), "--model.num_key_value_layers", "1",
+            "--data.train_files", f"[{text_file}]", "--data.val_files", f"[{text_file}]", "--data.max_length", "16",
+            "--trainer.max_steps", "1", "--trainer.precision", "32-true", "--trainer.default_root_dir",
+            str(tmp_path / "run")]  # fmt: skip
+    with pytest.raises(SystemExit) as exit_:
+        main([*args, "--model.kv_init_weighting", "attention"])
+    message = str(exit_.value.code)
+    assert f"{path}'s least-squares K/V fit (attention weighting) holds " in message, message
+    assert re.search(
+        r"To fit: model.kv_init_weighting: uniform \(1\.\d GiB\); or model.kv_init: published", message
+    )

@@ -175,6 +175,11 @@ def test_kv_init_rows_are_as_many_on_every_process(tiny_model, text_file):
         dm.trainer = SimpleNamespace(world_size=8, global_rank=rank)
         counts.append(len(dm.kv_init_dataloader(10**6)))
     assert counts == [2] * 8  # 16 of the 20 rows (before: 3 on ranks 0-3, 2 on ranks 4-7)
+    dm.trainer = SimpleNamespace(world_size=32, global_rank=0)
+    with pytest.raises(DataError, match="20 training rows for 32 processes"):
+        dm.kv_init_dataloader(
+            10**6
+        )  # before: no rows anywhere, a bare StopIteration after the fit's forwards
 
 
 def test_chat_data_needs_a_chat_template(tmp_path, tiny_model, chat_file, text_file):

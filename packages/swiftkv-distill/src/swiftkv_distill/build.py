@@ -277,15 +277,43 @@ def resident_bytes(module: torch.nn.Module) -> int:
     return sum(p.numel() * p.element_size() * (4 if p.requires_grad else 1) for p in module.parameters())
 
 
-def check_fits(device: torch.device, module: torch.nn.Module, model: str, shards: int = 1) -> None:
+def check_kv_fit_fits(device: torch.device, module: torch.nn.Module, hp, share: int, total: int) -> None:
+    """The least-squares K/V fit runs before training: the weights (no gradient or optimizer state yet) and the
+    fit's float64 normal equations (``KVLeastSquares.statistics_bytes``, whole on every process) must fit."""
+    if hp.kv_init != "least_squares":
+        return
+    from swiftkv_core.kv_init import KVLeastSquares
+
+    weights = sum(p.numel() * p.element_size() for p in module.parameters()) / share
+    fit = KVLeastSquares(module.model, weighting=hp.kv_init_weighting).statistics_bytes()
+    if weights + fit <= total:
+        return
+    changes = ["model.kv_init: published (the published initialisation, no fit)"]
+    if hp.kv_init_weighting != "uniform":
+        uniform = KVLeastSquares(module.model, weighting="uniform").statistics_bytes()
+        changes.insert(0, f"model.kv_init_weighting: uniform ({uniform / 2**30:.1f} GiB)")
+    raise OutOfMemory(
+        f"{hp.model}'s least-squares K/V fit ({hp.kv_init_weighting} weighting) holds {fit / 2**30:.1f} GiB of "
+        f"float64 normal equations on every process, beside {weights / 2**30:.1f} GiB of weights: more than the "
+        f"{total / 2**30:.1f} GiB of {device_description(device)}. To fit: " + "; or ".join(changes) + "."
+    )
+
+
+def check_fits(device: torch.device, module: torch.nn.Module, hp, shards: int = 1) -> None:
     """Refuse a run whose ``resident_bytes`` alone (per process: FSDP2 shards them over ``shards``) exceed
-    ``device``'s memory: it could not take one step. Raised before any weight is read (``module`` built on the
-    meta device), as ``console.OutOfMemory`` with what would fit."""
+    ``device``'s memory: it could not take one step; or whose least-squares K/V fit (``hp``: the module's
+    hyperparameters) would not fit beside its weights: every process holds the fit's normal equations whole.
+    Raised before any weight is read (``module`` built on the meta device), as ``console.OutOfMemory`` with what
+    would fit."""
     total = device_memory_bytes(device)
     share = shards if device.type == "cuda" else 1  # a CPU's processes share its machine's memory
     need = resident_bytes(module)
-    if total is None or need / share <= total:
+    if total is None:
         return
+    if need / share <= total:
+        check_kv_fit_fits(device, module, hp, share, total)
+        return
+    model = hp.model
     frozen = [p for p in module.parameters() if not p.requires_grad]
     dtypes = sorted({str(p.dtype).removeprefix("torch.") for p in frozen})
     trained = sum(p.numel() for p in module.parameters() if p.requires_grad)

@@ -330,6 +330,11 @@ class DistillDataModule(L.LightningDataModule):
         rank = trainer.global_rank if trainer is not None else 0
         rows = math.ceil(math.ceil(num_tokens / self.hparams.max_length) / world) * world
         rows = min(rows, len(self.train_rows) // world * world)
+        if rows == 0:
+            raise DataError(
+                f"The K/V fit needs a training row per process: {len(self.train_rows)} training rows for {world} "
+                "processes. Give more training data, or set model.kv_init: published (no fit)."
+            )
         order = torch.randperm(
             len(self.train_rows), generator=torch.Generator().manual_seed(self.hparams.seed + 1)
         )
