@@ -3,7 +3,7 @@
 # prints each one's build time and size. Usage: scripts/docker-build.sh IMAGE...  with IMAGE among
 #   serve-cpu serve-cuda train-cpu train-cuda ci-cuda   (`make docker`: all of them; ci-cuda needs train-cuda)
 # Tags: swiftkv-serve:cpu, swiftkv-serve:cuda, swiftkv-train:cpu, swiftkv-train:cuda, swiftkv-ci:cuda.
-# Extra `docker build` options: DOCKER_BUILD_ARGS="--build-arg FLASH_ATTN=2.8.3 --no-cache".
+# Extra `docker build` options: DOCKER_BUILD_ARGS="--build-arg FLASH_ATTN_WHEEL=URL --no-cache".
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export DOCKER_BUILDKIT=0  # the classic builder: no frontend image to pull
