@@ -56,6 +56,7 @@ def greedy_prefix_agreement(
         with model.swiftkv_mode(True):
             ids = _greedy_ids(model, tokenizer, prompts, tokens, batch_size)
         results[name] = sum(a == b for a, b in zip(ids, reference, strict=True)) / len(prompts)
+        del model  # before the next checkpoint loads: one model on the device at a time
     return {"tokens": tokens, "prompts": len(prompts), "share": results}
 
 
