@@ -5,7 +5,7 @@
 #   here:   scripts/gpu-lease.sh prepare           fills the git-ignored .gpu/ (about 25 MiB): the wheels the GPU
 #                                                  image lacks (versions from .venv, i.e. uv.lock), the default
 #                                                  model's tokenizer and config, the Brown data the distillation
-#                                                  batches read
+#                                                  batches and the quickstart's held-out figures read
 #   there:  bash scripts/gpu-lease.sh run STEP...  (the run tool with carry [".gpu"]) runs each STEP under its own
 #                                                  time limit, its whole log in $OUT/STEP.log, one summary line each
 # Steps (minutes on an H100 / H200 on 2026-11-26; pick steps to fit a call's 10 minutes and the lease, whose start
@@ -55,13 +55,13 @@ prepare() {
     files=$($py -c "
 from swiftkv_core.default_model import default_model_path
 from swiftkv_distill.corpora import prepare
-print(default_model_path(), prepare('brown_train'))")
-    read -r model brown <<<"$files"
+print(default_model_path(), prepare('brown_train'), prepare('brown_heldout'))")
+    read -r model brown heldout <<<"$files"
     local target=.gpu/cache/models/SmolLM2-135M-Instruct
     mkdir -p "$target" .gpu/cache/data/distill
     cp "$model"/{config.json,generation_config.json,tokenizer.json,tokenizer_config.json,chat_template.jinja} "$target/"
     : >"$target/model.safetensors" # a placeholder that marks the folder complete: tests build their own weights
-    cp "$brown" .gpu/cache/data/distill/
+    cp "$brown" "$heldout" .gpu/cache/data/distill/ # the quickstart step's held-out text too: no npm there
     echo "gpu-lease: .gpu/ ready ($(du -sh .gpu | cut -f1)); on the device: bash scripts/gpu-lease.sh run STEP..."
 }
 
