@@ -167,6 +167,7 @@ def test_abbreviations_of_the_options_read_here_are_refused(tmp_path):
         (["--port", "1", "--api-k", "secret"], "--api-k: write --api-key in full"),
         (["--dt", "float32"], "--dt: write --dtype in full"),
         (["--kv-cache-mem", "1G"], "--kv-cache-mem: write --kv-cache-memory-bytes in full"),
+        (["--device-mem", "0.5"], "--device-mem: write --device-memory-utilization in full"),
     ):
         with pytest.raises(ValueError, match=message):
             cli.check_full_names(given)
@@ -217,7 +218,12 @@ def test_kv_cache_options_on_a_cpu(tiny_swiftkv, capsys):
     assert (
         cli.cpu_kv_cache_options(tiny_swiftkv, [], {"VLLM_CPU_KVCACHE_SPACE": "1"}) == []
     )  # the user's choice
-    for chosen in (["--kv-cache-memory-bytes", "1000"], ["--kv_cache_memory_bytes", "8G"]):
+    for chosen in (
+        ["--kv-cache-memory-bytes", "1000"],
+        ["--kv_cache_memory_bytes", "8G"],
+        ["--gpu-memory-utilization", "0.5"],
+        ["--device-memory-utilization", "0.5"],  # vLLM's other name for it
+    ):
         assert cli.cpu_kv_cache_options(tiny_swiftkv, chosen, {}) == []
     with pytest.raises(ValueError, match="give a smaller --max-model-len"):
         cli.cpu_kv_cache_options(tiny_swiftkv, ["--max-model-len", str(10**12)], {})

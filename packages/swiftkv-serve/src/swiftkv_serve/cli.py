@@ -123,6 +123,7 @@ def option_value(options: list[str], name: str) -> str | None:
 READ_OPTIONS = (
     "--api-key",
     "--config",
+    "--device-memory-utilization",
     "--dtype",
     "--gpu-memory-utilization",
     "--kv-cache-dtype",
@@ -231,7 +232,7 @@ def cpu_kv_cache_options(checkpoint: Path, options: list[str], environ) -> list[
     raises ``ValueError`` (one line, with the fix) when one request of ``--max-model-len`` does not fit."""
     chosen = "VLLM_CPU_KVCACHE_SPACE" in environ or any(
         option_value(options, name) is not None
-        for name in ("--kv-cache-memory-bytes", "--gpu-memory-utilization")
+        for name in ("--kv-cache-memory-bytes", "--gpu-memory-utilization", "--device-memory-utilization")
     )
     if chosen or not on_vllm_cpu():
         return []
