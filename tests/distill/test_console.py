@@ -116,5 +116,5 @@ def test_a_kv_fit_that_cannot_hold_its_normal_equations_is_refused_before_readin
     message = str(exit_.value.code)
     assert f"{path}'s least-squares K/V fit (attention weighting) holds " in message, message
     assert re.search(
-        r"To fit: model.kv_init_weighting: uniform \(1\.\d GiB\); or model.kv_init: published", message
+        r"To fit: model.kv_init_weighting: uniform \(\d+\.\d GiB\); or model.kv_init: published", message
     )

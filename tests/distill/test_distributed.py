@@ -357,7 +357,7 @@ def test_a_tensor_parallel_mesh_is_refused_before_any_weight_is_read(tmp_path, t
     output = result.stdout + result.stderr
     assert result.returncode != 0
     fix = "--trainer.strategy.data_parallel_size 2 --trainer.strategy.tensor_parallel_size 1"
-    assert output.count("ModelParallelStrategy has tensor_parallel_size 2") == 2 and fix in output, output
+    assert "ModelParallelStrategy has tensor_parallel_size 2" in output and fix in output, output
     assert not (out / "export").exists()
 
 

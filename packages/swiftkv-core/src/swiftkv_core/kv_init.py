@@ -94,7 +94,7 @@ class KVLeastSquares:
     def statistics_bytes(self) -> int:
         """The bytes of the float64 normal equations this fit accumulates, held whole by every process: ``x^T x``
         once under uniform weighting, once per layer group and KV head under attention weighting, and ``x^T y``
-        per layer ``>= l`` (attention / uniform: SmolLM2-135M at l = 15, 0.13 / 0.02 GB; Llama-3.1-8B at l = 16,
+        per layer ``>= l`` (attention / uniform: SmolLM2-135M at l = 15, 0.15 / 0.03 GB; Llama-3.1-8B at l = 16,
         18 / 1.2 GB; 70B at l = 40, 177 / 5.9 GB). Known before any forward (a model on the meta device will do)."""
         inputs = self.model.config.hidden_size + self.bias
         squares = 1 if self.weighting == "uniform" else len(self.leaders) * self.kv_heads

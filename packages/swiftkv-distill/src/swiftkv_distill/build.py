@@ -299,21 +299,23 @@ def check_kv_fit_fits(device: torch.device, module: torch.nn.Module, hp, share: 
     )
 
 
-def check_fits(device: torch.device, module: torch.nn.Module, hp, shards: int = 1) -> None:
+def check_fits(device: torch.device, module: torch.nn.Module, run, shards: int = 1) -> None:
     """Refuse a run whose ``resident_bytes`` alone (per process: FSDP2 shards them over ``shards``) exceed
-    ``device``'s memory: it could not take one step; or whose least-squares K/V fit (``hp``: the module's
-    hyperparameters) would not fit beside its weights: every process holds the fit's normal equations whole.
-    Raised before any weight is read (``module`` built on the meta device), as ``console.OutOfMemory`` with what
-    would fit."""
+    ``device``'s memory: it could not take one step; or whose least-squares K/V fit would not fit beside its
+    weights (every process holds the fit's normal equations whole). ``run``: the ``SwiftKVDistillation`` (its
+    hyperparameters, the source model's config, the checkpoint it resumes from: a run that resumes, or starts from
+    a SwiftKV checkpoint, fits nothing). Raised before any weight is read (``module`` built on the meta device), as
+    ``console.OutOfMemory`` with what would fit."""
     total = device_memory_bytes(device)
     share = shards if device.type == "cuda" else 1  # a CPU's processes share its machine's memory
     need = resident_bytes(module)
     if total is None:
         return
     if need / share <= total:
-        check_kv_fit_fits(device, module, hp, share, total)
+        if run.resume_from is None and run.model_config.model_type not in SWIFTKV_FAMILIES:
+            check_kv_fit_fits(device, module, run.hparams, share, total)
         return
-    model = hp.model
+    model = run.hparams.model
     frozen = [p for p in module.parameters() if not p.requires_grad]
     dtypes = sorted({str(p.dtype).removeprefix("torch.") for p in frozen})
     trained = sum(p.numel() for p in module.parameters() if p.requires_grad)

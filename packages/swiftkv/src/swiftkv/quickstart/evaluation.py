@@ -8,6 +8,7 @@ with the same tokens.
 
 from __future__ import annotations
 
+import gc
 from pathlib import Path
 
 import torch
@@ -56,7 +57,8 @@ def greedy_prefix_agreement(
         with model.swiftkv_mode(True):
             ids = _greedy_ids(model, tokenizer, prompts, tokens, batch_size)
         results[name] = sum(a == b for a, b in zip(ids, reference, strict=True)) / len(prompts)
-        del model  # before the next checkpoint loads: one model on the device at a time
+        del model  # before the next checkpoint loads: one model on the device at a time (cycles included)
+        gc.collect()
     return {"tokens": tokens, "prompts": len(prompts), "share": results}
 
 
