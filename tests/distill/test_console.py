@@ -118,3 +118,14 @@ def test_a_kv_fit_that_cannot_hold_its_normal_equations_is_refused_before_readin
     assert re.search(
         r"To fit: model.kv_init_weighting: uniform \(\d+\.\d GiB\); or model.kv_init: published", message
     )
+    # the same model as a SwiftKV checkpoint fits nothing (its K/V are already initialised): not refused for it,
+    # it goes on to read the weights, which this folder has not
+    from swiftkv_core.configuration import LlamaSwiftKVConfig
+
+    config = LlamaSwiftKVConfig(
+        **LlamaConfig.from_pretrained(path).to_dict(), swiftkv=True, num_key_value_layers=1
+    )
+    config.save_pretrained(path)
+    with pytest.raises(Exception) as error:
+        main([*args, "--model.kv_init_weighting", "attention"])
+    assert "K/V fit" not in str(error.value) and "model.safetensors" in str(error.value)
