@@ -91,6 +91,28 @@ def _config(
     return path, out
 
 
+def _fsdp2(data_parallel: int = 2, tensor_parallel: int = 1, timeout: str | None = None) -> dict:
+    """Lightning's ModelParallelStrategy (FSDP2 over the data-parallel processes), as a recipe names it."""
+    init_args = {"data_parallel_size": data_parallel, "tensor_parallel_size": tensor_parallel}
+    return {"class_path": "lightning.pytorch.strategies.ModelParallelStrategy",
+            "init_args": init_args | ({"timeout": timeout} if timeout else {})}  # fmt: skip
+
+
+def _launch(config, cwd, *options, processes: int = 2, env=None, check: bool = True):
+    """The distillation job (``apps/distill.py``) as a cluster launches it, ``fabric run`` on 2 CPU processes, or
+    as one process; its output captured (shown when ``check`` and it fails)."""
+    env = env or {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    app = [str(ROOT / "apps" / "distill.py"), "--config", str(config), *options]
+    if processes == 1:
+        command = [sys.executable, *app, "--trainer.devices", "1"]
+    else:
+        fabric = shutil.which("fabric", path=str(Path(sys.executable).parent))
+        command = [fabric, "run", "--accelerator", "cpu", "--devices", str(processes), *app]
+    result = subprocess.run(command, env=env, cwd=cwd, timeout=300, capture_output=True, text=True)
+    assert not check or result.returncode == 0, result.stdout + result.stderr
+    return result
+
+
 def _losses(out):
     (metrics,) = out.glob("logs/*/metrics.csv")
     with open(metrics) as f:
@@ -143,32 +165,15 @@ def test_two_process_fsdp2_matches_single_process(tmp_path, tiny_model, text_fil
         "PYTHONPATH": str(ROOT),
         "TORCHINDUCTOR_CACHE_DIR": str(inductor),
     }
-    fsdp2 = {
-        "class_path": "lightning.pytorch.strategies.ModelParallelStrategy",
-        "init_args": {"data_parallel_size": 2, "tensor_parallel_size": 1},
-    }
+    fsdp2 = _fsdp2()
     single_cfg, single_out = _config(tmp_path, tiny_model, text_file, "single", batch_size=4, strategy="auto")
     ckpt_dir = tmp_path / "ckpt"
     rank0_reads = [{"class_path": "tests.distill.test_distributed.LoadFails", "init_args": {"rank0": False}}]
     sharded_cfg, sharded_out = _config(
         tmp_path, tiny_model, text_file, "sharded", 2, fsdp2, ckpt_dir, recompute=1, callbacks=rank0_reads
     )
-    app = str(ROOT / "apps" / "distill.py")
-    subprocess.run(
-        [sys.executable, app, "--config", str(single_cfg), "--trainer.devices", "1"],
-        check=True,
-        env=env,
-        cwd=tmp_path,
-        timeout=300,
-    )
-    fabric = shutil.which("fabric", path=str(Path(sys.executable).parent))
-    subprocess.run(
-        [fabric, "run", "--accelerator", "cpu", "--devices", "2", app, "--config", str(sharded_cfg)],
-        check=True,
-        env=env,
-        cwd=tmp_path,
-        timeout=300,
-    )
+    _launch(single_cfg, tmp_path, processes=1, env=env)
+    _launch(sharded_cfg, tmp_path, env=env)
     # compile_layers ran under FSDP2 (its hooks stay eager): inductor wrote code for the layers' MLP
     generated = [p.read_text() for p in inductor.rglob("*.py")]
     assert any("def call(" in code and "silu" in code for code in generated), "no decoder layer was compiled"
@@ -182,11 +187,7 @@ def test_two_process_fsdp2_matches_single_process(tmp_path, tiny_model, text_fil
     resume_cfg, resume_out = _config(
         tmp_path, tiny_model, text_file, "resumed", 2, fsdp2, recompute=1, callbacks=no_reads
     )
-    subprocess.run(
-        [fabric, "run", "--accelerator", "cpu", "--devices", "2", app, "--config", str(resume_cfg),
-         "--ckpt_path", str(step2)],
-        check=True, env=env, cwd=tmp_path, timeout=300,
-    )  # fmt: skip
+    _launch(resume_cfg, tmp_path, "--ckpt_path", str(step2), env=env)
     # it trained steps 3 and 4 only (a run that ignored the checkpoint would train 4 steps to the same weights)
     assert _losses(resume_out) == _losses(sharded_out)[2:]
     resumed = _trained(resume_out)
@@ -252,10 +253,7 @@ def test_a_time_budget_stops_every_process_at_the_same_step(tmp_path, tiny_model
     """``BudgetProgress`` stops at the step where rank 0's clock passes the budget, on every rank: a rank that stopped
     on its own clock would leave the others waiting in the next step's collectives (here: rank 0 passes a 6 s
     budget at step 1, rank 1 seconds later)."""
-    strategy = {
-        "class_path": "lightning.pytorch.strategies.ModelParallelStrategy",
-        "init_args": {"data_parallel_size": 2, "tensor_parallel_size": 1, "timeout": "0:01:00"},
-    }
+    strategy = _fsdp2(timeout="0:01:00")
     callbacks = [
         {"class_path": "tests.distill.test_distributed.LateRank"},
         {"class_path": "swiftkv_distill.callbacks.BudgetProgress", "init_args": {"budget_seconds": 6.0}},
@@ -264,13 +262,7 @@ def test_a_time_budget_stops_every_process_at_the_same_step(tmp_path, tiny_model
         tmp_path, tiny_model, text_file, "budget", 2, strategy, callbacks=callbacks,
         trainer={"max_steps": 200}, model={"compile_layers": False, "kv_init": "published"},
     )  # fmt: skip
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    fabric = shutil.which("fabric", path=str(Path(sys.executable).parent))
-    subprocess.run(
-        [fabric, "run", "--accelerator", "cpu", "--devices", "2", str(ROOT / "apps" / "distill.py"),
-         "--config", str(config)],
-        check=True, env=env, cwd=tmp_path, timeout=300,
-    )  # fmt: skip
+    _launch(config, tmp_path)
     assert len(_losses(out)) == 1  # stopped after step 1, and both ranks went on to the export together
     assert _trained(out)
 
@@ -290,22 +282,13 @@ def test_the_other_processes_wait_for_rank_0s_export_past_the_process_groups_tim
     """Rank 0 writes the export alone, after the last collective; the others wait for it at the end of the job. A
     wait bounded by the process group's timeout (here 20 s; Lightning's default is 30 min) ended them with an error,
     and the launcher then stopped rank 0 mid-write: no export, a failed job."""
-    strategy = {
-        "class_path": "lightning.pytorch.strategies.ModelParallelStrategy",
-        "init_args": {"data_parallel_size": 2, "tensor_parallel_size": 1, "timeout": "0:00:20"},
-    }
+    strategy = _fsdp2(timeout="0:00:20")
     config, out = _config(
         tmp_path, tiny_model, text_file, "slow-export", 2, strategy, trainer={"max_steps": 1},
         callbacks=[{"class_path": "tests.distill.test_distributed.SlowExport"}],
         model={"compile_layers": False, "kv_init": "published"},
     )  # fmt: skip
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    fabric = shutil.which("fabric", path=str(Path(sys.executable).parent))
-    subprocess.run(
-        [fabric, "run", "--accelerator", "cpu", "--devices", "2", str(ROOT / "apps" / "distill.py"),
-         "--config", str(config)],
-        check=True, env=env, cwd=tmp_path, timeout=300,
-    )  # fmt: skip
+    _launch(config, tmp_path)
     assert _trained(out)
 
 
@@ -313,22 +296,13 @@ def test_the_other_processes_wait_for_rank_0s_export_past_the_process_groups_tim
 def test_when_rank_0_cannot_load_the_model_every_process_stops(tmp_path, tiny_model, text_file):
     """The other processes wait for rank 0's weights: they must stop with its error, not wait in the broadcast until
     the process group's timeout (here 2 min; 30 by default), where the launcher does not stop them."""
-    strategy = {
-        "class_path": "lightning.pytorch.strategies.ModelParallelStrategy",
-        "init_args": {"data_parallel_size": 2, "tensor_parallel_size": 1, "timeout": "0:02:00"},
-    }
+    strategy = _fsdp2(timeout="0:02:00")
     callbacks = [{"class_path": "tests.distill.test_distributed.LoadFails", "init_args": {"rank0": True}}]
     config, _ = _config(
         tmp_path, tiny_model, text_file, "failed", 2, strategy, callbacks=callbacks,
         model={"compile_layers": False, "kv_init": "published"},
     )  # fmt: skip
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    fabric = shutil.which("fabric", path=str(Path(sys.executable).parent))
-    result = subprocess.run(
-        [fabric, "run", "--accelerator", "cpu", "--devices", "2", str(ROOT / "apps" / "distill.py"),
-         "--config", str(config)],
-        env=env, cwd=tmp_path, timeout=300, capture_output=True, text=True,
-    )  # fmt: skip
+    result = _launch(config, tmp_path, check=False)
     output = result.stdout + result.stderr
     assert result.returncode != 0
     rank_1 = (
@@ -342,18 +316,9 @@ def test_a_tensor_parallel_mesh_is_refused_before_any_weight_is_read(tmp_path, t
     """ModelParallelStrategy with a tensor-parallel dimension (Lightning's ``auto`` sizes on one node give it every
     GPU): each process would train its own unsharded replica on its own batches. Both processes stop at once, with
     the sizes to set."""
-    strategy = {
-        "class_path": "lightning.pytorch.strategies.ModelParallelStrategy",
-        "init_args": {"data_parallel_size": 1, "tensor_parallel_size": 2, "timeout": "0:02:00"},
-    }
+    strategy = _fsdp2(data_parallel=1, tensor_parallel=2, timeout="0:02:00")
     config, out = _config(tmp_path, tiny_model, text_file, "tp", 2, strategy, model={"kv_init": "published"})
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    fabric = shutil.which("fabric", path=str(Path(sys.executable).parent))
-    result = subprocess.run(
-        [fabric, "run", "--accelerator", "cpu", "--devices", "2", str(ROOT / "apps" / "distill.py"),
-         "--config", str(config)],
-        env=env, cwd=tmp_path, timeout=300, capture_output=True, text=True,
-    )  # fmt: skip
+    result = _launch(config, tmp_path, check=False)
     output = result.stdout + result.stderr
     assert result.returncode != 0
     fix = "--trainer.strategy.data_parallel_size 2 --trainer.strategy.tensor_parallel_size 1"
@@ -383,10 +348,7 @@ def test_fsdp2_shards_bf16_frozen_weights_beside_fp32_trained_ones(tmp_path, tin
     run accumulates its gradients over 2 batches a step."""
     import json
 
-    fsdp2 = {
-        "class_path": "lightning.pytorch.strategies.ModelParallelStrategy",
-        "init_args": {"data_parallel_size": 2, "tensor_parallel_size": 1},
-    }
+    fsdp2 = _fsdp2()
     # 3 held-out rows: the second process runs the first row again (every process runs as many batches) unscored
     mixed = {
         "trainer": {"precision": "bf16-mixed"},
@@ -403,13 +365,8 @@ def test_fsdp2_shards_bf16_frozen_weights_beside_fp32_trained_ones(tmp_path, tin
     sharded_cfg, sharded_out = _config(
         tmp_path, tiny_model, text_file, "sharded", 1, fsdp2, callbacks=dtypes, **accumulated
     )
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    app = str(ROOT / "apps" / "distill.py")
-    subprocess.run([sys.executable, app, "--config", str(single_cfg), "--trainer.devices", "1"],
-                   check=True, env=env, cwd=tmp_path, timeout=300)  # fmt: skip
-    fabric = shutil.which("fabric", path=str(Path(sys.executable).parent))
-    subprocess.run([fabric, "run", "--accelerator", "cpu", "--devices", "2", app, "--config", str(sharded_cfg)],
-                   check=True, env=env, cwd=tmp_path, timeout=300)  # fmt: skip
+    _launch(single_cfg, tmp_path, processes=1)
+    _launch(sharded_cfg, tmp_path)
     for out, ranks in ((single_out, 1), (sharded_out, 2)):
         for rank in range(ranks):
             held = json.loads((out / f"dtypes-rank{rank}.json").read_text())
