@@ -129,3 +129,40 @@ def test_a_kv_fit_that_cannot_hold_its_normal_equations_is_refused_before_readin
     with pytest.raises(Exception) as error:
         main([*args, "--model.kv_init_weighting", "attention"])
     assert "K/V fit" not in str(error.value) and "model.safetensors" in str(error.value)
+
+
+def test_processes_sharing_a_cpu_are_each_counted(tiny_model, tmp_path):
+    """A CPU's memory is shared by the processes a trainer runs on it, each holding the whole model under DDP: a
+    weightless model sized to fit this machine once (three quarters of its memory) is refused for a trainer of two
+    processes, saying so, before any weight is read; one process is not refused."""
+    import lightning as L
+    from transformers import AutoTokenizer, LlamaConfig
+
+    from swiftkv_distill.build import check_fits
+    from swiftkv_distill.console import OutOfMemory
+
+    def sized(layers: int):
+        path = tmp_path / f"layers-{layers}"
+        LlamaConfig(vocab_size=49152, hidden_size=4096, intermediate_size=14336, num_hidden_layers=layers,
+                    num_attention_heads=32, num_key_value_heads=8).save_pretrained(path)  # fmt: skip
+        AutoTokenizer.from_pretrained(tiny_model).save_pretrained(path)
+        run = SwiftKVDistillation(str(path), num_key_value_layers=1, kv_init="published")
+        with torch.device("meta"):
+            return run, run.build_step(weights=False)
+
+    from swiftkv_core.runtime import device_memory_bytes
+
+    total = device_memory_bytes("cpu")
+    two, three = (resident_bytes(sized(layers)[1]) for layers in (2, 3))
+    layers = round((0.75 * total - (two - 2 * (three - two))) / (three - two))
+    run, step = sized(layers)
+    assert 0.5 * total < resident_bytes(step) <= total
+    check_fits(torch.device("cpu"), step, run, L.Trainer(accelerator="cpu", devices=1, logger=False))
+    two_processes = L.Trainer(accelerator="cpu", devices=2, strategy="ddp", logger=False)
+    with pytest.raises(OutOfMemory) as error:
+        check_fits(torch.device("cpu"), step, run, two_processes)
+    message = str(error.value)
+    assert re.search(
+        r"GiB per process before any activation, and 2 processes share it \(\d+\.\d GiB\)", message
+    )
+    assert "fewer than 2 processes on this machine (trainer.devices)" in message

@@ -277,16 +277,19 @@ def resident_bytes(module: torch.nn.Module) -> int:
     return sum(p.numel() * p.element_size() * (4 if p.requires_grad else 1) for p in module.parameters())
 
 
-def check_kv_fit_fits(device: torch.device, module: torch.nn.Module, hp, share: int, total: int) -> None:
+def check_kv_fit_fits(
+    device: torch.device, module: torch.nn.Module, hp, share: int, copies: int, total: int
+) -> None:
     """The least-squares K/V fit runs before training: the weights (no gradient or optimizer state yet) and the
-    fit's float64 normal equations (``KVLeastSquares.statistics_bytes``, whole on every process) must fit."""
+    fit's float64 normal equations (``KVLeastSquares.statistics_bytes``, whole on every process) must fit, ``copies``
+    times where that many processes share the memory."""
     if hp.kv_init != "least_squares":
         return
     from swiftkv_core.kv_init import KVLeastSquares
 
     weights = sum(p.numel() * p.element_size() for p in module.parameters()) / share
     fit = KVLeastSquares(module.model, weighting=hp.kv_init_weighting).statistics_bytes()
-    if weights + fit <= total:
+    if copies * (weights + fit) <= total:
         return
     changes = ["model.kv_init: published (the published initialisation, no fit)"]
     if hp.kv_init_weighting != "uniform":
@@ -294,26 +297,36 @@ def check_kv_fit_fits(device: torch.device, module: torch.nn.Module, hp, share: 
         changes.insert(0, f"model.kv_init_weighting: uniform ({uniform / 2**30:.1f} GiB)")
     raise OutOfMemory(
         f"{hp.model}'s least-squares K/V fit ({hp.kv_init_weighting} weighting) holds {fit / 2**30:.1f} GiB of "
-        f"float64 normal equations on every process, beside {weights / 2**30:.1f} GiB of weights: more than the "
-        f"{total / 2**30:.1f} GiB of {device_description(device)}. To fit: " + "; or ".join(changes) + "."
+        f"float64 normal equations on every process, beside {weights / 2**30:.1f} GiB of weights"
+        f"{_sharing(copies, weights + fit)}: more than the {total / 2**30:.1f} GiB of {device_description(device)}. To fit: "
+        + "; or ".join(changes)
+        + "."
     )
 
 
-def check_fits(device: torch.device, module: torch.nn.Module, run, shards: int = 1) -> None:
-    """Refuse a run whose ``resident_bytes`` alone (per process: FSDP2 shards them over ``shards``) exceed
+def _sharing(copies: int, each: float) -> str:
+    """What ``copies`` processes sharing one machine's memory, ``each`` bytes each, add to a refusal."""
+    return f", and {copies} processes share it ({copies * each / 2**30:.1f} GiB)" if copies > 1 else ""
+
+
+def check_fits(device: torch.device, module: torch.nn.Module, run, trainer=None) -> None:
+    """Refuse a run whose ``resident_bytes`` alone (per process: FSDP2 shards them over the processes) exceed
     ``device``'s memory: it could not take one step; or whose least-squares K/V fit would not fit beside its
-    weights (every process holds the fit's normal equations whole). ``run``: the ``SwiftKVDistillation`` (its
-    hyperparameters, the source model's config, the checkpoint it resumes from: a run that resumes, or starts from
-    a SwiftKV checkpoint, fits nothing). Raised before any weight is read (``module`` built on the meta device), as
-    ``console.OutOfMemory`` with what would fit."""
+    weights (every process holds the fit's normal equations whole). A GPU is one process's; a CPU's memory is
+    shared by the processes ``trainer`` runs on this machine (``trainer.num_devices``), each holding its share.
+    ``run``: the ``SwiftKVDistillation`` (its hyperparameters, the source model's config, its FSDP2 mesh, the
+    checkpoint it resumes from: a run that resumes, or starts from a SwiftKV checkpoint, fits nothing). Raised
+    before any weight is read (``module`` built on the meta device), as ``console.OutOfMemory`` with what would
+    fit."""
     total = device_memory_bytes(device)
-    share = shards if device.type == "cuda" else 1  # a CPU's processes share its machine's memory
+    shards = trainer.world_size if trainer is not None and run.device_mesh is not None else 1
+    copies = trainer.num_devices if trainer is not None and device.type == "cpu" else 1
     need = resident_bytes(module)
     if total is None:
         return
-    if need / share <= total:
+    if copies * need / shards <= total:
         if run.resume_from is None and run.model_config.model_type not in SWIFTKV_FAMILIES:
-            check_kv_fit_fits(device, module, run.hparams, share, total)
+            check_kv_fit_fits(device, module, run.hparams, shards, copies, total)
         return
     model = run.hparams.model
     frozen = [p for p in module.parameters() if not p.requires_grad]
@@ -330,10 +343,13 @@ def check_fits(device: torch.device, module: torch.nn.Module, run, shards: int =
             f"{gpus} or more GPUs with FSDP2 (llama-3.1-8b-instruct.yaml's strategy), which shards them"
         )
     else:
+        if copies > shards:  # processes each holding the whole model (DDP), not a shard of it
+            changes.append(f"fewer than {copies} processes on this machine (trainer.devices)")
         changes.append("a machine with more memory, or a GPU")
     raise OutOfMemory(
         f"{model} does not fit the {total / 2**30:.1f} GiB of {device_description(device)}: its frozen weights "
         f"({sum(p.numel() * p.element_size() for p in frozen) / 2**30:.1f} GiB in {', '.join(dtypes)}) and its "
-        f"{trained / 1e6:,.0f}M trained parameters with their gradients and AdamW state need {need / share / 2**30:.1f} "
-        f"GiB{' per process' * (share > 1)} before any activation. To fit: " + "; or ".join(changes) + "."
+        f"{trained / 1e6:,.0f}M trained parameters with their gradients and AdamW state need {need / shards / 2**30:.1f} "
+        f"GiB{' per process' * (shards > 1 or copies > 1)} before any activation{_sharing(copies, need / shards)}. "
+        "To fit: " + "; or ".join(changes) + "."
     )

@@ -189,7 +189,7 @@ class SwiftKVDistillation(L.LightningModule):
         check_data_parallel_only(self.device_mesh)
         with torch.device("meta"):  # what the run holds throughout, sized before any weight is read
             sized = self.build_step(weights=False)
-        check_fits(device, sized, self, self._world_size() if self.device_mesh else 1)
+        check_fits(device, sized, self, self._trainer)
         if self.device_mesh is None:
             self.step = self.build_step()
         else:  # ModelParallelStrategy: shard with FSDP2; only rank 0 reads the weights (none on a resume)
