@@ -303,8 +303,13 @@ def test_the_main_job_takes_the_gpu_when_there_is_one(monkeypatch):
     assert choose_accelerator("auto", cuda_available=False) == "cpu"
     assert choose_accelerator("auto", cuda_available=True) == "gpu"
     assert choose_accelerator("cpu", cuda_available=True) == "cpu"
-    with pytest.raises(QuickstartError, match="no CUDA GPU is visible.*--accelerator cpu"):
+    with pytest.raises(QuickstartError, match="no CUDA GPU is visible.*is a CPU build.*--accelerator cpu"):
         choose_accelerator("gpu", cuda_available=False)
+    # torch's CUDA build seeing no GPU: a container without --gpus, or a host driver too old for its CUDA
+    with pytest.raises(
+        QuickstartError, match="built for CUDA 13.0 but sees no GPU.*--gpus all.*too old for CUDA 13.0"
+    ):
+        choose_accelerator("gpu", cuda_available=False, cuda_build="13.0")
     with pytest.raises(QuickstartError, match="choose one of"):
         choose_accelerator("tpu", cuda_available=True)
     # a GPU without bf16 (V100, T4): auto takes the CPU, gpu is refused, saying why and what to run instead

@@ -34,10 +34,12 @@ def _with_fix(message: str) -> str:
     """Lightning's message, and the fix where it gives none."""
     message = " ".join(message.split())
     if "gpu backend" in message:
+        from swiftkv_core.runtime import why_no_gpu
+
         message += (
-            " (trainer.accelerator gpu, and no CUDA GPU is visible here). Use a CPU recipe (--config "
-            "smollm2-135m-cpu) or --trainer.accelerator cpu, or run on a GPU machine (docker run --gpus all "
-            "swiftkv-train:cuda ...)."
+            f" (trainer.accelerator gpu, and no CUDA GPU is visible here: {why_no_gpu()}). Use a CPU recipe "
+            "(--config smollm2-135m-cpu) or --trainer.accelerator cpu, or run on a GPU machine (docker run --gpus "
+            "all swiftkv-train:cuda ...)."
         )
     return message
 

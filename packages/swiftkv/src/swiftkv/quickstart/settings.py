@@ -90,7 +90,7 @@ def check(
     gpu_name = torch.cuda.get_device_name() if cuda else None
     if note := cpu_fallback_note(accelerator, cuda, bf16, torch.version.cuda, gpu_name):
         print(note)
-    accelerator = choose_accelerator(accelerator, cuda, bf16)
+    accelerator = choose_accelerator(accelerator, cuda, bf16, torch.version.cuda)
     recipe = recipe or DEVICE_DEFAULTS[accelerator]["recipe"]
     budget_minutes = (
         DEVICE_DEFAULTS[accelerator]["budget_minutes"] if budget_minutes is None else budget_minutes
@@ -327,16 +327,20 @@ def _check_recipe_values(recipe: str, settings, path: Path, l: int, g: int, data
         raise QuickstartError(f"--recipe {recipe}: {error}") from None
 
 
-def choose_accelerator(requested: str, cuda_available: bool, bf16: bool = True) -> str:
+def choose_accelerator(
+    requested: str, cuda_available: bool, bf16: bool = True, cuda_build: str | None = None
+) -> str:
     """``"cpu"`` or ``"gpu"``: ``auto`` is the GPU where one is visible and computes in bf16 (``bf16``: compute
-    capability 8.0 or more, as the GPU recipe's bf16-mixed training needs; a V100 or T4 has none)."""
+    capability 8.0 or more, as the GPU recipe's bf16-mixed training needs; a V100 or T4 has none). ``cuda_build``:
+    the CUDA version torch is built for (None: a CPU build), named when a GPU asked for is not visible."""
     if requested not in ACCELERATORS:
         raise QuickstartError(f"--accelerator {requested!r}: choose one of {list(ACCELERATORS)}.")
     if requested == "gpu" and not cuda_available:
+        from swiftkv_core.runtime import why_no_gpu
+
         raise QuickstartError(
-            "--accelerator gpu: no CUDA GPU is visible here (torch.cuda.is_available() is False: no GPU, no driver, "
-            "or a CPU build of torch). Run with --accelerator cpu (or auto), or on a GPU machine "
-            "(docker run --gpus all swiftkv-train:cuda swiftkv quickstart)."
+            f"--accelerator gpu: no CUDA GPU is visible here ({why_no_gpu(cuda_build)}). Run with --accelerator "
+            "cpu (or auto), or on a GPU machine (docker run --gpus all swiftkv-train:cuda swiftkv quickstart)."
         )
     if requested == "gpu" and not bf16:
         raise QuickstartError(
@@ -357,11 +361,9 @@ def cpu_fallback_note(
     if cuda_available and not bf16:
         return f"note: {gpu_name} has no bf16 (the GPU recipe's precision): running on the CPU"
     if not cuda_available and cuda_build:
-        return (
-            f"note: this torch is built for CUDA {cuda_build} but sees no GPU: running on the CPU (in a container, "
-            f"give it the GPU with docker run --gpus all; the host's NVIDIA driver must support CUDA {cuda_build}: "
-            "nvidia-smi shows the CUDA version it supports)"
-        )
+        from swiftkv_core.runtime import why_no_gpu
+
+        return f"note: running on the CPU: {why_no_gpu(cuda_build)}"
     return None
 
 
