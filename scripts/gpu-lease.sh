@@ -17,6 +17,9 @@
 #   prefill-dynamic  the main job's compiled prefill at 512 and 2048 tokens, compiled per length (as now) and once
 #               with dynamic shapes: compile times and timed forwards (benchmarks/results/prefill-compile-dynamic.py;
 #               not yet run on a GPU: about 4 by the H100's 55 s per static length)
+#   profile     benchmarks/gpu_profile.py: the 2k prefill's CUDA profile, off and on, then each decoder layer compiled
+#               (regional); its row in gpu-prefill-profile.md is to be measured again (not yet run with enough
+#               recompiles: up to 2 x 32 layer graphs, a few seconds each; about 5)
 #   distill     benchmarks/gpu.py: the 8B distillation step, eager, compiled layers, activation checkpointing (2 on
 #               an H200); GPU_LEASE_DISTILL_FLAGS replaces the last two (e.g. '--compile_layers true' alone; empty: eager alone)
 #   quickstart  the main job on the GPU (`--accelerator gpu`, short settings, no serving: vLLM cannot run there)
@@ -104,6 +107,9 @@ tests/distill/test_module.py -q -p no:cacheprovider --tb=short" ;;
         limit=480
         command="python3 benchmarks/gpu.py --parts '[prefill,decode]' --prefill_lengths '[2048,8192]' --prefill_compile reduce-overhead \
 --out $OUT/gpu-prefill" ;;
+    profile)
+        limit=540
+        command="python3 benchmarks/gpu_profile.py" ;;
     distill)
         limit=540
         command="python3 benchmarks/gpu.py --parts '[distill]' --frozen '[bf16]' \
@@ -133,12 +139,12 @@ last lines of $step.log:"
 }
 
 run() {
-    [[ $# -gt 0 ]] || { echo "usage: bash scripts/gpu-lease.sh run STEP... (attention tests prefill prefill-dynamic distill quickstart)" >&2; exit 2; }
+    [[ $# -gt 0 ]] || { echo "usage: bash scripts/gpu-lease.sh run STEP... (attention tests prefill prefill-dynamic profile distill quickstart)" >&2; exit 2; }
     [[ -d .gpu/whl ]] || { echo "gpu-lease: no .gpu/ here: run scripts/gpu-lease.sh prepare first, carry [\".gpu\"]" >&2; exit 2; }
     local step
     for step in "$@"; do # every name checked before any device time is spent
-        [[ " attention tests prefill prefill-dynamic distill quickstart " == *" $step "* ]] \
-            || { echo "gpu-lease: unknown step '$step': choose from attention, tests, prefill, prefill-dynamic, distill, quickstart" >&2; exit 2; }
+        [[ " attention tests prefill prefill-dynamic profile distill quickstart " == *" $step "* ]] \
+            || { echo "gpu-lease: unknown step '$step': choose from attention, tests, prefill, prefill-dynamic, profile, distill, quickstart" >&2; exit 2; }
     done
     if [[ $dry_run == 1 ]]; then
         for step in "$@"; do
