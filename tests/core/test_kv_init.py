@@ -199,3 +199,36 @@ def test_needs_a_teacher_forward():
     model = convert(tiny_base("llama"), 2, 1)
     with pytest.raises(RuntimeError, match="No tokens"):
         fit_kv_projections(model, [])
+
+
+def _fit_in_process(rank: int, world: int, init: str, batches: list, out: str) -> None:
+    torch.distributed.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=world)
+    model = convert(tiny_base("llama"), 2)
+    try:
+        fit_kv_projections(model, batches[rank], ridge=1e-4, all_processes=True)
+        torch.save({k: v for k, v in model.state_dict().items() if "_swiftkv" in k}, f"{out}.{rank}")
+    except RuntimeError as error:
+        torch.save(str(error), f"{out}.{rank}")
+    torch.distributed.destroy_process_group()
+
+
+def test_processes_fit_the_sum_of_their_batches(tmp_path):
+    """``all_processes``: two processes (gloo), each with half the batches, get the one fit to all of them, which
+    neither half alone gives; a process with no batch stops every process with the reason, none waits."""
+    batches = _batches()
+    out = str(tmp_path / "fit")
+    torch.multiprocessing.spawn(
+        _fit_in_process, (2, str(tmp_path / "init"), [batches[:2], batches[2:]], out), nprocs=2
+    )
+    model = convert(tiny_base("llama"), 2)
+    fit_kv_projections(model, batches, ridge=1e-4)
+    whole = {k: v.clone() for k, v in model.state_dict().items() if "_swiftkv" in k}
+    for rank in (0, 1):
+        assert_close(torch.load(f"{out}.{rank}"), whole, rtol=1e-5, atol=1e-6)
+    fit_kv_projections(model, batches[:2], ridge=1e-4)
+    assert not torch.allclose(model.state_dict()["model.layers.3.self_attn.k_proj_swiftkv.weight"],
+                              whole["model.layers.3.self_attn.k_proj_swiftkv.weight"])  # fmt: skip
+    torch.multiprocessing.spawn(_fit_in_process, (2, str(tmp_path / "init2"), [batches, []], out), nprocs=2)
+    assert [torch.load(f"{out}.{rank}") for rank in (0, 1)] == [
+        "1 process(es) collected no tokens: give each batches."
+    ] * 2

@@ -305,6 +305,7 @@ def fit_kv_projections(
     ridge: float = 1e-4,
     weighting: str = "uniform",
     member_metric: bool = True,
+    all_processes: bool = False,
 ) -> dict[str, float]:
     """Fit ``k/v_proj_swiftkv`` of a SwiftKV model (e.g. fresh from ``convert``) to its teacher's K/V, in place.
 
@@ -313,6 +314,8 @@ def fit_kv_projections(
     ``KVLeastSquares.solve_and_apply``). ``weighting``: ``"uniform"`` or ``"attention"`` (see ``KVLeastSquares``);
     ``member_metric``: an AcrossKV group's members weigh their errors by their queries and ``o_proj`` (the module
     docstring); ``False``: the fit to the members' mean K/V.
+    ``all_processes``: every process of ``torch.distributed``'s default group calls this with its own batches (at
+    least one each, ``max_tokens`` each), and all get the one fit to all of them (the normal equations summed).
     The model's ``swiftkv`` switch is restored afterwards.
     """
     was_training = model.training
@@ -331,9 +334,22 @@ def fit_kv_projections(
                 fit.collect()
                 if fit.tokens >= max_tokens:
                     break
+            if all_processes:
+                # every process, or none, sums: one that collected nothing would leave the others waiting
+                idle = torch.tensor(float(not fit.xy), device=next(model.parameters()).device)
+                if _summed_over_processes(idle).item():
+                    raise RuntimeError(
+                        f"{int(idle.item())} process(es) collected no tokens: give each batches."
+                    )
+                fit.all_reduce(_summed_over_processes)
             return fit.solve_and_apply()
     finally:
         model.train(was_training)
+
+
+def _summed_over_processes(tensor: torch.Tensor) -> torch.Tensor:
+    torch.distributed.all_reduce(tensor)
+    return tensor
 
 
 def text_batches(
