@@ -4,7 +4,9 @@ layers (``compile_layers``): the same losses and the same distilled weights as o
 weights read by rank 0 alone, and none read on a resume (its RoPE frequencies computed, checked per family)."""
 
 import csv
+import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -381,3 +383,43 @@ def test_fsdp2_shards_bf16_frozen_weights_beside_fp32_trained_ones(tmp_path, tin
     assert got["before/tokens"] == expected["before/tokens"] == 3 * 16
     for name, value in expected.items():
         assert got[name] == pytest.approx(value, rel=1e-2, abs=1e-4), name
+
+
+BUDGETED_FIT = """
+import json, sys, time
+from pathlib import Path
+from swiftkv_distill.callbacks import RunReport
+from swiftkv_distill.recipe import budgeted_fit
+
+write = RunReport.on_fit_end
+def write_late(self, trainer, module):  # as on a slow file system: the other rank has long finished its fit
+    time.sleep(3)
+    write(self, trainer, module)
+RunReport.on_fit_end = write_late
+
+model, data, out = sys.argv[1:]
+built, summary = budgeted_fit("smollm2-135m-cpu", Path(out), steps=2, overrides={
+    "model.model": model, "model.num_key_value_layers": 2, "model.kv_init": "published",
+    "data.train_files": [data], "data.val_files": [data], "data.max_length": 16, "data.batch_size": 2,
+    "trainer.devices": 2, "trainer.precision": "32-true"})
+print(f"rank {built.trainer.global_rank}: steps {summary['global_step']}", flush=True)
+"""
+
+
+@pytest.mark.distributed
+def test_budgeted_fit_gives_every_process_rank0s_summary(tmp_path, tiny_model, text_file):
+    """``budgeted_fit`` on 2 processes (the benchmarks' recipe path): rank 0 alone writes ``summary.json``, and
+    nothing after fit waits for it (here it writes 3 s late); every process returns rank 0's, never a stale file
+    left by an earlier run, nor fails for want of one."""
+    out = tmp_path / "run"
+    (out / "logs" / "version_0").mkdir(parents=True)
+    (out / "logs" / "version_0" / "summary.json").write_text(json.dumps({"global_step": 999}))
+    script = tmp_path / "fit.py"
+    script.write_text(BUDGETED_FIT)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    fabric = shutil.which("fabric", path=str(Path(sys.executable).parent))
+    command = [fabric, "run", "--accelerator", "cpu", "--devices", "2", str(script), str(tiny_model), str(text_file),
+               str(out)]  # fmt: skip
+    result = subprocess.run(command, env=env, cwd=tmp_path, timeout=300, capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert sorted(re.findall(r"rank \d: steps \d+", result.stdout)) == ["rank 0: steps 2", "rank 1: steps 2"]

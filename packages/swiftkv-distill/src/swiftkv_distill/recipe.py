@@ -246,7 +246,8 @@ def budgeted_fit(
     the run when the time is spent), or for ``steps`` optimizer steps (the schedule over the steps), with logs in
     ``folder/logs/version_0`` and no export. With ``checkpoint_seconds``, the trainable weights are checkpointed in
     ``folder/checkpoints`` at the first step end that many seconds after the last checkpoint (0: every step), and a
-    run that finds ``last.ckpt`` there resumes from it. Returns what was built and the run's summary (``RunReport``).
+    run that finds ``last.ckpt`` there resumes from it. Returns what was built and the run's summary (``RunReport``,
+    rank 0's on every process).
 
     The recipe's numerics (accelerator, precision, clipping, validation cadence) stay; its length, loggers,
     callbacks and output folder are replaced by these. A bf16 precision on a CPU without native bf16 trains in
@@ -295,5 +296,8 @@ def budgeted_fit(
     built.module.resume_from = resume
     with told_out_of_memory(built.trainer, built.module, built.datamodule):
         built.trainer.fit(built.module, built.datamodule, ckpt_path=resume)
-    summary = json.loads((folder / "logs" / "version_0" / "summary.json").read_text())
+    # rank 0 alone writes the summary (RunReport), and nothing waits for it after fit: every process gets its copy
+    trainer = built.trainer
+    path = folder / "logs" / "version_0" / "summary.json"
+    summary = trainer.strategy.broadcast(json.loads(path.read_text()) if trainer.is_global_zero else None)
     return built, {**summary, "resumed": bool(resume)}
