@@ -1,5 +1,7 @@
 """The least-squares K/V initialisation (swiftkv_core.kv_init) against direct computations."""
 
+from datetime import timedelta
+
 import pytest
 import torch
 from torch.testing import assert_close
@@ -202,7 +204,9 @@ def test_needs_a_teacher_forward():
 
 
 def _fit_in_process(rank: int, world: int, init: str, batches: list, out: str) -> None:
-    torch.distributed.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=world)
+    torch.distributed.init_process_group(
+        "gloo", init_method=f"file://{init}", rank=rank, world_size=world, timeout=timedelta(seconds=60)
+    )  # a process left waiting fails the test instead of hanging it
     model = convert(tiny_base("llama"), 2)
     try:
         fit_kv_projections(model, batches[rank], ridge=1e-4, all_processes=True)
@@ -212,6 +216,7 @@ def _fit_in_process(rank: int, world: int, init: str, batches: list, out: str) -
     torch.distributed.destroy_process_group()
 
 
+@pytest.mark.distributed
 def test_processes_fit_the_sum_of_their_batches(tmp_path):
     """``all_processes``: two processes (gloo), each with half the batches, get the one fit to all of them, which
     neither half alone gives; a process with no batch stops every process with the reason, none waits."""
@@ -229,6 +234,9 @@ def test_processes_fit_the_sum_of_their_batches(tmp_path):
     assert not torch.allclose(model.state_dict()["model.layers.3.self_attn.k_proj_swiftkv.weight"],
                               whole["model.layers.3.self_attn.k_proj_swiftkv.weight"])  # fmt: skip
     torch.multiprocessing.spawn(_fit_in_process, (2, str(tmp_path / "init2"), [batches, []], out), nprocs=2)
+    # outside a process group: said at once
+    with pytest.raises(RuntimeError, match="no torch.distributed process group"):
+        fit_kv_projections(model, batches, all_processes=True)
     assert [torch.load(f"{out}.{rank}") for rank in (0, 1)] == [
         "1 process(es) collected no tokens: give each batches."
     ] * 2

@@ -153,6 +153,8 @@ def test_processes_sharing_a_cpu_are_each_counted(tiny_model, tmp_path):
     from swiftkv_core.runtime import device_memory_bytes
 
     total = device_memory_bytes("cpu")
+    if not 6 * 2**30 <= total <= 512 * 2**30:  # a layer is about 1 GiB, the rest 1.5 GiB: 4 to 400 layers
+        pytest.skip(f"sized for a machine of 6 to 512 GiB, not {total / 2**30:.0f} GiB")
     two, three = (resident_bytes(sized(layers)[1]) for layers in (2, 3))
     layers = round((0.75 * total - (two - 2 * (three - two))) / (three - two))
     run, step = sized(layers)
@@ -163,6 +165,8 @@ def test_processes_sharing_a_cpu_are_each_counted(tiny_model, tmp_path):
         check_fits(torch.device("cpu"), step, run, two_processes)
     message = str(error.value)
     assert re.search(
-        r"GiB per process before any activation, and 2 processes share it \(\d+\.\d GiB\)", message
+        r"GiB per process before any activation, and 2 processes share this machine's memory \(\d+\.\d GiB "
+        r"together\)",
+        message,
     )
-    assert "fewer than 2 processes on this machine (trainer.devices)" in message
+    assert "or 1 process on this machine, not 2 (trainer.devices)" in message

@@ -397,11 +397,11 @@ def write_late(self, trainer, module):  # as on a slow file system: the other ra
     write(self, trainer, module)
 RunReport.on_fit_end = write_late
 
-model, data, out = sys.argv[1:]
+model, data, out, callbacks = sys.argv[1:]
 built, summary = budgeted_fit("smollm2-135m-cpu", Path(out), steps=2, overrides={
     "model.model": model, "model.num_key_value_layers": 2, "model.kv_init": "published",
     "data.train_files": [data], "data.val_files": [data], "data.max_length": 16, "data.batch_size": 2,
-    "trainer.devices": 2, "trainer.precision": "32-true"})
+    "trainer.devices": 2, "trainer.precision": "32-true", **json.loads(callbacks)})
 print(f"rank {built.trainer.global_rank}: steps {summary['global_step']}", flush=True)
 """
 
@@ -410,7 +410,8 @@ print(f"rank {built.trainer.global_rank}: steps {summary['global_step']}", flush
 def test_budgeted_fit_gives_every_process_rank0s_summary(tmp_path, tiny_model, text_file):
     """``budgeted_fit`` on 2 processes (the benchmarks' recipe path): rank 0 alone writes ``summary.json``, and
     nothing after fit waits for it (here it writes 3 s late); every process returns rank 0's, never a stale file
-    left by an earlier run, nor fails for want of one."""
+    left by an earlier run, nor fails for want of one. A run without the summary (its callbacks replaced) stops
+    every process with the reason; none waits for rank 0's copy."""
     out = tmp_path / "run"
     (out / "logs" / "version_0").mkdir(parents=True)
     (out / "logs" / "version_0" / "summary.json").write_text(json.dumps({"global_step": 999}))
@@ -420,6 +421,17 @@ def test_budgeted_fit_gives_every_process_rank0s_summary(tmp_path, tiny_model, t
     fabric = shutil.which("fabric", path=str(Path(sys.executable).parent))
     command = [fabric, "run", "--accelerator", "cpu", "--devices", "2", str(script), str(tiny_model), str(text_file),
                str(out)]  # fmt: skip
-    result = subprocess.run(command, env=env, cwd=tmp_path, timeout=300, capture_output=True, text=True)
+    result = subprocess.run(
+        [*command, "{}"], env=env, cwd=tmp_path, timeout=300, capture_output=True, text=True
+    )
     assert result.returncode == 0, result.stdout + result.stderr
     assert sorted(re.findall(r"rank \d: steps \d+", result.stdout)) == ["rank 0: steps 2", "rank 1: steps 2"]
+    shutil.rmtree(out)
+    no_report = json.dumps({"trainer.callbacks": []})
+    result = subprocess.run(
+        [*command, no_report], env=env, cwd=tmp_path, timeout=120, capture_output=True, text=True
+    )
+    assert result.returncode != 0
+    assert result.stderr.count("RuntimeError: budgeted_fit: the run's summary could not be read") == 2, (
+        result.stderr
+    )

@@ -315,9 +315,15 @@ def fit_kv_projections(
     ``member_metric``: an AcrossKV group's members weigh their errors by their queries and ``o_proj`` (the module
     docstring); ``False``: the fit to the members' mean K/V.
     ``all_processes``: every process of ``torch.distributed``'s default group calls this with its own batches (at
-    least one each, ``max_tokens`` each), and all get the one fit to all of them (the normal equations summed).
+    least one each, ``max_tokens`` each), and all get the one fit to all of them (the normal equations summed). A
+    process with none stops them all, saying so, where each holds the whole model; a sharded one (FSDP2, whose
+    forwards gather across the processes) needs the same number of batches on each.
     The model's ``swiftkv`` switch is restored afterwards.
     """
+    if all_processes and not torch.distributed.is_initialized():
+        raise RuntimeError(
+            "all_processes=True: no torch.distributed process group is set up in this process."
+        )
     was_training = model.training
     model.eval()
     try:

@@ -69,7 +69,7 @@ def choose_device(requested: str = "auto") -> torch.device:
         count = torch.cuda.device_count() if torch.cuda.is_available() else 0
         if count == 0:
             raise ValueError(
-                f"--device {requested}: no CUDA GPU is visible here ({why_no_gpu()}); use --device cpu or auto."
+                f"--device {requested}: no CUDA GPU is visible here: {why_no_gpu()}. Use --device cpu or auto."
             )
         if device.index is not None and device.index >= count:
             raise ValueError(f"--device {requested}: {count} CUDA GPU(s) visible here, numbered from 0.")
@@ -78,14 +78,14 @@ def choose_device(requested: str = "auto") -> torch.device:
 
 def why_no_gpu(cuda_build: str | None = torch.version.cuda) -> str:
     """Why torch sees no CUDA GPU, and what to do, for a message: a CPU build of torch, or a CUDA build (for CUDA
-    ``cuda_build``) on a machine without a GPU, in a container not given one, or over a host driver too old for
-    that CUDA (torch then sees none, without an error)."""
+    ``cuda_build``) on a machine without a GPU, in a container not given one, with every GPU hidden by
+    CUDA_VISIBLE_DEVICES, or over a host driver too old for that CUDA (torch then sees none, without an error)."""
     if cuda_build is None:
         return f"this torch, {torch.__version__}, is a CPU build: a GPU needs torch's CUDA build"
     return (
         f"this torch is built for CUDA {cuda_build} but sees no GPU: there is none, a container was not given one "
-        f"(docker run --gpus all), or the host's NVIDIA driver is too old for CUDA {cuda_build} (nvidia-smi shows "
-        "the CUDA version it supports)"
+        f"with docker run --gpus all, CUDA_VISIBLE_DEVICES hides them, or the host's NVIDIA driver is too old for "
+        f"CUDA {cuda_build}: nvidia-smi's header names the highest CUDA version it supports"
     )
 
 

@@ -295,6 +295,7 @@ def check_kv_fit_fits(
     if hp.kv_init_weighting != "uniform":
         uniform = KVLeastSquares(module.model, weighting="uniform").statistics_bytes()
         changes.insert(0, f"model.kv_init_weighting: uniform ({uniform / 2**30:.1f} GiB)")
+    changes += _fewer_processes(copies, weights + fit, total)
     raise OutOfMemory(
         f"{hp.model}'s least-squares K/V fit ({hp.kv_init_weighting} weighting) holds {fit / 2**30:.1f} GiB of "
         f"float64 normal equations on every process, beside {weights / 2**30:.1f} GiB of weights"
@@ -306,7 +307,19 @@ def check_kv_fit_fits(
 
 def _sharing(copies: int, each: float) -> str:
     """What ``copies`` processes sharing one machine's memory, ``each`` bytes each, add to a refusal."""
-    return f", and {copies} processes share it ({copies * each / 2**30:.1f} GiB)" if copies > 1 else ""
+    if copies == 1:
+        return ""
+    return f", and {copies} processes share this machine's memory ({copies * each / 2**30:.1f} GiB together)"
+
+
+def _fewer_processes(copies: int, each: float, total: int) -> list[str]:
+    """The change to suggest where fewer of the ``copies`` processes sharing a machine, ``each`` bytes each, fit."""
+    fit = int(total // each)
+    return (
+        [f"{fit} process{'es' * (fit > 1)} on this machine, not {copies} (trainer.devices)"]
+        if 0 < fit < copies
+        else []
+    )
 
 
 def check_fits(device: torch.device, module: torch.nn.Module, run, trainer=None) -> None:
@@ -343,8 +356,8 @@ def check_fits(device: torch.device, module: torch.nn.Module, run, trainer=None)
             f"{gpus} or more GPUs with FSDP2 (llama-3.1-8b-instruct.yaml's strategy), which shards them"
         )
     else:
-        if copies > shards:  # processes each holding the whole model (DDP), not a shard of it
-            changes.append(f"fewer than {copies} processes on this machine (trainer.devices)")
+        if shards == 1:  # processes each holding the whole model (DDP), not a shard of it
+            changes += _fewer_processes(copies, need, total)
         changes.append("a machine with more memory, or a GPU")
     raise OutOfMemory(
         f"{model} does not fit the {total / 2**30:.1f} GiB of {device_description(device)}: its frozen weights "

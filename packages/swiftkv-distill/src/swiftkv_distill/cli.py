@@ -37,9 +37,9 @@ def _with_fix(message: str) -> str:
         from swiftkv_core.runtime import why_no_gpu
 
         message += (
-            f" (trainer.accelerator gpu, and no CUDA GPU is visible here: {why_no_gpu()}). Use a CPU recipe "
-            "(--config smollm2-135m-cpu) or --trainer.accelerator cpu, or run on a GPU machine (docker run --gpus "
-            "all swiftkv-train:cuda ...)."
+            f" trainer.accelerator is gpu, and no CUDA GPU is visible here: {why_no_gpu()}. Use a CPU recipe "
+            "(--config smollm2-135m-cpu) or --trainer.accelerator cpu, or run on a GPU machine (the "
+            "swiftkv-train:cuda image)."
         )
     return message
 

@@ -296,8 +296,15 @@ def budgeted_fit(
     built.module.resume_from = resume
     with told_out_of_memory(built.trainer, built.module, built.datamodule):
         built.trainer.fit(built.module, built.datamodule, ckpt_path=resume)
-    # rank 0 alone writes the summary (RunReport), and nothing waits for it after fit: every process gets its copy
-    trainer = built.trainer
-    path = folder / "logs" / "version_0" / "summary.json"
-    summary = trainer.strategy.broadcast(json.loads(path.read_text()) if trainer.is_global_zero else None)
+    # rank 0 alone writes the summary (RunReport), and nothing waits for it after fit: every process gets its copy,
+    # or the reason rank 0 has none (the others would wait for it until the process group's timeout)
+    trainer, summary = built.trainer, None
+    if trainer.is_global_zero:
+        try:
+            summary = json.loads((folder / "logs" / "version_0" / "summary.json").read_text())
+        except (OSError, ValueError) as error:
+            summary = f"budgeted_fit: the run's summary could not be read: {error}"
+    summary = trainer.strategy.broadcast(summary)
+    if isinstance(summary, str):
+        raise RuntimeError(summary)
     return built, {**summary, "resumed": bool(resume)}

@@ -327,20 +327,21 @@ def _check_recipe_values(recipe: str, settings, path: Path, l: int, g: int, data
         raise QuickstartError(f"--recipe {recipe}: {error}") from None
 
 
-def choose_accelerator(
-    requested: str, cuda_available: bool, bf16: bool = True, cuda_build: str | None = None
-) -> str:
+def choose_accelerator(requested: str, cuda_available: bool, bf16: bool = True, cuda_build=...) -> str:
     """``"cpu"`` or ``"gpu"``: ``auto`` is the GPU where one is visible and computes in bf16 (``bf16``: compute
     capability 8.0 or more, as the GPU recipe's bf16-mixed training needs; a V100 or T4 has none). ``cuda_build``:
-    the CUDA version torch is built for (None: a CPU build), named when a GPU asked for is not visible."""
+    the CUDA version torch is built for (None: a CPU build; default: this torch's), named when a GPU asked for is
+    not visible."""
     if requested not in ACCELERATORS:
         raise QuickstartError(f"--accelerator {requested!r}: choose one of {list(ACCELERATORS)}.")
     if requested == "gpu" and not cuda_available:
         from swiftkv_core.runtime import why_no_gpu
 
+        reason = why_no_gpu() if cuda_build is ... else why_no_gpu(cuda_build)
         raise QuickstartError(
-            f"--accelerator gpu: no CUDA GPU is visible here ({why_no_gpu(cuda_build)}). Run with --accelerator "
-            "cpu (or auto), or on a GPU machine (docker run --gpus all swiftkv-train:cuda swiftkv quickstart)."
+            f"--accelerator gpu: no CUDA GPU is visible here: {reason}. "
+            "Run with --accelerator cpu (or auto), or on a GPU machine (docker run --gpus all swiftkv-train:cuda "
+            "swiftkv quickstart)."
         )
     if requested == "gpu" and not bf16:
         raise QuickstartError(
