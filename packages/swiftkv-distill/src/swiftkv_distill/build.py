@@ -299,9 +299,8 @@ def check_kv_fit_fits(
     raise OutOfMemory(
         f"{hp.model}'s least-squares K/V fit ({hp.kv_init_weighting} weighting) holds {fit / 2**30:.1f} GiB of "
         f"float64 normal equations on every process, beside {weights / 2**30:.1f} GiB of weights"
-        f"{_sharing(copies, weights + fit)}: more than the {total / 2**30:.1f} GiB of {device_description(device)}. To fit: "
-        + "; or ".join(changes)
-        + "."
+        f"{_sharing(copies, weights + fit)}: more than the {total / 2**30:.1f} GiB of "
+        f"{device_description(device)}. To fit: " + "; or ".join(changes) + "."
     )
 
 
@@ -362,7 +361,7 @@ def check_fits(device: torch.device, module: torch.nn.Module, run, trainer=None)
     raise OutOfMemory(
         f"{model} does not fit the {total / 2**30:.1f} GiB of {device_description(device)}: its frozen weights "
         f"({sum(p.numel() * p.element_size() for p in frozen) / 2**30:.1f} GiB in {', '.join(dtypes)}) and its "
-        f"{trained / 1e6:,.0f}M trained parameters with their gradients and AdamW state need {need / shards / 2**30:.1f} "
-        f"GiB{' per process' * (shards > 1 or copies > 1)} before any activation{_sharing(copies, need / shards)}. "
-        "To fit: " + "; or ".join(changes) + "."
+        f"{trained / 1e6:,.0f}M trained parameters with their gradients and AdamW state need "
+        f"{need / shards / 2**30:.1f} GiB{' per process' * (shards > 1 or copies > 1)} before any activation"
+        f"{_sharing(copies, need / shards)}. To fit: " + "; or ".join(changes) + "."
     )
