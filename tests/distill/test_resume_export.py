@@ -148,6 +148,20 @@ def test_resuming_with_other_settings_is_refused_naming_them(tiny_model, text_fi
         _run(tiny_model, text_file, tmp_path, max_steps=3, ckpt_path=ckpt, learning_rate=1e-3)
 
 
+def test_resuming_with_other_batches_per_step_is_refused(tiny_model, text_file, tmp_path):
+    """The checkpoint's position in the data counts each process's batches and the schedule's length follows the
+    batches per step: another number of processes or of accumulated batches would train rows again and jump the
+    learning rate. Refused, naming the change (the number of processes is checked the same way)."""
+    _run(tiny_model, text_file, tmp_path, max_steps=3, interrupt_at=1)
+    ckpt = tmp_path / "ckpt" / "last.ckpt"
+    assert torch.load(ckpt, weights_only=False)["DistillDataModule"] == {
+        "world_size": 1,
+        "accumulate_grad_batches": 1,
+    }
+    with pytest.raises(ValueError, match=r"trainer\.accumulate_grad_batches 1 -> 2"):
+        _run(tiny_model, text_file, tmp_path, max_steps=3, ckpt_path=ckpt, accumulate_grad_batches=2)
+
+
 def test_the_same_settings_written_another_way_resume(tmp_path, monkeypatch):
     """A relative and an absolute path to one folder, a tuple and its list: the same run."""
     from swiftkv_distill.build import check_same_run

@@ -283,6 +283,16 @@ class DistillDataModule(L.LightningDataModule):
             drop_last=shuffle,
         )
 
+    def state_dict(self) -> dict:
+        """What Lightning's checkpoints keep of the data (``build.check_same_run`` compares it on a resume): the
+        checkpoint's position in an epoch counts each process's batches, and the schedule's length follows the
+        processes and the batches accumulated per step. Another count on a resume would train rows again and jump
+        the learning rate."""
+        trainer = getattr(self, "trainer", None)
+        if trainer is None:
+            return {}
+        return {"world_size": trainer.world_size, "accumulate_grad_batches": trainer.accumulate_grad_batches}
+
     def _batches_done(self) -> int:
         trainer = getattr(self, "trainer", None)
         return trainer.fit_loop.epoch_loop.batch_progress.current.processed if trainer is not None else 0

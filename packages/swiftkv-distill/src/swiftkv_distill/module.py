@@ -438,7 +438,7 @@ class SwiftKVDistillation(L.LightningModule):
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
         datamodule = getattr(self._trainer, "datamodule", None)
-        check_same_run(checkpoint, self.hparams, datamodule.hparams if datamodule is not None else None)
+        check_same_run(checkpoint, self.hparams, datamodule)
         self.configure_model()  # load_from_checkpoint() does not call it; a no-op inside trainer.fit
         if "state_dict" in checkpoint:  # ours holds the trained weights only (FSDP2's shards load apart):
             checkpoint["state_dict"] = self.state_dict() | checkpoint["state_dict"]  # the rest as just built
