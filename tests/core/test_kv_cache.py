@@ -193,3 +193,31 @@ def test_paper_setting_memory_and_the_flops_command(tmp_path, capsys):
     assert "53.1% less than the original model in bf16" in out  # 1 - 240 / (2 * 4 * 2 * 16 * 2)
     with pytest.raises(SystemExit, match="swiftkv flops: .*'fp4' is unknown"):
         main(["flops", "--model", str(tmp_path / "swift"), "--kv_cache_dtype", "fp4"])
+
+
+@pytest.mark.parametrize("g", [1, 2])
+def test_the_fp8_cache_holds_one_groups_dequantised_kv_at_a_time(g, monkeypatch):
+    """An FP8 cache's reads are dequantised copies of a layer's whole cache. The SwiftKV forward takes each AcrossKV
+    group's as its first layer runs and lets it go after its last: as each layer >= l starts, only its group's K and
+    V are alive. Taken all at once, every group's copy was alive beside the FP8 cache: more memory than a bf16
+    cache, whose reads are the stored tensors themselves."""
+    import weakref
+
+    model = convert(tiny_base("llama", num_hidden_layers=6), 2, g).eval()
+    reads = []
+    dequantized = FP8KVLayer.dequantized
+
+    def recorded(layer):
+        out = dequantized(layer)
+        reads.extend(weakref.ref(t) for t in out)
+        return out
+
+    monkeypatch.setattr(FP8KVLayer, "dequantized", recorded)
+    alive = []
+    for layer in model.model.layers[2:]:
+        layer.register_forward_pre_hook(lambda *_: alive.append(sum(r() is not None for r in reads)))
+    cache = make_kv_cache(model.config, "fp8")
+    with torch.no_grad():
+        out = model(torch.tensor([[5, 17, 3, 99, 42, 7, 64, 11]]), past_key_values=cache, use_cache=True)
+        model(out.logits[:, -1:].argmax(-1), past_key_values=cache, use_cache=True)  # a decode step
+    assert len(alive) == 2 * 4 and max(alive) == 2, alive

@@ -130,8 +130,9 @@ def test_a_cache_built_in_the_other_mode_is_refused_with_the_fix():
 
 @torch.no_grad()
 def test_early_exit_decoding_takes_a_head_of_another_dtype():
-    """The early-exit head keeps the dtype it trained in (fp32 master weights) beside a model cast to bf16, or the
-    other way round: its projection reads the norm's output in its own dtype."""
+    """The early-exit head saved in the dtype it trained in (fp32 master weights) beside a model cast to bf16, or
+    the other way round, decodes in the model's dtype: a vocabulary-sized fp32 projection would read twice the
+    bytes of the model's own LM head at every step."""
     from swiftkv_core.early_exit import EarlyExitHead, generate_with_early_exit
 
     _, model = swift(l=2, g=1)
@@ -142,6 +143,7 @@ def test_early_exit_decoding_takes_a_head_of_another_dtype():
             model.to(model_dtype), head.to(head_dtype), ids, 4, threshold=0.0
         )
         assert out.shape == (1, 16) and exited == 3, (model_dtype, head_dtype)
+        assert head.lm_head.weight.dtype == model_dtype
 
 
 @torch.no_grad()

@@ -90,7 +90,8 @@ def generate_with_early_exit(
     if input_ids.shape[0] != 1:
         raise ValueError("generate_with_early_exit decodes one sequence (batch size 1).")
     inner = model.model
-    head.to(input_ids.device)  # load() gives it on the CPU; the model may be on a GPU
+    # load() gives it on the CPU, in the dtype it trained in (fp32 master weights): the model's device and dtype
+    head.to(device=input_ids.device, dtype=model.dtype)
     out = model(input_ids, use_cache=True, logits_to_keep=1)
     cache = out.past_key_values
     token = out.logits[:, -1].argmax(-1, keepdim=True)
@@ -103,7 +104,8 @@ def generate_with_early_exit(
         confidence, early_token = probs.max(-1)
         if confidence.item() >= threshold:
             # Skip layers >= l, but write their K/V (they only depend on the hidden state entering layer l).
-            inner.swiftkv_key_values(hidden, context.position_embeddings, cache)
+            for leader, (key, value) in inner.swiftkv_key_values(hidden, context.position_embeddings).items():
+                cache.update(key, value, model.config.kv_cache_index(leader, swiftkv=True))
             token, exited = early_token[:, None], exited + 1
         else:
             final = inner.forward_suffix(hidden, context, swiftkv=True)

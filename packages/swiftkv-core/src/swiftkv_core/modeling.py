@@ -428,8 +428,11 @@ class SwiftKVModelMixin:
                 last_input = hidden
                 hidden = layer(hidden, **layer_kwargs)
         else:
-            key_values = self.swiftkv_key_values(hidden, context.position_embeddings, context.past_key_values)
-            layer_kwargs["past_key_values"] = None  # the K/V of layers >= l are already written
+            key_values = self.swiftkv_key_values(hidden, context.position_embeddings)
+            cache = context.past_key_values
+            layer_kwargs["past_key_values"] = (
+                None  # the K/V of layers >= l are written here, not by the layers
+            )
             if context.subset:
                 keep = context.keep
                 hidden = hidden[:, keep]
@@ -437,17 +440,23 @@ class SwiftKVModelMixin:
                 layer_kwargs["attention_mask"] = context.subset_mask
                 layer_kwargs["position_ids"] = context.position_ids[:, keep]
             for j in range(config.num_key_value_layers, config.num_hidden_layers):
+                leader = config.kv_group_leader(j)
+                if cache is not None and j == leader:
+                    # each group's K/V join the cache as its first layer runs, and are let go after its last: a
+                    # cache that returns copies (FP8KVCache's dequantised K/V) holds one group's at a time
+                    key_values[j] = cache.update(*key_values[j], config.kv_cache_index(j, swiftkv=True))
                 last_input = hidden
-                hidden = self.layers[j](hidden, *key_values[config.kv_group_leader(j)], **layer_kwargs)
+                hidden = self.layers[j](hidden, *key_values[leader], **layer_kwargs)
+                if config.kv_group_leader(j + 1) != leader:
+                    del key_values[leader]
         if context.keep is not None and not (swiftkv and context.subset):
             hidden, last_input = hidden[:, context.keep], last_input[:, context.keep]
         return (hidden, last_input) if return_last_layer_input else hidden
 
-    def swiftkv_key_values(self, hidden, position_embeddings, past_key_values=None):
-        """K/V of every layer ``>= l`` from ``hidden`` (the input of layer ``l``), one per AcrossKV group.
-
-        Returns ``{group leader: (key, value)}``; with a cache, the values are the cached ones (past + new).
-        """
+    def swiftkv_key_values(self, hidden, position_embeddings):
+        """K/V of every layer ``>= l`` from ``hidden`` (the input of layer ``l``), one per AcrossKV group:
+        ``{group leader: (key, value)}`` of ``hidden``'s positions (a cache takes them with
+        ``update(key, value, config.kv_cache_index(leader, swiftkv=True))``)."""
         config = self.config
         swiftkv_input = self.norm_swiftkv(hidden)
         device = swiftkv_input.device.type
@@ -456,10 +465,7 @@ class SwiftKVModelMixin:
             swiftkv_input = swiftkv_input.to(torch.get_autocast_dtype(device))
         key_values = {}
         for j in config.kv_group_leaders:
-            key, value = self.layers[j].self_attn.swiftkv_key_value(swiftkv_input, position_embeddings)
-            if past_key_values is not None:
-                key, value = past_key_values.update(key, value, config.kv_cache_index(j, swiftkv=True))
-            key_values[j] = (key, value)
+            key_values[j] = self.layers[j].self_attn.swiftkv_key_value(swiftkv_input, position_embeddings)
         return key_values
 
 
