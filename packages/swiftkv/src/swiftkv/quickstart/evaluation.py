@@ -30,6 +30,10 @@ def greedy_answers(
     for name, enabled in (("teacher", False), ("swiftkv", True)):
         with model.swiftkv_mode(enabled):
             answers[name] = [_answer(model, tokenizer, prompt, max_new_tokens) for prompt in prompts]
+    del (
+        model
+    )  # freed before the caller loads the next model (cycles included), not when garbage is next collected
+    gc.collect()
     return answers
 
 

@@ -10,6 +10,7 @@ smallest ``l`` whose predicted distilled agreement clears ``--min_agreement``.
 
 from __future__ import annotations
 
+import gc
 import random
 
 # The share of the init's remaining disagreement that the CPU recipe's 12 minutes of distillation closed on SmolLM2
@@ -123,7 +124,8 @@ def measure(run, ls: list[int]) -> list[dict]:
             "kv_bytes_per_token": kv_cache_bytes_per_token(shape, l, g), "explained": report["explained_mean"],
             **held_out, "predicted": {name: predicted_distilled(v["agreement"]) for name, v in held_out.items()},
         })  # fmt: skip
-        del model
+        del model  # its projections and the fit's buffers freed before the next l's (cycles included)
+        gc.collect()
     return rows
 
 
