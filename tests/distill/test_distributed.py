@@ -115,10 +115,10 @@ def _launch(config, cwd, *options, processes: int = 2, env=None, check: bool = T
     return result
 
 
-def _losses(out):
+def _losses(out, name: str = "train/loss"):
     (metrics,) = out.glob("logs/*/metrics.csv")
     with open(metrics) as f:
-        return [float(row["train/loss"]) for row in csv.DictReader(f) if row.get("train/loss")]
+        return [float(row[name]) for row in csv.DictReader(f) if row.get(name)]
 
 
 def _metrics(out, prefixes) -> dict[str, float]:
@@ -196,9 +196,13 @@ def test_two_process_fsdp2_matches_single_process(tmp_path, tiny_model, text_fil
     for name, value in _trained(sharded_out).items():
         torch.testing.assert_close(resumed[name], value, rtol=0, atol=0, msg=name)
 
-    single, sharded = _losses(single_out), _losses(sharded_out)
-    assert len(single) == len(sharded) == 4
-    torch.testing.assert_close(torch.tensor(sharded), torch.tensor(single), rtol=1e-4, atol=1e-6)
+    # the step's metrics too: each process logs its share of the mean over both processes' distilled positions
+    for name in ("train/loss", "train/kl", "train/agreement", "train/hidden_mse"):
+        single, sharded = _losses(single_out, name), _losses(sharded_out, name)
+        assert len(single) == len(sharded) == 4, name
+        torch.testing.assert_close(
+            torch.tensor(sharded), torch.tensor(single), rtol=1e-4, atol=1e-6, msg=name
+        )
     expected, got = _trained(single_out), _trained(sharded_out)
     assert expected.keys() == got.keys() and expected
     for name in expected:

@@ -221,14 +221,14 @@ class SwiftKVDistillation(L.LightningModule):
         row_scale = self._window.row_scale(tokens, world, window)
         out = self.step(batch, row_scale, positions=positions)
         pause_point("training-step")  # mid-step: the forward done, the backward and the update to come
-        log = dict(on_step=True, on_epoch=False, batch_size=batch["input_ids"].shape[0])
+        log = dict(on_step=True, on_epoch=False, batch_size=batch["input_ids"].shape[0], sync_dist=True,
+                   reduce_fx="sum")  # fmt: skip
         loss = self._window.mean_loss(out["loss"].detach(), row_scale, tokens)
-        self.log("train/loss", loss, prog_bar=True, sync_dist=True, reduce_fx="sum", **log)
-        self.log("train/kl", out["kl"], sync_dist=True, **log)
-        self.log("train/agreement", out["agreement"], prog_bar=True, sync_dist=True, **log)
-        self.log("train/hidden_mse", out["hidden_mse"], sync_dist=True, **log)
-        if "early_kl" in out:
-            self.log("train/early_exit_kl", out["early_kl"], sync_dist=True, **log)
+        self.log("train/loss", loss, prog_bar=True, **log)
+        # each process's share of the mean over every process's distilled positions (a process with none adds 0)
+        for name in ("kl", "agreement", "hidden_mse", "early_exit_kl"):
+            if name in out:
+                self.log(f"train/{name}", out[name] / tokens.clamp(1), prog_bar=name == "agreement", **log)
         self._tokens_seen += int(batch["token_mask"].sum()) * world
         return out["loss"]
 

@@ -231,11 +231,11 @@ class DistillationStep(nn.Module):
         loss = kl_sum
         if settings.hidden_loss_weight:
             loss = loss + settings.hidden_loss_weight * (mse_rows * rows).sum()
-        out = {
+        out = {  # sums over the distilled positions: a caller divides by their count over every process
             "tokens": mask.sum(),
-            "kl": kl_rows.detach().mean(),
-            "agreement": agree.float().mean(),
-            "hidden_mse": mse_rows.detach().mean(),
+            "kl": kl_rows.detach().sum(),
+            "agreement": agree.float().sum(),
+            "hidden_mse": mse_rows.detach().sum(),
         }
         if early is not None:
             early_sum, early_kl, early_agree = distillation_kl(
@@ -248,7 +248,7 @@ class DistillationStep(nn.Module):
                 teacher_weight=head_weight,
             )
             loss = loss + settings.early_exit_weight * early_sum
-            out.update(early_kl=early_kl.mean(), early_agreement=early_agree.float().mean())
+            out.update(early_exit_kl=early_kl.sum(), early_exit_agreement=early_agree.float().sum())
         out["loss"] = loss
         return out
 
