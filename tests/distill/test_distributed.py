@@ -377,10 +377,16 @@ def test_fsdp2_shards_bf16_frozen_weights_beside_fp32_trained_ones(tmp_path, tin
         for rank in range(ranks):
             held = json.loads((out / f"dtypes-rank{rank}.json").read_text())
             assert held == {"frozen": ["torch.bfloat16"], "trained": ["torch.float32"]}, (out.name, rank)
-    # the losses after the first step follow the distilled weights: an update wrongly reduced would show there
-    single, sharded = _losses(single_out), _losses(sharded_out)
-    assert len(single) == len(sharded) == 4
-    torch.testing.assert_close(torch.tensor(sharded), torch.tensor(single), rtol=1e-2, atol=1e-6)
+    # the losses after the first step follow the distilled weights: an update wrongly reduced would show there;
+    # the step's metrics are the window's (both batches of each process), not its last batch's
+    for name in ("train/loss", "train/kl", "train/agreement", "train/hidden_mse"):
+        single, sharded = _losses(single_out, name), _losses(sharded_out, name)
+        assert len(single) == len(sharded) == 4, name
+        # the first step's agreement exactly, the later ones within 2 of a step's 64 positions (top-1 near-ties
+        # flip with the bf16 rounding by which the weights part)
+        atol = [1e-6] + [2 / 64 if name == "train/agreement" else 1e-6] * 3
+        for a, b, tolerance in zip(sharded, single, atol, strict=True):
+            assert a == pytest.approx(b, rel=1e-2, abs=tolerance), (name, sharded, single)
     # the held-out figures before and after the K/V fit: the same positions scored, the same values
     expected, got = _metrics(single_out, ("before/", "init/")), _metrics(sharded_out, ("before/", "init/"))
     assert expected.keys() == got.keys() and "before/agreement" in expected

@@ -83,7 +83,8 @@ def generate_with_early_exit(
     """Greedy decoding (batch 1) that exits at layer ``l`` when ``head``'s top probability >= ``threshold``.
 
     Needs a SwiftKV model with ``swiftkv`` on (the exited tokens' later K/V come from the SwiftKV projections).
-    Returns ``(all ids, number of tokens emitted by the early head)``.
+    ``head`` is moved to the model's device and cast to its dtype, in place. Returns ``(all ids, number of tokens
+    emitted by the early head)``.
     """
     if not model.config.swiftkv:
         raise ValueError("generate_with_early_exit needs the SwiftKV forward: call model.swiftkv(True).")

@@ -79,5 +79,6 @@ def out_of_memory_advice(trainer, module, datamodule) -> str:
     return (
         f"out of memory on {where} {when}. To fit: "
         + "; or ".join(changes)
-        + ". Checkpoints written so far are kept."
+        + ". Checkpoints written so far are kept: a resume may turn on activation checkpointing, the other changes "
+        "train differently and start a new run (another --trainer.default_root_dir)."
     )

@@ -225,10 +225,10 @@ class SwiftKVDistillation(L.LightningModule):
                    reduce_fx="sum")  # fmt: skip
         loss = self._window.mean_loss(out["loss"].detach(), row_scale, tokens)
         self.log("train/loss", loss, prog_bar=True, **log)
-        # each process's share of the mean over every process's distilled positions (a process with none adds 0)
         for name in ("kl", "agreement", "hidden_mse", "early_exit_kl"):
             if name in out:
-                self.log(f"train/{name}", out[name] / tokens.clamp(1), prog_bar=name == "agreement", **log)
+                value = self._window.mean_metric(name, out[name], tokens)
+                self.log(f"train/{name}", value, prog_bar=name == "agreement", **log)
         self._tokens_seen += int(batch["token_mask"].sum()) * world
         return out["loss"]
 

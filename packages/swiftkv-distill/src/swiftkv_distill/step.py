@@ -55,6 +55,7 @@ class AccumulationWindow:
     def __init__(self):
         self.positions: torch.Tensor | None = None  # the window's so far, on all processes
         self.loss: torch.Tensor | float = 0.0  # the window's summed loss so far, on this process
+        self.metrics: dict[str, torch.Tensor] = {}  # the window's summed step metrics so far, on this process
 
     def row_scale(self, positions: torch.Tensor, processes: int, window: int) -> torch.Tensor | float:
         """The weight of each of a batch's ``positions`` (their count on all processes)."""
@@ -71,6 +72,15 @@ class AccumulationWindow:
         self.loss = self.loss + loss / row_scale
         return self.loss / self.positions.clamp(min=1)
 
+    def mean_metric(self, name: str, value: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """This process's share of a step metric's mean (``value``: its sum over a batch's distilled positions) over
+        every process's positions: the batch's, or, accumulating, the window's so far (the step's at its last
+        batch, where Lightning logs it). No position anywhere gives 0, not NaN."""
+        if self.positions is None:
+            return value / positions.clamp(min=1)
+        self.metrics[name] = self.metrics.get(name, 0.0) + value
+        return self.metrics[name] / self.positions.clamp(min=1)
+
     def normalise(self, parameters) -> None:
         """At a window's end: the summed gradients made the window's mean."""
         if self.positions is None:
@@ -79,7 +89,7 @@ class AccumulationWindow:
         for param in parameters:
             if param.grad is not None:
                 param.grad.div_(count)
-        self.positions, self.loss = None, 0.0
+        self.positions, self.loss, self.metrics = None, 0.0, {}
 
 
 @dataclass(frozen=True)
