@@ -430,9 +430,8 @@ class SwiftKVModelMixin:
         else:
             key_values = self.swiftkv_key_values(hidden, context.position_embeddings)
             cache = context.past_key_values
-            layer_kwargs["past_key_values"] = (
-                None  # the K/V of layers >= l are written here, not by the layers
-            )
+            # the K/V of layers >= l are written here, not by the layers
+            layer_kwargs["past_key_values"] = None
             if context.subset:
                 keep = context.keep
                 hidden = hidden[:, keep]

@@ -30,9 +30,8 @@ def greedy_answers(
     for name, enabled in (("teacher", False), ("swiftkv", True)):
         with model.swiftkv_mode(enabled):
             answers[name] = [_answer(model, tokenizer, prompt, max_new_tokens) for prompt in prompts]
-    del (
-        model
-    )  # freed before the caller loads the next model (cycles included), not when garbage is next collected
+    # freed before the caller loads the next model (cycles included), not when garbage is next collected
+    del model
     gc.collect()
     return answers
 
