@@ -238,5 +238,5 @@ def test_processes_fit_the_sum_of_their_batches(tmp_path):
     with pytest.raises(RuntimeError, match="no torch.distributed process group"):
         fit_kv_projections(model, batches, all_processes=True)
     assert [torch.load(f"{out}.{rank}") for rank in (0, 1)] == [
-        "1 process(es) collected no tokens: give each batches."
+        "1 process(es) collected no tokens for the K/V fit: give each of them batches."
     ] * 2

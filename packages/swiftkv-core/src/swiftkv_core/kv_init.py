@@ -209,13 +209,18 @@ class KVLeastSquares:
         return t[keep] if keep is not None else t
 
     def all_reduce(self, reduce: Callable[[torch.Tensor], torch.Tensor]) -> None:
-        """Sum the normal equations over data-parallel ranks (``reduce`` returns the summed tensor)."""
-        if not self.xy:  # nothing collected on any rank: solve_and_apply says so
-            return
+        """Sum the normal equations over data-parallel ranks (``reduce`` returns the summed tensor). The ranks that
+        collected nothing are counted first: the others would wait for sums they never send, so every rank stops,
+        saying so."""
+        device = next(self.model.parameters()).device
+        idle = int(reduce(torch.tensor(float(not self.xy), device=device)).item())
+        if idle:
+            raise RuntimeError(
+                f"{idle} process(es) collected no tokens for the K/V fit: give each of them batches."
+            )
         for sums in (self.xx, self.xy, self.yy, self.query_energy):
             for key in sums:
                 sums[key] = reduce(sums[key])
-        device = next(iter(self.xy.values())).device
         self.tokens = int(reduce(torch.tensor(float(self.tokens), dtype=torch.float64, device=device)))
 
     # --- solution --------------------------------------------------------------------------------------------
@@ -341,12 +346,6 @@ def fit_kv_projections(
                 if fit.tokens >= max_tokens:
                     break
             if all_processes:
-                # every process, or none, sums: one that collected nothing would leave the others waiting
-                idle = torch.tensor(float(not fit.xy), device=next(model.parameters()).device)
-                if _summed_over_processes(idle).item():
-                    raise RuntimeError(
-                        f"{int(idle.item())} process(es) collected no tokens: give each batches."
-                    )
                 fit.all_reduce(_summed_over_processes)
             return fit.solve_and_apply()
     finally:

@@ -282,7 +282,7 @@ def resident_bytes(module: torch.nn.Module) -> int:
 
 
 def check_kv_fit_fits(
-    device: torch.device, module: torch.nn.Module, hp, share: int, copies: int, total: int
+    device: torch.device, module: torch.nn.Module, hp, shards: int, copies: int, total: int
 ) -> None:
     """The least-squares K/V fit runs before training: the weights (no gradient or optimizer state yet) and the
     fit's float64 normal equations (``KVLeastSquares.statistics_bytes``, whole on every process) must fit, ``copies``
@@ -291,7 +291,7 @@ def check_kv_fit_fits(
         return
     from swiftkv_core.kv_init import KVLeastSquares
 
-    weights = sum(p.numel() * p.element_size() for p in module.parameters()) / share
+    weights = sum(p.numel() * p.element_size() for p in module.parameters()) / shards
     fit = KVLeastSquares(module.model, weighting=hp.kv_init_weighting).statistics_bytes()
     if copies * (weights + fit) <= total:
         return
