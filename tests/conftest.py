@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
+import tempfile
 
 import pytest
 import torch
@@ -16,6 +19,11 @@ from transformers import (
 )
 
 import swiftkv_core  # noqa: F401  (registers the SwiftKV classes)
+
+# The tests' data files are new temporary files in every run: their token rows go to a folder of the run (the
+# processes the tests start inherit it), not the user's token cache.
+os.environ.setdefault("SWIFTKV_TOKENS_DIR", tempfile.mkdtemp(prefix="swiftkv-tokens-"))
+atexit.register(shutil.rmtree, os.environ["SWIFTKV_TOKENS_DIR"], ignore_errors=True)
 
 TINY = dict(
     vocab_size=128,

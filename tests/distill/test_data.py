@@ -24,7 +24,7 @@ from tests.distill.conftest import write_jsonl
 
 def test_pack_and_collate_positions_and_labels():
     rows = pack([[1, 2, 3], [4, 5], [6, 7, 8, 9, 10]], max_length=4)
-    assert [r["input_ids"] for r in rows] == [[1, 2, 3, 4], [5, 6, 7, 8], [9, 10]]
+    assert [r["input_ids"].tolist() for r in rows] == [[1, 2, 3, 4], [5, 6, 7, 8], [9, 10]]
     assert [r["segments"] for r in rows] == [[3, 1], [1, 3], [2]]
     batch = collate(rows, pad_id=0, pad_to=4)
     assert batch["position_ids"].tolist() == [[0, 1, 2, 0], [0, 0, 1, 2], [0, 1, 0, 1]]
@@ -75,7 +75,9 @@ def test_formats_and_chat_template(tiny_model, text_file, chat_file):
     )
     dm.setup()
     tok = AutoTokenizer.from_pretrained(tiny_model)
-    text = tok.decode(sum((r["input_ids"] for r in dm.train_rows + dm.val_rows), []))
+    text = tok.decode(
+        [t for rows in (dm.train_rows, dm.val_rows) for r in rows for t in r["input_ids"].tolist()]
+    )
     assert "<|im_start|>user\nName a colour.<|im_end|>\n<|im_start|>assistant\n" in text  # prompt-only
     assert "<|im_start|>assistant\nHi!<|im_end|>" in text  # prompt + response
     assert "Water falling from clouds." in text and "The jury said" in text

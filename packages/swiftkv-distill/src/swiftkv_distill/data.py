@@ -28,12 +28,14 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import torch
 
 from swiftkv_core.chat import chat_ids, user_turn
+
+from .tokens import RowWriter, TokenRows
 
 IGNORE = -100
 CHAT_TOKENS = ("answers", "all")
@@ -51,15 +53,7 @@ def load_records(files: Sequence[str | Path]) -> list[dict]:
     records: list[dict] = []
     for file in files:
         path = Path(file)
-        if not path.is_file():
-            raise DataError(f"Data file {path} does not exist.")
-        builder = _BUILDERS.get(path.suffix.lower())
-        if builder is None:
-            raise DataError(
-                f"Data file {path}: unknown extension {path.suffix!r}; use one of {sorted(_BUILDERS)}."
-            )
-        if path.stat().st_size == 0:
-            raise DataError(f"Data file {path} is empty.")
+        builder = _check_file(path)
         if path.suffix.lower() == ".jsonl":
             _check_json_lines(path)
         try:
@@ -81,6 +75,29 @@ def load_records(files: Sequence[str | Path]) -> list[dict]:
                 )
         records.extend(rows)
     return records
+
+
+def _check_file(path: Path) -> str:
+    """The ``datasets`` builder of a data file; ``DataError`` if it is missing, empty or of an unknown kind."""
+    if not path.is_file():
+        raise DataError(f"Data file {path} does not exist.")
+    builder = _BUILDERS.get(path.suffix.lower())
+    if builder is None:
+        raise DataError(
+            f"Data file {path}: unknown extension {path.suffix!r}; use one of {sorted(_BUILDERS)}."
+        )
+    if path.stat().st_size == 0:
+        raise DataError(f"Data file {path} is empty.")
+    return builder
+
+
+def file_identity(file: str | Path) -> list:
+    """What tells a data file's content apart without reading it: its real path, size and modification time (the
+    token cache's key). ``DataError`` as ``load_records`` for a file that cannot be data."""
+    path = Path(file)
+    _check_file(path)
+    stat = path.stat()
+    return [str(path.resolve()), stat.st_size, stat.st_mtime_ns]
 
 
 def _check_json_lines(path: Path) -> None:
@@ -119,9 +136,7 @@ def encode_record(record: dict, tokenizer, chat_tokens: str = "answers") -> tupl
     distilled (``chat_tokens``: ``"answers"`` or ``"all"``)."""
     kind = record_kind(record)
     if kind == "text":
-        ids = tokenizer(record["text"], add_special_tokens=True)["input_ids"]
-        ids = ids + ([tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else [])
-        return ids, [True] * len(ids)
+        return _text(tokenizer(record["text"], add_special_tokens=True)["input_ids"], tokenizer)
     if kind == "prompt":
         ids = chat_ids(tokenizer, user_turn(record["prompt"]), generation_prompt=True)
         return ids, [True] * len(ids)
@@ -145,6 +160,28 @@ def encode_record(record: dict, tokenizer, chat_tokens: str = "answers") -> tupl
     return ids, distilled
 
 
+def encode_records(
+    records: Sequence[dict], tokenizer, chat_tokens: str = "answers", batch_size: int = 1000
+) -> Iterator[tuple[list[int], list[bool]]]:
+    """``encode_record`` of each record, in order; text records a batch at a time (the fast tokenizer then
+    works on every core)."""
+    for start in range(0, len(records), batch_size):
+        batch = records[start : start + batch_size]
+        texts = [r["text"] for r in batch if record_kind(r) == "text"]
+        encoded = iter(tokenizer(texts, add_special_tokens=True)["input_ids"] if texts else ())
+        for record in batch:
+            if record_kind(record) == "text":
+                yield _text(next(encoded), tokenizer)
+            else:
+                yield encode_record(record, tokenizer, chat_tokens)
+
+
+def _text(ids: list[int], tokenizer) -> tuple[list[int], list[bool]]:
+    """A text record's ids followed by EOS, all distilled."""
+    ids = ids + ([tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else [])
+    return ids, [True] * len(ids)
+
+
 def _common_prefix(a: list[int], b: list[int]) -> int:
     n = 0
     for x, y in zip(a, b, strict=False):
@@ -165,43 +202,26 @@ def split_indices(n: int, val_fraction: float, seed: int) -> tuple[list[int], li
 
 def pack(
     sequences: Sequence[list[int]], max_length: int, distilled: Sequence[list[bool]] | None = None
-) -> list[dict]:
+) -> TokenRows:
     """Concatenate sequences into rows of ``max_length`` tokens; a sequence crossing a row end continues in the
-    next row (positions restart there). Returns ``{"input_ids", "segments": [lengths...], "distilled"}`` per row
-    (``distilled``: per token, from ``distilled`` or all True); the last row may be shorter (the collator pads
-    it)."""
-    rows: list[dict] = []
-    ids: list[int] = []
-    flags: list[bool] = []
-    segments: list[int] = []
-    for index, sequence in enumerate(sequences):
-        rest = list(sequence)
-        rest_flags = list(distilled[index]) if distilled is not None else [True] * len(rest)
-        while rest:
-            take = min(len(rest), max_length - len(ids))
-            ids.extend(rest[:take])
-            flags.extend(rest_flags[:take])
-            segments.append(take)
-            rest, rest_flags = rest[take:], rest_flags[take:]
-            if len(ids) == max_length:
-                rows.append({"input_ids": ids, "segments": segments, "distilled": flags})
-                ids, segments, flags = [], [], []
-    if ids:
-        rows.append({"input_ids": ids, "segments": segments, "distilled": flags})
-    return rows
+    next row (positions restart there). Each row reads as ``{"input_ids", "segments": [lengths...],
+    "distilled"}`` (``distilled``: per token, from ``distilled`` or all True); the last row may be shorter (the
+    collator pads it)."""
+    return _rows(sequences, max_length, distilled, pack=True)
 
 
 def unpacked(
     sequences: Sequence[list[int]], max_length: int, distilled: Sequence[list[bool]] | None = None
-) -> list[dict]:
+) -> TokenRows:
     """One row per sequence, truncated to ``max_length``."""
-    rows = []
-    for index, s in enumerate(sequences):
-        if s:
-            flags = list(distilled[index]) if distilled is not None else [True] * len(s)
-            n = min(len(s), max_length)
-            rows.append({"input_ids": list(s[:n]), "segments": [n], "distilled": flags[:n]})
-    return rows
+    return _rows(sequences, max_length, distilled, pack=False)
+
+
+def _rows(sequences, max_length: int, distilled, pack: bool) -> TokenRows:
+    writer = RowWriter(max_length, pack)
+    for index, sequence in enumerate(sequences):
+        writer.add(sequence, distilled[index] if distilled is not None else None)
+    return writer.rows()
 
 
 def collate(rows: Sequence[dict], pad_id: int = 0, pad_to: int | None = None) -> dict[str, torch.Tensor]:

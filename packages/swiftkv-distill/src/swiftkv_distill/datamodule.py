@@ -1,26 +1,41 @@
 """The Lightning data module of a distillation: local files (or named offline data sets) -> checked, tokenised,
-split and packed rows (``data.py``) -> batches, with a seeded sampler that resumes mid-epoch exactly."""
+split and packed rows (``data.py``), made once into the token cache (``tokens.py``) -> batches, with a seeded
+sampler that resumes mid-epoch exactly."""
 
 from __future__ import annotations
 
+import hashlib
+import json
 import math
+from pathlib import Path
 
 import lightning as L
 import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
+
+from swiftkv_core.atomic import made_once
 
 from .corpora import resolve_files
 from .data import (
     CHAT_TOKENS,
     DataError,
     collate,
-    encode_record,
+    encode_records,
     evenly_spaced,
+    file_identity,
     load_records,
-    pack,
     record_kind,
     split_indices,
-    unpacked,
+)
+from .tokens import (
+    TOKEN_CACHE_FORMAT,
+    Progress,
+    RowWriter,
+    TokenRows,
+    read_sets,
+    token_cache_dir,
+    tokenizer_identity,
+    write_sets,
 )
 
 
@@ -196,17 +211,71 @@ class DistillDataModule(L.LightningDataModule):
         return list(self.val_set_rows)
 
     def build(self) -> None:
-        """Read, check, tokenise, split and pack (idempotent). Called by ``setup``; errors come before compute."""
+        """Read, check, tokenise, split and pack (idempotent): the rows of the token cache (``token_rows_folder``),
+        memory-mapped. Called by ``setup``; errors come before compute."""
         if self.train_rows is not None:
             return
         hp = self.hparams
-        self.tokenizer = tokenizer = self._load_tokenizer()
-        train_records = load_records(resolve_files(self.train_files, self.model_path))
-        val_records = {
-            name: load_records(resolve_files(files, self.model_path))
-            for name, files in self.val_sets.items()
-            if files
+        self.tokenizer = self._load_tokenizer()
+        folder = self.token_rows_folder(self.tokenizer)
+        sets = read_sets(folder)
+        self.train_rows = sets["train"]
+        if hp.max_train_rows:  # spread over the data (every file, every genre), as the validation rows
+            self.train_rows = self.train_rows.subset(
+                evenly_spaced(range(len(self.train_rows)), hp.max_train_rows)
+            )
+        for i, name in enumerate(self.val_sets):
+            rows = sets[f"val{i}"]
+            self.val_set_rows[name] = (
+                rows.subset(evenly_spaced(range(len(rows)), hp.max_val_rows)) if hp.max_val_rows else rows
+            )
+        self.val_rows = next(iter(self.val_set_rows.values()))
+        if not self.train_rows:
+            raise DataError("No training rows after tokenisation.")
+        for name, rows in {"training": self.train_rows, **self.val_set_rows}.items():
+            if rows and not rows.any_distilled():
+                raise DataError(
+                    f"The {name or 'validation'} data has no token to distil: with chat_tokens "
+                    f"'{hp.chat_tokens}' only the tokens of assistant answers are, and its records have none "
+                    "(chat records without an assistant turn, or answers cut off by max_length without packing). "
+                    "Give the prompts as 'prompt' records (every token distilled), have the teacher answer them "
+                    "(swiftkv prepare-data answer), set data.chat_tokens all, or give text."
+                )
+
+    def token_rows_folder(self, tokenizer) -> Path:
+        """The token cache's folder (``tokens.token_cache_dir()``) of this data, tokenizer and row settings, made
+        here unless another process made it: one process tokenises (Lightning's ``prepare_data``: one per node),
+        the others wait for it or find it made. Every process then maps the same files (the page cache holds one
+        copy per node), and a resumed or repeated run reads them again."""
+        hp = self.hparams
+        train_files = resolve_files(self.train_files, self.model_path)
+        val_files = {
+            name: resolve_files(files, self.model_path) for name, files in self.val_sets.items() if files
         }
+        made_from = {
+            "format": TOKEN_CACHE_FORMAT,
+            "train_files": [file_identity(f) for f in train_files],
+            "val_files": {name: [file_identity(f) for f in files] for name, files in val_files.items()},
+            "tokenizer": tokenizer_identity(tokenizer),
+            **{key: hp[key] for key in ("max_length", "pack", "chat_tokens")},
+            **({} if val_files else {"val_fraction": hp.val_fraction, "seed": hp.seed}),
+        }
+        key = hashlib.sha256(json.dumps(made_from, sort_keys=True).encode()).hexdigest()[:16]
+        return made_once(
+            token_cache_dir() / key,
+            lambda folder: (folder / "sets.json").is_file(),
+            lambda staging: write_sets(staging, self._tokenise(tokenizer, train_files, val_files), made_from),
+            waiting=f"waiting for another process tokenising the data into {token_cache_dir() / key}",
+        )
+
+    def _tokenise(
+        self, tokenizer, train_files: list[str], val_files: dict[str, list[str]]
+    ) -> dict[str, TokenRows]:
+        """The rows of the training set (``train``) and of each validation set (``val0``, ``val1``... in the order
+        of ``val_sets``; without validation files, ``val0`` is held out of the training records)."""
+        hp = self.hparams
+        train_records = load_records(train_files)
+        val_records = {name: load_records(files) for name, files in val_files.items()}
         every = train_records + [r for records in val_records.values() for r in records]
         if any(record_kind(r) != "text" for r in every) and not getattr(tokenizer, "chat_template", None):
             raise DataError(
@@ -217,24 +286,16 @@ class DistillDataModule(L.LightningDataModule):
             train_idx, val_idx = split_indices(len(train_records), hp.val_fraction, hp.seed)
             val_records = {"": [train_records[i] for i in val_idx]}
             train_records = [train_records[i] for i in train_idx]
-        self.train_rows = self._rows(train_records)
-        if hp.max_train_rows:  # spread over the data (every file, every genre), as the validation rows
-            self.train_rows = evenly_spaced(self.train_rows, hp.max_train_rows)
-        for name, records in val_records.items():
-            rows = self._rows(records)
-            self.val_set_rows[name] = evenly_spaced(rows, hp.max_val_rows) if hp.max_val_rows else rows
-        self.val_rows = next(iter(self.val_set_rows.values()))
-        if not self.train_rows:
-            raise DataError("No training rows after tokenisation.")
-        for name, rows in {"training": self.train_rows, **self.val_set_rows}.items():
-            if rows and not any(any(row["distilled"]) for row in rows):
-                raise DataError(
-                    f"The {name or 'validation'} data has no token to distil: with chat_tokens "
-                    f"'{hp.chat_tokens}' only the tokens of assistant answers are, and its records have none "
-                    "(chat records without an assistant turn, or answers cut off by max_length without packing). "
-                    "Give the prompts as 'prompt' records (every token distilled), have the teacher answer them "
-                    "(swiftkv prepare-data answer), set data.chat_tokens all, or give text."
-                )
+        records = {"train": train_records, **{f"val{i}": r for i, r in enumerate(val_records.values())}}
+        progress = Progress(sum(len(r) for r in records.values()))
+        sets = {}
+        for name, chosen in records.items():
+            writer = RowWriter(hp.max_length, hp.pack)
+            for ids, distilled in encode_records(chosen, tokenizer, hp.chat_tokens):
+                writer.add(ids, distilled)
+                progress.step(len(ids))
+            sets[name] = writer.rows()
+        return sets
 
     def check_batches(self, processes: int) -> None:
         """Refuse training rows too few for one batch on each of ``processes``: every process drops its last,
@@ -247,15 +308,10 @@ class DistillDataModule(L.LightningDataModule):
                 "data.batch_size."
             )
 
-    def _rows(self, records: list[dict]) -> list[dict]:
-        encoded = [encode_record(r, self.tokenizer, self.hparams.chat_tokens) for r in records]
-        shape = pack if self.hparams.pack else unpacked
-        return shape([ids for ids, _ in encoded], self.hparams.max_length, [d for _, d in encoded])
-
     def prepare_data(self) -> None:
-        resolve_files(
-            self.train_files + self.val_files, self.model_path
-        )  # named data sets, once, on one process
+        """On one process per node, before the others set up (Lightning's call): the named data sets are prepared
+        and the data tokenised into the token cache."""
+        self.token_rows_folder(self._load_tokenizer())
 
     def setup(self, stage: str | None = None) -> None:
         self.build()
@@ -348,7 +404,7 @@ class DistillDataModule(L.LightningDataModule):
         order = torch.randperm(
             len(self.train_rows), generator=torch.Generator().manual_seed(self.hparams.seed + 1)
         )
-        chosen = [self.train_rows[i] for i in order[:rows].tolist()]
+        chosen = self.train_rows.subset(order[:rows].numpy())
         return DataLoader(
             RowsDataset(chosen[rank::world]),
             batch_size=self.hparams.batch_size,

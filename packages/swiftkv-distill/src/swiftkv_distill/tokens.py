@@ -1,0 +1,201 @@
+"""Token rows as flat arrays: 5 bytes a token (an int32 id and a distilled flag), written to disk once and
+memory-mapped by every process of a run (``datamodule.py`` keeps them in its token cache).
+
+Rows held as Python lists of ints cost about 44 bytes a token in every process that builds them: the paper's 680M
+training tokens would take 30 GB in each process of an 8-GPU node, 240 GB in all, and each process would spend the
+tokenisation again. Here the processes of a node share one copy through the page cache.
+
+A set of rows is four arrays:
+
+- ``tokens`` and ``distilled``: every row's tokens, end to end, and per token whether it is distilled;
+- ``row_starts``: row ``r`` is ``tokens[row_starts[r]:row_starts[r + 1]]``;
+- ``sequence_starts``: where each sequence begins; a row's segments (``data.collate`` restarts the positions
+  at each) are cut there.
+
+A row reads as the dict ``data.collate`` batches: ``input_ids``, ``segments`` (lengths), ``distilled``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import time
+from array import array
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+
+ARRAYS = ("tokens", "distilled", "row_starts", "sequence_starts")
+# in the token cache's keys: a new layout of the arrays makes new entries, never misreads old ones
+TOKEN_CACHE_FORMAT = 1
+
+
+def token_cache_dir() -> Path:
+    """The token cache: ``$SWIFTKV_TOKENS_DIR``, else ``$SWIFTKV_CACHE_DIR/tokens`` (default
+    ``~/.cache/swiftkv/tokens``); a folder per data, tokenizer and row settings. Safe to delete: what is missing
+    is made again."""
+    from swiftkv_core.default_model import cache_dir
+
+    return Path(os.environ.get("SWIFTKV_TOKENS_DIR") or cache_dir() / "tokens")
+
+
+def tokenizer_identity(tokenizer) -> str:
+    """A digest of what decides a tokenizer's ids: its class, its rules and vocabulary (the fast tokenizer's whole
+    definition), its chat template and end-of-sequence token."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    rules = backend.to_str() if backend is not None else json.dumps(sorted(tokenizer.get_vocab().items()))
+    parts = [
+        type(tokenizer).__name__,
+        rules,
+        str(getattr(tokenizer, "chat_template", None)),
+        str(tokenizer.eos_token_id),
+    ]
+    return hashlib.sha256("\0".join(parts).encode()).hexdigest()
+
+
+class TokenRows(Sequence):
+    """Rows over the four arrays (see the module docstring), optionally a selection of them (``index``). Indexing
+    with an int gives a row's dict; with a slice, a list or an array of ints, the selected rows (``subset``)."""
+
+    def __init__(
+        self, arrays: dict[str, np.ndarray], index: np.ndarray | None = None, source: Path | None = None
+    ):
+        self.arrays = arrays
+        self.index = (
+            np.arange(len(arrays["row_starts"]) - 1) if index is None else np.asarray(index, np.int64)
+        )
+        # the folder the arrays are mapped from: a copy for another process (a DataLoader worker) maps them again
+        self.source = source
+
+    def __len__(self) -> int:
+        return len(self.index)
+
+    def __getitem__(self, i):
+        if not isinstance(i, (int, np.integer)):
+            return self.subset(i)
+        row = int(self.index[i])
+        starts, cuts = self.arrays["row_starts"], self.arrays["sequence_starts"]
+        begin, end = int(starts[row]), int(starts[row + 1])
+        inside = cuts[np.searchsorted(cuts, begin, "right") : np.searchsorted(cuts, end, "left")]
+        bounds = [begin, *inside.tolist(), end]
+        return {
+            "input_ids": self.arrays["tokens"][begin:end],
+            "segments": [b - a for a, b in zip(bounds, bounds[1:], strict=False)],
+            "distilled": self.arrays["distilled"][begin:end],
+        }
+
+    def subset(self, selection) -> TokenRows:
+        """The rows at ``selection`` (a slice, or positions in this selection), sharing the arrays."""
+        return TokenRows(self.arrays, self.index[selection], self.source)
+
+    def lengths(self) -> np.ndarray:
+        """Tokens per selected row."""
+        starts = self.arrays["row_starts"]
+        return starts[self.index + 1] - starts[self.index]
+
+    def any_distilled(self) -> bool:
+        """Whether any selected row has a token to distil."""
+        if len(self.index) == len(self.arrays["row_starts"]) - 1:
+            return bool(self.arrays["distilled"].any())
+        return any(self[i]["distilled"].any() for i in range(len(self)))
+
+    def save(self, folder: Path, name: str) -> dict:
+        """Write the arrays as ``NAME.ARRAY.npy`` in ``folder`` (all rows, whatever the selection); returns the
+        set's summary (rows, tokens, distilled tokens)."""
+        for key in ARRAYS:
+            np.save(folder / f"{name}.{key}.npy", self.arrays[key])
+        return {
+            "rows": len(self),
+            "tokens": int(self.lengths().sum()),
+            "distilled": int(self.arrays["distilled"].sum()),
+        }
+
+    @classmethod
+    def load(cls, folder: Path, name: str) -> TokenRows:
+        """The set ``name`` of ``folder``, memory-mapped read-only."""
+        arrays = {key: np.load(folder / f"{name}.{key}.npy", mmap_mode="r") for key in ARRAYS}
+        return cls(arrays, source=folder / name)
+
+    def __reduce__(self):
+        if self.source is None:
+            return TokenRows, (self.arrays, self.index)
+        return _mapped, (str(self.source), self.index)
+
+
+def _mapped(source: str, index: np.ndarray) -> TokenRows:
+    """A ``TokenRows`` mapped again from its folder (a pickled copy carries the path, not the tokens)."""
+    path = Path(source)
+    return TokenRows.load(path.parent, path.name).subset(index)
+
+
+class RowWriter:
+    """Sequences in, rows out: ``add`` each sequence's ids (and distilled flags, default all); ``rows`` cuts them
+    into rows of ``max_length`` tokens. Packed, a sequence crossing a row's end continues in the next row (its
+    positions restart there) and only the last row may be shorter; else one row per sequence, truncated.
+    Kept as C arrays while written: about 5 bytes a token."""
+
+    def __init__(self, max_length: int, pack: bool = True):
+        self.max_length, self.pack = max_length, pack
+        self._tokens, self._distilled, self._starts = array("i"), array("b"), array("q")
+
+    def add(self, ids: Sequence[int], distilled: Sequence[bool] | None = None) -> None:
+        if not self.pack:
+            ids = ids[: self.max_length]
+            distilled = distilled[: self.max_length] if distilled is not None else None
+        if not len(ids):
+            return
+        self._starts.append(len(self._tokens))
+        self._tokens.extend(ids)
+        self._distilled.extend(distilled if distilled is not None else [1] * len(ids))
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self._tokens)
+
+    def rows(self) -> TokenRows:
+        tokens = np.frombuffer(self._tokens, dtype=np.int32) if self._tokens else np.zeros(0, np.int32)
+        distilled = np.frombuffer(self._distilled, dtype=np.int8).astype(bool)
+        starts = np.frombuffer(self._starts, dtype=np.int64) if self._starts else np.zeros(0, np.int64)
+        row_starts = np.arange(0, len(tokens), self.max_length) if self.pack else starts
+        arrays = {
+            "tokens": tokens,
+            "distilled": distilled,
+            "row_starts": np.append(row_starts, len(tokens)).astype(np.int64),
+            "sequence_starts": starts,
+        }
+        return TokenRows(arrays)
+
+
+def write_sets(folder: Path, sets: dict[str, TokenRows], about: dict) -> None:
+    """Save ``sets`` (name -> rows) in ``folder`` with ``sets.json``: each set's summary, and ``about`` (what the
+    rows were made from, for a reader of the cache)."""
+    summary = {name: rows.save(folder, name) for name, rows in sets.items()}
+    (folder / "sets.json").write_text(json.dumps({"sets": summary, "made_from": about}, indent=1) + "\n")
+
+
+def read_sets(folder: Path) -> dict[str, TokenRows]:
+    """The sets ``write_sets`` wrote in ``folder``, memory-mapped."""
+    names = json.loads((folder / "sets.json").read_text())["sets"]
+    return {name: TokenRows.load(folder, name) for name in names}
+
+
+class Progress:
+    """Live progress of a tokenisation: a line every ``every_s`` seconds, none for a short one."""
+
+    def __init__(self, records: int, every_s: float = 30.0):
+        self.records, self.every_s = records, every_s
+        self.done = self.tokens = 0
+        self.start = self.last = time.monotonic()
+
+    def step(self, tokens: int) -> None:
+        self.done, self.tokens = self.done + 1, self.tokens + tokens
+        now = time.monotonic()
+        if now - self.last >= self.every_s:
+            self.last = now
+            print(
+                f"tokenising: {self.done:,} of {self.records:,} records ({100 * self.done / self.records:.0f}%), "
+                f"{self.tokens:,} tokens, {self.tokens / (now - self.start):,.0f} tokens/s",
+                flush=True,
+            )

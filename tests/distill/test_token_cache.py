@@ -1,0 +1,144 @@
+"""Token rows as flat arrays (``tokens.py``), made once into the token cache and memory-mapped by every process."""
+
+import multiprocessing
+import os
+import pickle
+import random
+
+import numpy as np
+import torch
+
+from swiftkv_distill.data import collate, pack, unpacked
+from swiftkv_distill.datamodule import DistillDataModule
+from swiftkv_distill.tokens import read_sets
+from tests.distill.conftest import TEXTS, write_jsonl
+
+
+def reference_rows(sequences, max_length, distilled, packed):
+    """Rows as Python lists, the layout the arrays replace: packed (a sequence crossing a row's end goes on in the
+    next row) or one per sequence, truncated."""
+    if not packed:
+        return [
+            {"input_ids": s[:max_length], "segments": [min(len(s), max_length)], "distilled": f[:max_length]}
+            for s, f in zip(sequences, distilled, strict=True)
+            if s
+        ]
+    rows, row = [], {"input_ids": [], "segments": [], "distilled": []}
+    for sequence, flags in zip(sequences, distilled, strict=True):
+        while sequence:
+            take = min(len(sequence), max_length - len(row["input_ids"]))
+            row["input_ids"] += sequence[:take]
+            row["distilled"] += flags[:take]
+            row["segments"].append(take)
+            sequence, flags = sequence[take:], flags[take:]
+            if len(row["input_ids"]) == max_length:
+                rows.append(row)
+                row = {"input_ids": [], "segments": [], "distilled": []}
+    return rows + ([row] if row["input_ids"] else [])
+
+
+def as_lists(rows):
+    return [{k: v.tolist() if isinstance(v, np.ndarray) else v for k, v in row.items()} for row in rows]
+
+
+def test_rows_as_arrays_are_the_rows_as_lists():
+    """Random sequences (empty ones, ones longer than a row, ones ending exactly at a row's end) and flags: the same
+    rows, segments and flags packed and unpacked, and the same batches."""
+    rng = random.Random(0)
+    for max_length in (1, 7, 16):
+        sequences = [
+            [rng.randrange(50_000) for _ in range(rng.choice([0, 1, 5, 7, 16, 30]))] for _ in range(40)
+        ]
+        distilled = [[rng.random() < 0.7 for _ in s] for s in sequences]
+        for packed, shape in ((True, pack), (False, unpacked)):
+            rows = shape(sequences, max_length, distilled)
+            expected = reference_rows(sequences, max_length, distilled, packed)
+            assert as_lists(rows) == expected
+            assert as_lists(rows[3:9:2]) == expected[3:9:2] and as_lists(rows[[5, 1]]) == [
+                expected[5],
+                expected[1],
+            ]
+            for name, tensor in collate(rows, 0, max_length).items():
+                torch.testing.assert_close(tensor, collate(expected, 0, max_length)[name])
+
+
+def test_the_rows_are_made_once_and_read_after(tiny_model, tmp_path, monkeypatch):
+    """A second data module on the same data, tokenizer and row settings reads the rows the first made: it does not
+    tokenise. Another file content or another row length makes new rows; a cap on the rows does not."""
+    made = []
+    tokenise = DistillDataModule._tokenise
+    monkeypatch.setattr(DistillDataModule, "_tokenise", lambda self, *a: made.append(1) or tokenise(self, *a))
+    data = write_jsonl(tmp_path / "text.jsonl", [{"text": t} for t in TEXTS])
+
+    def rows(**settings):
+        dm = DistillDataModule(
+            str(tiny_model), [str(data)], **{"max_length": 32, "val_fraction": 0.2, **settings}
+        )
+        dm.build()
+        return as_lists(dm.train_rows), as_lists(dm.val_rows)
+
+    first = rows()
+    assert rows() == first and len(made) == 1
+    train, _ = rows(max_train_rows=3)
+    assert len(made) == 1 and len(train) == 3 and all(row in first[0] for row in train)
+    assert rows(max_length=16) != first and len(made) == 2
+    write_jsonl(data, [{"text": t.upper()} for t in TEXTS])
+    assert rows() != first and len(made) == 3
+
+
+def build_in_a_process(model: str, data: str, marker: str, queue) -> None:
+    """One process of a run: builds the data module, says whether it tokenised and what its rows hold."""
+    tokenise = DistillDataModule._tokenise
+
+    def tokenise_and_mark(self, *args):
+        open(marker, "w").close()
+        return tokenise(self, *args)
+
+    DistillDataModule._tokenise = tokenise_and_mark
+    dm = DistillDataModule(model, [data], max_length=16, val_fraction=0.2)
+    dm.build()
+    rows = dm.train_rows
+    queue.put((os.path.exists(marker), [rows[i]["input_ids"].tolist() for i in range(len(rows))]))
+
+
+def test_processes_of_a_run_tokenise_once(tiny_model, tmp_path):
+    """Three real processes start on an empty token cache at once: one tokenises, all read the same rows."""
+    data = write_jsonl(tmp_path / "text.jsonl", [{"text": t} for t in TEXTS * 20])
+    context = multiprocessing.get_context("spawn")
+    queue = context.Queue()
+    processes = [
+        context.Process(
+            target=build_in_a_process, args=(str(tiny_model), str(data), str(tmp_path / f"made{i}"), queue)
+        )
+        for i in range(3)
+    ]
+    for process in processes:
+        process.start()
+    results = [queue.get(timeout=150) for _ in processes]
+    for process in processes:
+        process.join(30)
+        assert process.exitcode == 0
+    assert sum(made for made, _ in results) == 1
+    assert results[0][1] == results[1][1] == results[2][1] and results[0][1]
+
+
+def test_rows_in_worker_processes_map_the_cache_again(tiny_model, text_file):
+    """A DataLoader worker gets the rows' folder, not their tokens (``pickle``), and batches them as the main
+    process does."""
+    dm = DistillDataModule(str(tiny_model), [str(text_file)], max_length=16, batch_size=2, val_fraction=0.2)
+    dm.build()
+    rows = dm.train_rows
+    assert len(pickle.dumps(rows)) < 1000 < rows.arrays["tokens"].nbytes
+    assert as_lists(pickle.loads(pickle.dumps(rows[1:5]))) == as_lists(rows[1:5])
+    assert as_lists(read_sets(rows.source.parent)["train"]) == as_lists(rows)
+    order = list(range(len(rows)))
+    batches = [
+        list(
+            torch.utils.data.DataLoader(
+                rows, batch_size=2, sampler=order, collate_fn=dm._collate, num_workers=n
+            )
+        )
+        for n in (0, 2)
+    ]
+    for alone, in_workers in zip(*batches, strict=True):
+        assert all(torch.equal(alone[k], in_workers[k]) for k in alone)
