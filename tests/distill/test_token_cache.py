@@ -142,3 +142,27 @@ def test_rows_in_worker_processes_map_the_cache_again(tiny_model, text_file):
     ]
     for alone, in_workers in zip(*batches, strict=True):
         assert all(torch.equal(alone[k], in_workers[k]) for k in alone)
+
+
+def test_records_encoded_in_forked_processes_are_encoded_as_in_one(tiny_model):
+    """Chunks of text, prompt and chat records encoded by two forked processes: the same ids, flags and lengths, in
+    the same order, as in this process."""
+    from transformers import AutoTokenizer
+
+    from swiftkv_distill.data import CHUNK, tokenise
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model)
+    kinds = [
+        lambda i: {"text": f"{TEXTS[i % len(TEXTS)]} ({i})"},
+        lambda i: {"prompt": f"Question {i}?"},
+        lambda i: {"prompt": f"Question {i}?", "response": f"Answer {i}."},
+    ]
+    records = [kinds[i % 3](i) for i in range(2 * CHUNK + 7)]
+    parallelism = os.environ.get("TOKENIZERS_PARALLELISM")
+    alone = list(tokenise(records, tokenizer, processes=1))
+    forked = list(tokenise(records, tokenizer, processes=2))
+    assert len(alone) == len(forked) == 3
+    for (ids, flags, lengths), (ids2, flags2, lengths2) in zip(alone, forked, strict=True):
+        assert np.array_equal(ids, ids2) and np.array_equal(flags, flags2) and lengths == lengths2
+    assert sum(len(lengths) for _, _, lengths in forked) == len(records) and not all(forked[0][1])
+    assert os.environ.get("TOKENIZERS_PARALLELISM") == parallelism  # as it was

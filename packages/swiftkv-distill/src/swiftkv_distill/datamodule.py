@@ -7,6 +7,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import os
 from pathlib import Path
 
 import lightning as L
@@ -20,12 +21,12 @@ from .data import (
     CHAT_TOKENS,
     DataError,
     collate,
-    encode_records,
     evenly_spaced,
     file_identity,
     load_records,
     record_kind,
     split_indices,
+    tokenise,
 )
 from .tokens import (
     TOKEN_CACHE_FORMAT,
@@ -277,7 +278,8 @@ class DistillDataModule(L.LightningDataModule):
         train_records = load_records(train_files)
         val_records = {name: load_records(files) for name, files in val_files.items()}
         every = train_records + [r for records in val_records.values() for r in records]
-        if any(record_kind(r) != "text" for r in every) and not getattr(tokenizer, "chat_template", None):
+        templated = any(record_kind(r) != "text" for r in every)
+        if templated and not getattr(tokenizer, "chat_template", None):
             raise DataError(
                 f"The data holds chat / prompt records but the tokenizer of {self.model_path} has no "
                 "chat template. Use a chat (instruct) model, set tokenizer.chat_template, or give text."
@@ -288,12 +290,15 @@ class DistillDataModule(L.LightningDataModule):
             train_records = [train_records[i] for i in train_idx]
         records = {"train": train_records, **{f"val{i}": r for i, r in enumerate(val_records.values())}}
         progress = Progress(sum(len(r) for r in records.values()))
+        # chat templates are rendered a record at a time: a process per core; text is batched through the
+        # tokenizer's own threads
+        processes = len(os.sched_getaffinity(0)) if templated else 1
         sets = {}
         for name, chosen in records.items():
             writer = RowWriter(hp.max_length, hp.pack)
-            for ids, distilled in encode_records(chosen, tokenizer, hp.chat_tokens):
-                writer.add(ids, distilled)
-                progress.step(len(ids))
+            for ids, distilled, lengths in tokenise(chosen, tokenizer, hp.chat_tokens, processes):
+                writer.add_many(ids, distilled, lengths)
+                progress.step(len(lengths), len(ids))
             sets[name] = writer.rows()
         return sets
 
