@@ -20,10 +20,13 @@ from transformers import (
 
 import swiftkv_core  # noqa: F401  (registers the SwiftKV classes)
 
-# The tests' data files are new temporary files in every run: their token rows go to a folder of the run (the
-# processes the tests start inherit it), not the user's token cache.
-os.environ.setdefault("SWIFTKV_TOKENS_DIR", tempfile.mkdtemp(prefix="swiftkv-tokens-"))
-atexit.register(shutil.rmtree, os.environ["SWIFTKV_TOKENS_DIR"], ignore_errors=True)
+# The tests' data files are new temporary files in every run: their token rows go to a folder of the run, not the
+# user's token cache. The first process to import this file makes it (pytest, or its xdist controller) and deletes
+# it when it exits; the processes it starts inherit it and leave it alone. A folder the user set is kept.
+if "SWIFTKV_TOKENS_DIR" not in os.environ:
+    os.environ["SWIFTKV_TOKENS_DIR"] = _TOKENS_DIR = tempfile.mkdtemp(prefix="swiftkv-tokens-")
+    _MAKER = os.getpid()
+    atexit.register(lambda: os.getpid() == _MAKER and shutil.rmtree(_TOKENS_DIR, ignore_errors=True))
 
 TINY = dict(
     vocab_size=128,

@@ -1,5 +1,6 @@
 """Token rows as flat arrays (``tokens.py``), made once into the token cache and memory-mapped by every process."""
 
+import functools
 import multiprocessing
 import os
 import pickle
@@ -86,6 +87,22 @@ def test_the_rows_are_made_once_and_read_after(tiny_model, tmp_path, monkeypatch
     assert rows() != first and len(made) == 3
 
 
+def test_validation_sets_in_another_order_keep_their_own_rows(tiny_model, text_file, chat_file):
+    """The sets are kept by position: the same sets named in another order are other rows, not each other's."""
+    rows = {}
+    for sets in (
+        {"text": [str(text_file)], "chat": [str(chat_file)]},
+        {"chat": [str(chat_file)], "text": [str(text_file)]},
+    ):
+        dm = DistillDataModule(str(tiny_model), [str(text_file)], val_files=sets, max_length=32)
+        dm.build()
+        rows[tuple(sets)] = {name: as_lists(dm.val_set_rows[name]) for name in sets}
+    assert (
+        rows[("text", "chat")] == rows[("chat", "text")]
+        and rows[("text", "chat")]["text"] != rows[("text", "chat")]["chat"]
+    )
+
+
 def build_in_a_process(model: str, data: str, marker: str, queue) -> None:
     """One process of a run: builds the data module, says whether it tokenised and what its rows hold."""
     tokenise = DistillDataModule._tokenise
@@ -123,25 +140,29 @@ def test_processes_of_a_run_tokenise_once(tiny_model, tmp_path):
 
 
 def test_rows_in_worker_processes_map_the_cache_again(tiny_model, text_file):
-    """A DataLoader worker gets the rows' folder, not their tokens (``pickle``), and batches them as the main
-    process does."""
+    """A DataLoader worker started afresh (spawn) gets the rows' folder, not their tokens (``pickle``), and batches
+    them as the main process does; so does a forked one (it inherits them)."""
     dm = DistillDataModule(str(tiny_model), [str(text_file)], max_length=16, batch_size=2, val_fraction=0.2)
     dm.build()
     rows = dm.train_rows
     assert len(pickle.dumps(rows)) < 1000 < rows.arrays["tokens"].nbytes
     assert as_lists(pickle.loads(pickle.dumps(rows[1:5]))) == as_lists(rows[1:5])
     assert as_lists(read_sets(rows.source.parent)["train"]) == as_lists(rows)
-    order = list(range(len(rows)))
     batches = [
         list(
             torch.utils.data.DataLoader(
-                rows, batch_size=2, sampler=order, collate_fn=dm._collate, num_workers=n
+                rows,
+                batch_size=2,
+                collate_fn=functools.partial(collate, pad_id=dm.pad_id, pad_to=16),
+                num_workers=workers,
+                multiprocessing_context=start,
             )
         )
-        for n in (0, 2)
+        for workers, start in ((0, None), (2, "spawn"), (2, "fork"))
     ]
-    for alone, in_workers in zip(*batches, strict=True):
-        assert all(torch.equal(alone[k], in_workers[k]) for k in alone)
+    assert len(batches[0]) == (len(rows) + 1) // 2
+    for alone, spawned, forked in zip(*batches, strict=True):
+        assert all(torch.equal(alone[k], spawned[k]) and torch.equal(alone[k], forked[k]) for k in alone)
 
 
 def test_records_encoded_in_forked_processes_are_encoded_as_in_one(tiny_model):

@@ -98,12 +98,13 @@ def _check_file(path: Path) -> str:
 
 
 def file_identity(file: str | Path) -> list:
-    """What tells a data file's content apart without reading it: its real path, size and modification time (the
-    token cache's key). ``DataError`` as ``load_records`` for a file that cannot be data."""
+    """What tells a data file's content apart without reading it: its real path, size, modification and change
+    times (the token cache's key). ``DataError`` as ``load_records`` for a file that cannot be data."""
     path = Path(file)
     _check_file(path)
     stat = path.stat()
-    return [str(path.resolve()), stat.st_size, stat.st_mtime_ns]
+    # the change time too: a copy that keeps an older file's modification time (cp -p, rsync -t) gets a new one
+    return [str(path.resolve()), stat.st_size, stat.st_mtime_ns, stat.st_ctime_ns]
 
 
 def _check_json_lines(path: Path) -> None:

@@ -8,6 +8,7 @@ import hashlib
 import json
 import math
 import os
+from contextlib import closing
 from pathlib import Path
 
 import lightning as L
@@ -15,6 +16,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 from swiftkv_core.atomic import made_once
+from swiftkv_core.runtime import stack_versions
 
 from .corpora import resolve_files
 from .data import (
@@ -255,8 +257,10 @@ class DistillDataModule(L.LightningDataModule):
         }
         made_from = {
             "format": TOKEN_CACHE_FORMAT,
+            "libraries": stack_versions(("transformers", "tokenizers", "jinja2")),
             "train_files": [file_identity(f) for f in train_files],
-            "val_files": {name: [file_identity(f) for f in files] for name, files in val_files.items()},
+            # in the order of the sets: they are kept by position
+            "val_files": [[name, [file_identity(f) for f in files]] for name, files in val_files.items()],
             "tokenizer": tokenizer_identity(tokenizer),
             **{key: hp[key] for key in ("max_length", "pack", "chat_tokens")},
             **({} if val_files else {"val_fraction": hp.val_fraction, "seed": hp.seed}),
@@ -292,13 +296,14 @@ class DistillDataModule(L.LightningDataModule):
         progress = Progress(sum(len(r) for r in records.values()))
         # chat templates are rendered a record at a time: a process per core; text is batched through the
         # tokenizer's own threads
-        processes = len(os.sched_getaffinity(0)) if templated else 1
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
         sets = {}
         for name, chosen in records.items():
             writer = RowWriter(hp.max_length, hp.pack)
-            for ids, distilled, lengths in tokenise(chosen, tokenizer, hp.chat_tokens, processes):
-                writer.add_many(ids, distilled, lengths)
-                progress.step(len(lengths), len(ids))
+            with closing(tokenise(chosen, tokenizer, hp.chat_tokens, cores if templated else 1)) as chunks:
+                for ids, distilled, lengths in chunks:
+                    writer.add_many(ids, distilled, lengths)
+                    progress.step(len(lengths), len(ids))
             sets[name] = writer.rows()
         return sets
 

@@ -1,9 +1,10 @@
 """Token rows as flat arrays: 5 bytes a token (an int32 id and a distilled flag), written to disk once and
 memory-mapped by every process of a run (``datamodule.py`` keeps them in its token cache).
 
-Rows held as Python lists of ints cost about 44 bytes a token in every process that builds them: the paper's 680M
-training tokens would take 30 GB in each process of an 8-GPU node, 240 GB in all, and each process would spend the
-tokenisation again. Here the processes of a node share one copy through the page cache.
+Rows held as Python lists of ints cost about 54 bytes a token in every process that builds them
+(``benchmarks/results/token-rows.md``): the paper's 680M training tokens would take 271 GiB on the 8 processes of
+an 8-GPU node, and each process would spend the tokenisation again. Here the processes of a node share one copy
+through the page cache.
 
 A set of rows is four arrays:
 
@@ -27,7 +28,8 @@ from pathlib import Path
 import numpy as np
 
 ARRAYS = ("tokens", "distilled", "row_starts", "sequence_starts")
-# in the token cache's keys: a new layout of the arrays makes new entries, never misreads old ones
+# in the token cache's keys: a new layout of the arrays, or new rules for encoding records (``data.py``), makes
+# new entries instead of reading old ones
 TOKEN_CACHE_FORMAT = 1
 
 
@@ -42,10 +44,11 @@ def token_cache_dir() -> Path:
 
 def tokenizer_identity(tokenizer) -> str:
     """A digest of what decides a tokenizer's ids: its class, its rules and vocabulary (the fast tokenizer's whole
-    definition), its chat template and end-of-sequence token."""
+    definition), its special tokens (chat templates name them), chat template and end-of-sequence token."""
     backend = getattr(tokenizer, "backend_tokenizer", None)
     rules = backend.to_str() if backend is not None else json.dumps(sorted(tokenizer.get_vocab().items()))
     parts = [
+        str(getattr(tokenizer, "special_tokens_map", None)),
         type(tokenizer).__name__,
         rules,
         str(getattr(tokenizer, "chat_template", None)),
@@ -101,13 +104,13 @@ class TokenRows(Sequence):
         return any(self[i]["distilled"].any() for i in range(len(self)))
 
     def save(self, folder: Path, name: str) -> dict:
-        """Write the arrays as ``NAME.ARRAY.npy`` in ``folder`` (all rows, whatever the selection); returns the
-        set's summary (rows, tokens, distilled tokens)."""
+        """Write the arrays as ``NAME.ARRAY.npy`` in ``folder`` (all rows, whatever the selection); returns their
+        summary (rows, tokens, distilled tokens)."""
         for key in ARRAYS:
             np.save(folder / f"{name}.{key}.npy", self.arrays[key])
         return {
-            "rows": len(self),
-            "tokens": int(self.lengths().sum()),
+            "rows": len(self.arrays["row_starts"]) - 1,
+            "tokens": len(self.arrays["tokens"]),
             "distilled": int(self.arrays["distilled"].sum()),
         }
 
@@ -148,6 +151,11 @@ class RowWriter:
     def add_many(self, ids: np.ndarray, distilled: np.ndarray, lengths: Sequence[int]) -> None:
         """Sequences given end to end: ``ids`` (int32) and ``distilled`` (bool) of all, and each one's length."""
         lengths = np.asarray(lengths, np.int64)
+        if not len(ids) == len(distilled) == lengths.sum():
+            raise ValueError(
+                f"add_many: {len(ids)} ids, {len(distilled)} distilled flags and sequences of {lengths.sum()} tokens "
+                "in all: give one flag per id, and lengths that add up to the ids."
+            )
         if not self.pack:
             within = np.arange(len(ids)) - np.repeat(np.cumsum(lengths) - lengths, lengths)
             keep = within < self.max_length
