@@ -7,9 +7,10 @@ import pickle
 import random
 
 import numpy as np
+import pytest
 import torch
 
-from swiftkv_distill.data import collate, pack, unpacked
+from swiftkv_distill.data import DataError, collate, pack, unpacked
 from swiftkv_distill.datamodule import DistillDataModule
 from swiftkv_distill.tokens import read_sets
 from tests.distill.conftest import TEXTS, write_jsonl
@@ -101,6 +102,16 @@ def test_validation_sets_in_another_order_keep_their_own_rows(tiny_model, text_f
         rows[("text", "chat")] == rows[("chat", "text")]
         and rows[("text", "chat")]["text"] != rows[("text", "chat")]["chat"]
     )
+
+
+def test_a_token_cache_that_cannot_be_written_is_refused_clearly(
+    tiny_model, text_file, tmp_path, monkeypatch
+):
+    not_a_folder = tmp_path / "file"
+    not_a_folder.write_text("")
+    monkeypatch.setenv("SWIFTKV_TOKENS_DIR", str(not_a_folder / "tokens"))
+    with pytest.raises(DataError, match="token cache .* cannot be written .* Set SWIFTKV_TOKENS_DIR"):
+        DistillDataModule(str(tiny_model), [str(text_file)], max_length=16).build()
 
 
 def build_in_a_process(model: str, data: str, marker: str, queue) -> None:

@@ -4,6 +4,7 @@ sampler that resumes mid-epoch exactly."""
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import math
@@ -266,12 +267,22 @@ class DistillDataModule(L.LightningDataModule):
             **({} if val_files else {"val_fraction": hp.val_fraction, "seed": hp.seed}),
         }
         key = hashlib.sha256(json.dumps(made_from, sort_keys=True).encode()).hexdigest()[:16]
-        return made_once(
-            token_cache_dir() / key,
-            lambda folder: (folder / "sets.json").is_file(),
-            lambda staging: write_sets(staging, self._tokenise(tokenizer, train_files, val_files), made_from),
-            waiting=f"waiting for another process tokenising the data into {token_cache_dir() / key}",
-        )
+        try:
+            return made_once(
+                token_cache_dir() / key,
+                lambda folder: (folder / "sets.json").is_file(),
+                lambda staging: write_sets(
+                    staging, self._tokenise(tokenizer, train_files, val_files), made_from
+                ),
+                waiting=f"waiting for another process tokenising the data into {token_cache_dir() / key}",
+            )
+        except OSError as error:
+            if error.errno not in (errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOTDIR, errno.ENOSPC):
+                raise
+            raise DataError(
+                f"The token cache {token_cache_dir()} cannot be written ({error.strerror}): the rows need about 5 "
+                "bytes a token there. Set SWIFTKV_TOKENS_DIR (or SWIFTKV_CACHE_DIR) to a writable folder with room."
+            ) from None
 
     def _tokenise(
         self, tokenizer, train_files: list[str], val_files: dict[str, list[str]]
