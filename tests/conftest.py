@@ -21,10 +21,12 @@ from transformers import (
 import swiftkv_core  # noqa: F401  (registers the SwiftKV classes)
 
 # The tests' data files are new temporary files in every run: their token rows go to a folder of the run, not the
-# user's token cache. The first process to import this file makes it (pytest, or its xdist controller) and deletes
-# it when it exits; the processes it starts inherit it and leave it alone. A folder the user set is kept.
-if "SWIFTKV_TOKENS_DIR" not in os.environ:
-    os.environ["SWIFTKV_TOKENS_DIR"] = _TOKENS_DIR = tempfile.mkdtemp(prefix="swiftkv-tokens-")
+# user's token cache (nor a SWIFTKV_TOKENS_DIR the user set). The first process to import this file makes it
+# (pytest, or its xdist controller) and deletes it when it exits; the processes it starts inherit it (the marker
+# variable says so) and leave it alone.
+if "_SWIFTKV_TESTS_TOKENS_DIR" not in os.environ:
+    _TOKENS_DIR = tempfile.mkdtemp(prefix="swiftkv-tokens-")
+    os.environ["_SWIFTKV_TESTS_TOKENS_DIR"] = os.environ["SWIFTKV_TOKENS_DIR"] = _TOKENS_DIR
     _MAKER = os.getpid()
     atexit.register(lambda: os.getpid() == _MAKER and shutil.rmtree(_TOKENS_DIR, ignore_errors=True))
 

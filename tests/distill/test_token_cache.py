@@ -107,11 +107,14 @@ def test_validation_sets_in_another_order_keep_their_own_rows(tiny_model, text_f
 def test_a_token_cache_that_cannot_be_written_is_refused_clearly(
     tiny_model, text_file, tmp_path, monkeypatch
 ):
+    """A file where the cache or a folder above it should be (tests run as root: permissions would not stop
+    them). A data file that cannot be read keeps its own error."""
     not_a_folder = tmp_path / "file"
     not_a_folder.write_text("")
-    monkeypatch.setenv("SWIFTKV_TOKENS_DIR", str(not_a_folder / "tokens"))
-    with pytest.raises(DataError, match="token cache .* cannot be written .* Set SWIFTKV_TOKENS_DIR"):
-        DistillDataModule(str(tiny_model), [str(text_file)], max_length=16).build()
+    for folder in (not_a_folder, not_a_folder / "tokens"):
+        monkeypatch.setenv("SWIFTKV_TOKENS_DIR", str(folder))
+        with pytest.raises(DataError, match="token cache .* cannot be written .* Set SWIFTKV_TOKENS_DIR"):
+            DistillDataModule(str(tiny_model), [str(text_file)], max_length=16).build()
 
 
 def build_in_a_process(model: str, data: str, marker: str, queue) -> None:

@@ -4,7 +4,6 @@ sampler that resumes mid-epoch exactly."""
 
 from __future__ import annotations
 
-import errno
 import hashlib
 import json
 import math
@@ -36,6 +35,7 @@ from .tokens import (
     Progress,
     RowWriter,
     TokenRows,
+    cache_unwritable,
     read_sets,
     token_cache_dir,
     tokenizer_identity,
@@ -277,11 +277,12 @@ class DistillDataModule(L.LightningDataModule):
                 waiting=f"waiting for another process tokenising the data into {token_cache_dir() / key}",
             )
         except OSError as error:
-            if error.errno not in (errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOTDIR, errno.ENOSPC):
+            if not cache_unwritable(error):
                 raise
             raise DataError(
-                f"The token cache {token_cache_dir()} cannot be written ({error.strerror}): the rows need about 5 "
-                "bytes a token there. Set SWIFTKV_TOKENS_DIR (or SWIFTKV_CACHE_DIR) to a writable folder with room."
+                f"The token cache {token_cache_dir()} cannot be written ({error.strerror}: {error.filename}): the "
+                "rows need about 5 bytes a token there. Set SWIFTKV_TOKENS_DIR (or SWIFTKV_CACHE_DIR) to a writable "
+                "folder with room."
             ) from None
 
     def _tokenise(

@@ -18,6 +18,7 @@ A row reads as the dict ``data.collate`` batches: ``input_ids``, ``segments`` (l
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
@@ -35,11 +36,22 @@ TOKEN_CACHE_FORMAT = 1
 
 def token_cache_dir() -> Path:
     """The token cache: ``$SWIFTKV_TOKENS_DIR``, else ``$SWIFTKV_CACHE_DIR/tokens`` (default
-    ``~/.cache/swiftkv/tokens``); a folder per data, tokenizer and row settings. Safe to delete: what is missing
-    is made again."""
+    ``~/.cache/swiftkv/tokens``); a folder per data, tokenizer and row settings. Safe to delete between runs
+    (a run's DataLoader workers may map it again): what is missing is made again."""
     from swiftkv_core.default_model import cache_dir
 
     return Path(os.environ.get("SWIFTKV_TOKENS_DIR") or cache_dir() / "tokens")
+
+
+# what makes a folder unwritable: permissions, a read-only or full file system, a quota, a file in the way
+_UNWRITABLE = (
+    errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOTDIR, errno.EEXIST, errno.ENOSPC, errno.EDQUOT, errno.EFBIG
+)  # fmt: skip
+
+
+def cache_unwritable(error: OSError) -> bool:
+    """Whether ``error`` says that the token cache cannot be written (a data file's error is not the cache's)."""
+    return error.errno in _UNWRITABLE and str(error.filename or "").startswith(str(token_cache_dir()))
 
 
 def tokenizer_identity(tokenizer) -> str:
