@@ -187,13 +187,17 @@ CHUNK = 1000  # records a process encodes at a time
 
 
 def tokenise(
-    records: Sequence[dict], tokenizer, chat_tokens: str = "answers", processes: int = 1
+    records: Sequence[dict], tokenizer, chat_tokens: str = "answers", processes: int | None = None
 ) -> Iterator[tuple[np.ndarray, np.ndarray, list[int]]]:
     """``encode_records`` a chunk of records at a time, in order: each chunk's ids (int32) and distilled flags
     (bool) end to end, and its sequences' lengths. With ``processes`` > 1 the chunks are encoded in that many
     forked processes (chat templates are rendered in Python, a record at a time: one core would take about an
     hour for the paper's 680M tokens). Forked, as DataLoader workers are: they inherit the records and the
-    tokenizer, and the launching script is not run again."""
+    tokenizer, and the launching script is not run again. ``None``: a process per core where a record is not
+    text (text is batched through the tokenizer's own threads), else one."""
+    if processes is None:
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        processes = cores if any(record_kind(r) != "text" for r in records) else 1
     ranges = [(start, min(start + CHUNK, len(records))) for start in range(0, len(records), CHUNK)]
     if processes <= 1 or len(ranges) < 2:
         for start, end in ranges:

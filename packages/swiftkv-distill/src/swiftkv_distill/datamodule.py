@@ -7,13 +7,13 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-import os
 from contextlib import closing
 from pathlib import Path
 
 import lightning as L
 import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
+from tqdm.auto import tqdm
 
 from swiftkv_core.atomic import made_once
 from swiftkv_core.runtime import stack_versions
@@ -32,7 +32,6 @@ from .data import (
 )
 from .tokens import (
     TOKEN_CACHE_FORMAT,
-    Progress,
     RowWriter,
     TokenRows,
     cache_unwritable,
@@ -294,8 +293,7 @@ class DistillDataModule(L.LightningDataModule):
         train_records = load_records(train_files)
         val_records = {name: load_records(files) for name, files in val_files.items()}
         every = train_records + [r for records in val_records.values() for r in records]
-        templated = any(record_kind(r) != "text" for r in every)
-        if templated and not getattr(tokenizer, "chat_template", None):
+        if any(record_kind(r) != "text" for r in every) and not getattr(tokenizer, "chat_template", None):
             raise DataError(
                 f"The data holds chat / prompt records but the tokenizer of {self.model_path} has no "
                 "chat template. Use a chat (instruct) model, set tokenizer.chat_template, or give text."
@@ -305,18 +303,17 @@ class DistillDataModule(L.LightningDataModule):
             val_records = {"": [train_records[i] for i in val_idx]}
             train_records = [train_records[i] for i in train_idx]
         records = {"train": train_records, **{f"val{i}": r for i, r in enumerate(val_records.values())}}
-        progress = Progress(sum(len(r) for r in records.values()))
-        # chat templates are rendered a record at a time: a process per core; text is batched through the
-        # tokenizer's own threads
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
         sets = {}
-        for name, chosen in records.items():
-            writer = RowWriter(hp.max_length, hp.pack)
-            with closing(tokenise(chosen, tokenizer, hp.chat_tokens, cores if templated else 1)) as chunks:
-                for ids, distilled, lengths in chunks:
-                    writer.add_many(ids, distilled, lengths)
-                    progress.step(len(lengths), len(ids))
-            sets[name] = writer.rows()
+        # a bar from a long tokenisation's tenth second
+        with tqdm(total=sum(map(len, records.values())), desc="tokenising", unit="record", delay=10) as bar:
+            for name, chosen in records.items():
+                writer = RowWriter(hp.max_length, hp.pack)
+                with closing(tokenise(chosen, tokenizer, hp.chat_tokens)) as chunks:
+                    for ids, distilled, lengths in chunks:
+                        writer.add_many(ids, distilled, lengths)
+                        bar.set_postfix_str(f"{writer.num_tokens:,} tokens of {name}", refresh=False)
+                        bar.update(len(lengths))
+                sets[name] = writer.rows()
         return sets
 
     def check_batches(self, processes: int) -> None:

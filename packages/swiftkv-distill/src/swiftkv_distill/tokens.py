@@ -22,7 +22,6 @@ import errno
 import hashlib
 import json
 import os
-import time
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -203,23 +202,3 @@ def read_sets(folder: Path) -> dict[str, TokenRows]:
     """The sets ``write_sets`` wrote in ``folder``, memory-mapped."""
     names = json.loads((folder / "sets.json").read_text())["sets"]
     return {name: TokenRows.load(folder, name) for name in names}
-
-
-class Progress:
-    """Live progress of a tokenisation: a line every ``every_s`` seconds, none for a short one."""
-
-    def __init__(self, records: int, every_s: float = 30.0):
-        self.records, self.every_s = records, every_s
-        self.done = self.tokens = 0
-        self.start = self.last = time.monotonic()
-
-    def step(self, records: int, tokens: int) -> None:
-        self.done, self.tokens = self.done + records, self.tokens + tokens
-        now = time.monotonic()
-        if now - self.last >= self.every_s:
-            self.last = now
-            print(
-                f"tokenising: {self.done:,} of {self.records:,} records ({100 * self.done / self.records:.0f}%), "
-                f"{self.tokens:,} tokens, {self.tokens / (now - self.start):,.0f} tokens/s",
-                flush=True,
-            )
