@@ -12,11 +12,13 @@ numbered so that no two are the same, answered with Brown paragraphs), packed in
   run (and every resumed run) do.
 
 Memory is each process's PSS after its build, less before, with every row's tokens read and (readers) every reader
-there: pages shared by the processes (the mapped cache) count 1/n in each of n. The tokenizer loaded before the
+there: pages shared by the processes (the mapped cache) count 1/n in each of n. The peak is the most private
+(anonymous) memory the process held during its build, less before: what the maker needs while it reads and packs,
+whatever the page cache keeps of the files. The tokenizer loaded before the
 build is outside the figure (the data module's own is inside).
 
     .venv/bin/python benchmarks/token_rows.py      # 10 Brown copies + 24k chat records, 4 readers
-Writes benchmarks/results/token-rows.{json,md}.
+Writes benchmarks/results/NAME.{json,md} (``--name``, default token-rows).
 """
 
 from __future__ import annotations
@@ -71,7 +73,8 @@ def list_rows(files: list[str], tokenizer, max_length: int) -> list[dict]:
 
 
 def measure(role: str, files: list[str], max_length: int) -> dict:
-    """One process's build (``lists`` or the data module's), its seconds and PSS (every row's tokens read)."""
+    """One process's build (``lists`` or the data module's), its seconds, PSS (every row's tokens read) and peak
+    private memory."""
     import numpy as np
     import psutil
     from transformers import AutoTokenizer
@@ -82,6 +85,7 @@ def measure(role: str, files: list[str], max_length: int) -> dict:
     tokenizer = AutoTokenizer.from_pretrained(default_model_path())
     process = psutil.Process()
     before = process.memory_full_info().pss
+    peak = PeakPrivate()
     start = time.perf_counter()
     if role == "lists":
         rows = list_rows(files, tokenizer, max_length)
@@ -90,11 +94,49 @@ def measure(role: str, files: list[str], max_length: int) -> dict:
         data.build()
         rows = data.train_rows
     seconds = time.perf_counter() - start
+    peak_bytes = peak.stop()
     tokens = sum(len(rows[i]["input_ids"]) for i in range(len(rows)))
     checksum = sum(int(np.asarray(rows[i]["input_ids"], np.int64).sum()) for i in range(len(rows)))
     together(os.environ.get("TOKEN_ROWS_TOGETHER"))
     pss = process.memory_full_info().pss - before
-    return {"role": role, "seconds": seconds, "tokens": tokens, "checksum": checksum, "pss_bytes": pss}
+    return {
+        "role": role,
+        "seconds": seconds,
+        "tokens": tokens,
+        "checksum": checksum,
+        "pss_bytes": pss,
+        "peak_bytes": peak_bytes,
+    }
+
+
+class PeakPrivate:
+    """The most private (anonymous) memory the process held while it built its rows, less what it held before:
+    sampled every 10 ms from ``/proc/self/status`` (``RssAnon``). Mapped files' pages are not in it (the page cache
+    can drop them)."""
+
+    def __init__(self):
+        import threading
+
+        self.start = self.peak = _rss_anon()
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+        self._thread.start()
+
+    def _sample(self) -> None:
+        while not self._done.wait(0.01):
+            self.peak = max(self.peak, _rss_anon())
+
+    def stop(self) -> int:
+        self._done.set()
+        self._thread.join()
+        return max(self.peak, _rss_anon()) - self.start
+
+
+def _rss_anon() -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("RssAnon:"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError("/proc/self/status has no RssAnon: this benchmark needs Linux")
 
 
 def together(spec: str | None) -> None:
@@ -139,6 +181,7 @@ def main(
     chat_records: int = 24_000,
     readers: int = 4,
     max_length: int = 8192,
+    name: str = "token-rows",
     worker: str | None = None,
     files: str = "[]",
 ) -> None:
@@ -147,6 +190,7 @@ def main(
     chat_records: prompt + response records in the corpus.
     readers: processes reading the made cache at once.
     max_length: tokens per packed row.
+    name: the results' file name in benchmarks/results (.json and .md).
     worker / files: internal (one measuring process).
     """
     if worker:
@@ -157,10 +201,16 @@ def main(
         corpus = make_corpus(Path(folder), text_copies, chat_records)
         (lists,) = run("lists", corpus, max_length)
         print(
-            f"lists: {lists['seconds']:.1f} s, {lists['pss_bytes'] / lists['tokens']:.1f} B/token", flush=True
+            f"lists: {lists['seconds']:.1f} s, {lists['pss_bytes'] / lists['tokens']:.1f} B/token, peak"
+            f" {lists['peak_bytes'] / 2**20:.0f} MiB",
+            flush=True,
         )
         (made,) = run("made", corpus, max_length)
-        print(f"made: {made['seconds']:.1f} s, {made['pss_bytes'] / 2**20:.0f} MiB", flush=True)
+        print(
+            f"made: {made['seconds']:.1f} s, {made['pss_bytes'] / 2**20:.0f} MiB, peak"
+            f" {made['peak_bytes'] / 2**20:.0f} MiB",
+            flush=True,
+        )
         read = run("read", corpus, max_length, readers)
     if (
         len({r["checksum"] for r in [lists, made, *read]}) != 1
@@ -183,24 +233,29 @@ def main(
             name: {
                 "seconds": r["seconds"],
                 "mib": r["pss_bytes"] / 2**20,
+                "peak_mib": r["peak_bytes"] / 2**20,
                 "bytes_per_token": r["pss_bytes"] / tokens,
             }
             for name, r in (("lists", lists), ("made", made))
         },
-        "read": {"seconds": slowest["seconds"], "mib": largest["pss_bytes"] / 2**20},
+        "read": {
+            "seconds": slowest["seconds"],
+            "mib": largest["pss_bytes"] / 2**20,
+            "peak_mib": max(r["peak_bytes"] for r in read) / 2**20,
+        },
     }
-    write(result)
+    write(result, name)
 
 
-def write(result: dict) -> None:
+def write(result: dict, name: str) -> None:
     RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "token-rows.json").write_text(json.dumps(result, indent=1) + "\n")
+    (RESULTS / f"{name}.json").write_text(json.dumps(result, indent=1) + "\n")
     c, lists, made, read = result["corpus"], result["lists"], result["made"], result["read"]
 
     def row(name: str, r: dict) -> str:
         return (
             f"| {name} | {r['seconds']:.2f} | {lists['seconds'] / r['seconds']:.1f}x |"
-            f" {r['mib']:,.0f} | {lists['mib'] / r['mib']:.1f}x |"
+            f" {r['mib']:,.0f} | {lists['mib'] / r['mib']:.1f}x | {r['peak_mib']:,.0f} |"
         )
 
     paper_gib = lists["bytes_per_token"] * PAPER_TOKENS * PAPER_PROCESSES / 2**30
@@ -209,15 +264,15 @@ def write(result: dict) -> None:
         "",
         "Command: `flock -o /tmp/swiftkv-heavy.lock .venv/bin/python benchmarks/token_rows.py"
         f" --text_copies {c['text_copies']} --chat_records {c['chat_records']} --readers {result['readers']}"
-        f" --max_length {c['max_length']}`",
+        f" --max_length {c['max_length']}" + ("" if name == "token-rows" else f" --name {name}") + "`",
         "",
         f"Corpus: {c['tokens']:,} tokens ({c['text_copies']} copies of the Brown prose, {c['chat_records']:,} chat"
         f" records), rows of {c['max_length']} tokens; {result['cores']} cores. Memory: the process's PSS after its"
         " build, less before, with every row's tokens read (the mapped cache's pages count 1/n in each of n"
-        " processes).",
+        " processes); peak: the most private (anonymous) memory it held while it built them, less before.",
         "",
-        "| process | seconds | lists / this | MiB | lists / this |",
-        "|---|---|---|---|---|",
+        "| process | seconds | lists / this | MiB | lists / this | peak MiB |",
+        "|---|---|---|---|---|---|",
         row("lists: each process, before", lists),
         row("made: the first process, into an empty cache", made),
         row(f"read: each of {result['readers']} processes at once (the slowest, the largest)", read),
@@ -226,10 +281,12 @@ def write(result: dict) -> None:
         f" paper's {PAPER_TOKENS / 1e6:.0f}M tokens on the {PAPER_PROCESSES} processes of a node that is"
         f" {paper_gib:,.0f} GiB of host memory, and each process tokenises everything. The cache is 5 bytes a token"
         f" on disk and once in the page cache ({PAPER_TOKENS * 5 / 2**30:.1f} GiB), made by one process; a reader's"
-        " own memory is its tokenizer and the rows' index, whatever the tokens.",
+        " own memory is its tokenizer and the rows' index, whatever the tokens. The maker streams the records and"
+        f" writes the tokens as it goes: its private memory peaked at {made['peak_mib']:,.0f} MiB (the lists"
+        f" {lists['peak_mib']:,.0f} MiB).",
         "",
     ]
-    (RESULTS / "token-rows.md").write_text("\n".join(lines))
+    (RESULTS / f"{name}.md").write_text("\n".join(lines))
     print("\n".join(lines))
 
 

@@ -2,10 +2,12 @@
 
 import json
 
+import numpy as np
 import pytest
 import torch
 from transformers import AutoTokenizer
 
+from swiftkv_distill import data
 from swiftkv_distill.build import build_swiftkv_model
 from swiftkv_distill.data import (
     DataError,
@@ -59,6 +61,27 @@ def test_split_is_deterministic_and_disjoint():
     assert (train, val) == split_indices(100, 0.1, seed=3)
     assert len(val) == 10 and not set(train) & set(val) and len(train) + len(val) == 100
     assert split_indices(100, 0.1, seed=4)[1] != val
+    # the records held out since the first release: the first tenth of the seeded permutation
+    order = torch.randperm(100, generator=torch.Generator().manual_seed(3)).tolist()
+    assert val == sorted(order[:10])
+
+
+def test_records_stream_a_chunk_at_a_time(tmp_path, monkeypatch):
+    """A file's records come in order, a chunk of at most ``CHUNK`` at a time, a text file's blank lines left out;
+    ``records_of`` gives the flagged records of several files, in order."""
+    monkeypatch.setattr(data, "CHUNK", 3)
+    text = tmp_path / "lines.txt"
+    text.write_text("a\n\nb\n c\n\n\nd\ne\n")
+    prompts = write_jsonl(tmp_path / "prompts.jsonl", [{"prompt": f"q{i}"} for i in range(5)])
+    files = [data.RecordFile(text), data.RecordFile(prompts)]
+    assert [len(f) for f in files] == [5, 5] and [f.kinds for f in files] == [{"text"}, {"prompt"}]
+    chunks = list(files[0].chunks())
+    assert max(map(len, chunks)) <= 3 and [r["text"] for c in chunks for r in c] == ["a", "b", " c", "d", "e"]
+    assert load_records([text, prompts]) == [r for f in files for c in f.chunks() for r in c]
+    keep = np.zeros(10, bool)
+    keep[[1, 4, 5, 9]] = True
+    kept = [r for c in data.records_of(files, keep) for r in c]
+    assert kept == [{"text": "b"}, {"text": "e"}, {"prompt": "q0"}, {"prompt": "q4"}]
 
 
 def test_capped_validation_rows_cover_the_whole_held_out_set():

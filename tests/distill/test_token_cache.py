@@ -12,7 +12,7 @@ import torch
 
 from swiftkv_distill.data import DataError, collate, pack, unpacked
 from swiftkv_distill.datamodule import DistillDataModule
-from swiftkv_distill.tokens import read_sets
+from swiftkv_distill.tokens import RowWriter, TokenRows, read_sets
 from tests.distill.conftest import TEXTS, write_jsonl
 
 
@@ -43,9 +43,10 @@ def as_lists(rows):
     return [{k: v.tolist() if isinstance(v, np.ndarray) else v for k, v in row.items()} for row in rows]
 
 
-def test_rows_as_arrays_are_the_rows_as_lists():
+def test_rows_as_arrays_are_the_rows_as_lists(tmp_path):
     """Random sequences (empty ones, ones longer than a row, ones ending exactly at a row's end) and flags: the same
-    rows, segments and flags packed and unpacked, and the same batches."""
+    rows, segments and flags packed and unpacked, in memory and written to files as they come, and the same
+    batches."""
     rng = random.Random(0)
     for max_length in (1, 7, 16):
         sequences = [
@@ -62,6 +63,19 @@ def test_rows_as_arrays_are_the_rows_as_lists():
             ]
             for name, tensor in collate(rows, 0, max_length).items():
                 torch.testing.assert_close(tensor, collate(expected, 0, max_length)[name])
+            # written as they come, in three calls of several sequences each; then mapped as the cache maps them
+            writer = RowWriter(max_length, packed, into=tmp_path / f"{max_length}-{packed}")
+            for part in (range(13), range(13, 14), range(14, len(sequences))):
+                writer.add_many(
+                    np.array([t for i in part for t in sequences[i]], np.int32),
+                    np.array([f for i in part for f in distilled[i]], bool),
+                    [len(sequences[i]) for i in part],
+                )
+            written = writer.rows()
+            assert isinstance(written.arrays["tokens"], np.memmap) and as_lists(written) == expected
+            assert as_lists(TokenRows.load(tmp_path, f"{max_length}-{packed}")) == expected
+    empty = RowWriter(8, into=tmp_path / "empty").rows()
+    assert len(empty) == 0 and len(TokenRows.load(tmp_path, "empty").arrays["tokens"]) == 0
 
 
 def test_the_rows_are_made_once_and_read_after(tiny_model, tmp_path, monkeypatch):
@@ -193,9 +207,10 @@ def test_records_encoded_in_forked_processes_are_encoded_as_in_one(tiny_model):
         lambda i: {"prompt": f"Question {i}?", "response": f"Answer {i}."},
     ]
     records = [kinds[i % 3](i) for i in range(2 * CHUNK + 7)]
+    chunks = [records[start : start + CHUNK] for start in range(0, len(records), CHUNK)]
     parallelism = os.environ.get("TOKENIZERS_PARALLELISM")
-    alone = list(tokenise(records, tokenizer, processes=1))
-    forked = list(tokenise(records, tokenizer, processes=2))
+    alone = list(tokenise(chunks, tokenizer, processes=1))
+    forked = list(tokenise(iter(chunks), tokenizer, processes=2))
     assert len(alone) == len(forked) == 3
     for (ids, flags, lengths), (ids2, flags2, lengths2) in zip(alone, forked, strict=True):
         assert np.array_equal(ids, ids2) and np.array_equal(flags, flags2) and lengths == lengths2

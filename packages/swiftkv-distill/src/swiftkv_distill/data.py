@@ -21,7 +21,8 @@ With ``pack=True`` sequences are concatenated into rows of exactly ``max_length`
 position ids (restarting at 0), and the model's causal mask keeps packed sequences from attending to each
 other (transformers derives the block-diagonal mask from the position ids when no attention mask is given).
 The train/validation split is by record, from a seeded permutation: the same files and seed give the same split.
-Local jsonl / json / parquet / text files are read through ``datasets``.
+Local jsonl / json / parquet / text files are read through ``datasets``, a chunk of records at a time
+(``RecordFile``).
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ import math
 import multiprocessing
 import os
 from collections import deque
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from itertools import chain
 from pathlib import Path
@@ -52,35 +53,75 @@ class DataError(ValueError):
     """A data file or data option that cannot work; raised before any compute is spent."""
 
 
-def load_records(files: Sequence[str | Path]) -> list[dict]:
-    """All records of ``files`` (local jsonl / json / parquet / text), in file order. Clear errors, no hub."""
-    import datasets
+CHUNK = 1000  # records read, and encoded by a process, at a time
 
-    records: list[dict] = []
-    for file in files:
-        path = Path(file)
-        builder = _check_file(path)
-        if path.suffix.lower() == ".jsonl":
-            _check_json_lines(path)
+
+class RecordFile:
+    """The records of a local data file (jsonl / json / parquet / text), checked when opened (``DataError``
+    naming the file and the record), then read ``CHUNK`` at a time (``chunks``) from the memory-mapped Arrow copy
+    that ``datasets`` makes of it: a corpus is never held in memory whole. ``len``: its records (a text file's
+    blank lines left out); ``kinds``: theirs (``record_kind``)."""
+
+    def __init__(self, file: str | Path):
+        import datasets
+
+        self.path = Path(file)
+        builder = _check_file(self.path)
+        if self.path.suffix.lower() == ".jsonl":
+            _check_json_lines(self.path)
         try:
-            dataset = datasets.load_dataset(builder, data_files=str(path), split="train")
+            self._table = datasets.load_dataset(builder, data_files=str(self.path), split="train").data
         except Exception as error:  # datasets wraps parser errors in several exception types
             raise DataError(
-                f"Data file {path} could not be read as {builder}: {type(error).__name__}: {error}"
+                f"Data file {self.path} could not be read as {builder}: {type(error).__name__}: {error}"
             ) from error
-        rows = dataset.to_list()
-        if builder == "text":
-            rows = [row for row in rows if row["text"].strip()]
-        if not rows:
-            raise DataError(f"Data file {path} holds no records.")
-        for i, row in enumerate(rows):
-            if record_kind(row) is None:
-                raise DataError(
-                    f"Data file {path}, record {i}: expected a 'messages' list (chat), a 'prompt' (optionally with "
-                    f"'response'/'completion') or a 'text' field; got fields {sorted(row)}."
-                )
-        records.extend(rows)
-    return records
+        self._text = builder == "text"
+        self.kinds: set[str] = set()
+        self._count = 0
+        for chunk in self.chunks():
+            for record in chunk:
+                kind = record_kind(record)
+                if kind is None:
+                    raise DataError(
+                        f"Data file {self.path}, record {self._count}: expected a 'messages' list (chat), a "
+                        "'prompt' (optionally with 'response'/'completion') or a 'text' field; got fields "
+                        f"{sorted(record)}."
+                    )
+                self.kinds.add(kind)
+                self._count += 1
+        if not self._count:
+            raise DataError(f"Data file {self.path} holds no records.")
+
+    def __len__(self) -> int:
+        return self._count
+
+    def chunks(self) -> Iterator[list[dict]]:
+        """The records in order, as lists of up to ``CHUNK``."""
+        for start in range(0, len(self._table), CHUNK):
+            records = self._table.slice(start, CHUNK).to_pylist()
+            if self._text:
+                records = [r for r in records if r["text"].strip()]
+            if records:
+                yield records
+
+
+def load_records(files: Sequence[str | Path]) -> list[dict]:
+    """All records of ``files`` (local jsonl / json / parquet / text), in file order, as a list (for small files;
+    a corpus is read a chunk at a time: ``RecordFile``). Clear errors, no hub."""
+    return [record for file in files for chunk in RecordFile(file).chunks() for record in chunk]
+
+
+def records_of(files: Sequence[RecordFile], keep: np.ndarray | None = None) -> Iterator[list[dict]]:
+    """The records of ``files`` end to end, a chunk at a time; with ``keep`` (a flag per record of all the
+    files), only the flagged ones."""
+    seen = 0
+    for file in files:
+        for chunk in file.chunks():
+            if keep is not None:
+                flags, seen = keep[seen : seen + len(chunk)], seen + len(chunk)
+                chunk = [record for record, kept in zip(chunk, flags, strict=True) if kept]
+            if chunk:
+                yield chunk
 
 
 def _check_file(path: Path) -> str:
@@ -99,7 +140,7 @@ def _check_file(path: Path) -> str:
 
 def file_identity(file: str | Path) -> list:
     """What tells a data file's content apart without reading it: its real path, size, modification and change
-    times (the token cache's key). ``DataError`` as ``load_records`` for a file that cannot be data."""
+    times (the token cache's key). ``DataError`` as ``RecordFile`` for a file that cannot be data."""
     path = Path(file)
     _check_file(path)
     stat = path.stat()
@@ -183,37 +224,38 @@ def encode_records(
                 yield encode_record(record, tokenizer, chat_tokens)
 
 
-CHUNK = 1000  # records a process encodes at a time
+def encoding_processes(kinds: set[str], records: int) -> int:
+    """The processes worth encoding ``records`` records of ``kinds`` in: one per core where a record is rendered
+    through a chat template (in Python, a record at a time: one core would take about an hour for the paper's
+    680M tokens) and there is more than a chunk; else one (text is batched through the tokenizer's own threads)."""
+    if kinds <= {"text"} or records <= CHUNK:
+        return 1
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
 def tokenise(
-    records: Sequence[dict], tokenizer, chat_tokens: str = "answers", processes: int | None = None
+    chunks: Iterable[list[dict]], tokenizer, chat_tokens: str = "answers", processes: int = 1
 ) -> Iterator[tuple[np.ndarray, np.ndarray, list[int]]]:
-    """``encode_records`` a chunk of records at a time, in order: each chunk's ids (int32) and distilled flags
-    (bool) end to end, and its sequences' lengths. With ``processes`` > 1 the chunks are encoded in that many
-    forked processes (chat templates are rendered in Python, a record at a time: one core would take about an
-    hour for the paper's 680M tokens). Forked, as DataLoader workers are: they inherit the records and the
-    tokenizer, and the launching script is not run again. ``None``: a process per core where a record is not
-    text (text is batched through the tokenizer's own threads), else one."""
-    if processes is None:
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-        processes = cores if any(record_kind(r) != "text" for r in records) else 1
-    ranges = [(start, min(start + CHUNK, len(records))) for start in range(0, len(records), CHUNK)]
-    if processes <= 1 or len(ranges) < 2:
-        for start, end in ranges:
-            yield _encoded(records[start:end], tokenizer, chat_tokens)
+    """``encode_records`` of each chunk of records (lists, as ``records_of`` gives them), in order: the chunk's
+    ids (int32) and distilled flags (bool) end to end, and its sequences' lengths. With ``processes`` > 1
+    (``encoding_processes``) the chunks are encoded in that many forked processes, at most two chunks each ahead
+    of the one given out. Forked, as DataLoader workers are: they inherit the tokenizer, and the launching
+    script is not run again."""
+    if processes <= 1:
+        for chunk in chunks:
+            yield _encoded(chunk, tokenizer, chat_tokens)
         return
     global _JOB
-    _JOB = (records, tokenizer, chat_tokens)
+    _JOB = (tokenizer, chat_tokens)
     # one tokenizer thread per process; also keeps the tokenizers library from warning about the fork
     parallelism = os.environ.get("TOKENIZERS_PARALLELISM")
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
     context = multiprocessing.get_context("fork")
     try:
-        with ProcessPoolExecutor(min(processes, len(ranges)), mp_context=context) as pool:
+        with ProcessPoolExecutor(processes, mp_context=context) as pool:
             pending = deque()
-            for start, end in ranges:
-                pending.append(pool.submit(_encoded_range, start, end))
+            for chunk in chunks:
+                pending.append(pool.submit(_encoded_job, chunk))
                 if len(pending) >= 2 * processes:
                     yield pending.popleft().result()
             while pending:
@@ -226,12 +268,11 @@ def tokenise(
             os.environ["TOKENIZERS_PARALLELISM"] = parallelism
 
 
-_JOB: tuple | None = None  # what ``tokenise``'s forked processes encode: records, tokenizer, chat_tokens
+_JOB: tuple | None = None  # what ``tokenise``'s forked processes encode with: tokenizer, chat_tokens
 
 
-def _encoded_range(start: int, end: int) -> tuple[np.ndarray, np.ndarray, list[int]]:
-    records, tokenizer, chat_tokens = _JOB
-    return _encoded(records[start:end], tokenizer, chat_tokens)
+def _encoded_job(records: list[dict]) -> tuple[np.ndarray, np.ndarray, list[int]]:
+    return _encoded(records, *_JOB)
 
 
 def _encoded(records, tokenizer, chat_tokens: str) -> tuple[np.ndarray, np.ndarray, list[int]]:
@@ -257,13 +298,20 @@ def _common_prefix(a: list[int], b: list[int]) -> int:
     return n
 
 
+def held_out(n: int, val_fraction: float, seed: int) -> np.ndarray:
+    """Which of ``n`` records are held out for validation (a flag each): the first ``val_fraction`` of a seeded
+    permutation; the same ``n`` and seed hold out the same records."""
+    flags = np.zeros(n, bool)
+    if n:
+        order = torch.randperm(n, generator=torch.Generator().manual_seed(seed))
+        flags[order[: min(n - 1, math.ceil(n * val_fraction)) if val_fraction > 0 else 0].numpy()] = True
+    return flags
+
+
 def split_indices(n: int, val_fraction: float, seed: int) -> tuple[list[int], list[int]]:
-    """Deterministic ``(train, validation)`` record indices: a seeded permutation, the first part validates."""
-    if n == 0:
-        return [], []
-    order = torch.randperm(n, generator=torch.Generator().manual_seed(seed)).tolist()
-    n_val = min(n - 1, math.ceil(n * val_fraction)) if val_fraction > 0 else 0
-    return sorted(order[n_val:]), sorted(order[:n_val])
+    """Deterministic ``(train, validation)`` record indices, each sorted (``held_out``)."""
+    flags = held_out(n, val_fraction, seed)
+    return np.flatnonzero(~flags).tolist(), np.flatnonzero(flags).tolist()
 
 
 def pack(

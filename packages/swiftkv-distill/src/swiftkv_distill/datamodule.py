@@ -22,12 +22,13 @@ from .corpora import resolve_files
 from .data import (
     CHAT_TOKENS,
     DataError,
+    RecordFile,
     collate,
+    encoding_processes,
     evenly_spaced,
     file_identity,
-    load_records,
-    record_kind,
-    split_indices,
+    held_out,
+    records_of,
     tokenise,
 )
 from .tokens import (
@@ -205,10 +206,6 @@ class DistillDataModule(L.LightningDataModule):
         return AutoTokenizer.from_pretrained(path)
 
     @property
-    def val_files(self) -> list[str]:
-        return [f for files in self.val_sets.values() for f in files]
-
-    @property
     def val_set_names(self) -> list[str]:
         """The validation sets' names, in dataloader order (the first set's metrics are logged without one)."""
         return list(self.val_set_rows)
@@ -271,7 +268,7 @@ class DistillDataModule(L.LightningDataModule):
                 token_cache_dir() / key,
                 lambda folder: (folder / "sets.json").is_file(),
                 lambda staging: write_sets(
-                    staging, self._tokenise(tokenizer, train_files, val_files), made_from
+                    staging, self._tokenise(tokenizer, train_files, val_files, staging), made_from
                 ),
                 waiting=f"waiting for another process tokenising the data into {token_cache_dir() / key}",
             )
@@ -285,36 +282,41 @@ class DistillDataModule(L.LightningDataModule):
             ) from None
 
     def _tokenise(
-        self, tokenizer, train_files: list[str], val_files: dict[str, list[str]]
+        self, tokenizer, train_files: list[str], val_files: dict[str, list[str]], folder: Path
     ) -> dict[str, TokenRows]:
         """The rows of the training set (``train``) and of each validation set (``val0``, ``val1``... in the order
-        of ``val_sets``; without validation files, ``val0`` is held out of the training records)."""
+        of ``val_sets``; without validation files, ``val0`` is held out of the training records), written into
+        ``folder`` as made: every file is checked, then its records stream through, a chunk at a time."""
         hp = self.hparams
-        train_records = load_records(train_files)
-        val_records = {name: load_records(files) for name, files in val_files.items()}
-        every = train_records + [r for records in val_records.values() for r in records]
-        if any(record_kind(r) != "text" for r in every) and not getattr(tokenizer, "chat_template", None):
+        train = [RecordFile(f) for f in train_files]
+        vals = [[RecordFile(f) for f in files] for files in val_files.values()]
+        every = [*train, *(file for files in vals for file in files)]
+        if any(f.kinds - {"text"} for f in every) and not getattr(tokenizer, "chat_template", None):
             raise DataError(
                 f"The data holds chat / prompt records but the tokenizer of {self.model_path} has no "
                 "chat template. Use a chat (instruct) model, set tokenizer.chat_template, or give text."
             )
-        if not val_records:
-            train_idx, val_idx = split_indices(len(train_records), hp.val_fraction, hp.seed)
-            val_records = {"": [train_records[i] for i in val_idx]}
-            train_records = [train_records[i] for i in train_idx]
-        records = {"train": train_records, **{f"val{i}": r for i, r in enumerate(val_records.values())}}
-        sets = {}
+        # each set: its files, and which of their records it takes (None: all)
+        if vals:
+            sets = {"train": (train, None), **{f"val{i}": (files, None) for i, files in enumerate(vals)}}
+        else:
+            validating = held_out(sum(map(len, train)), hp.val_fraction, hp.seed)
+            sets = {"train": (train, ~validating), "val0": (train, validating)}
+        rows = {}
         # a bar from a long tokenisation's tenth second
-        with tqdm(total=sum(map(len, records.values())), desc="tokenising", unit="record", delay=10) as bar:
-            for name, chosen in records.items():
-                writer = RowWriter(hp.max_length, hp.pack)
-                with closing(tokenise(chosen, tokenizer, hp.chat_tokens)) as chunks:
+        with tqdm(total=sum(map(len, every)), desc="tokenising", unit="record", delay=10) as bar:
+            for name, (files, keep) in sets.items():
+                writer = RowWriter(hp.max_length, hp.pack, into=folder / name)
+                count = sum(map(len, files)) if keep is None else int(keep.sum())
+                processes = encoding_processes(set().union(*(f.kinds for f in files)), count)
+                chunks = tokenise(records_of(files, keep), tokenizer, hp.chat_tokens, processes)
+                with closing(chunks):
                     for ids, distilled, lengths in chunks:
                         writer.add_many(ids, distilled, lengths)
                         bar.set_postfix_str(f"{writer.num_tokens:,} tokens of {name}", refresh=False)
                         bar.update(len(lengths))
-                sets[name] = writer.rows()
-        return sets
+                rows[name] = writer.rows()
+        return rows
 
     def check_batches(self, processes: int) -> None:
         """Refuse training rows too few for one batch on each of ``processes``: every process drops its last,

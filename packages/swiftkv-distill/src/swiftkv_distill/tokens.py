@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import errno
 import hashlib
+import io
 import json
 import os
 from collections.abc import Sequence
@@ -115,14 +116,16 @@ class TokenRows(Sequence):
         return any(self[i]["distilled"].any() for i in range(len(self)))
 
     def save(self, folder: Path, name: str) -> dict:
-        """Write the arrays as ``NAME.ARRAY.npy`` in ``folder`` (all rows, whatever the selection); returns their
-        summary (rows, tokens, distilled tokens)."""
-        for key in ARRAYS:
-            np.save(folder / f"{name}.{key}.npy", self.arrays[key])
+        """Write the arrays as ``NAME.ARRAY.npy`` in ``folder`` (all rows, whatever the selection), unless they are
+        mapped from there already (a ``RowWriter`` wrote them); returns their summary (rows, tokens, distilled
+        tokens)."""
+        if self.source != folder / name:
+            for key in ARRAYS:
+                np.save(folder / f"{name}.{key}.npy", self.arrays[key])
         return {
             "rows": len(self.arrays["row_starts"]) - 1,
             "tokens": len(self.arrays["tokens"]),
-            "distilled": int(self.arrays["distilled"].sum()),
+            "distilled": int(np.count_nonzero(self.arrays["distilled"])),
         }
 
     @classmethod
@@ -147,12 +150,19 @@ class RowWriter:
     """Sequences in, rows out: ``add`` a sequence's ids (and distilled flags, default all), or ``add_many``
     sequences end to end; ``rows`` cuts them into rows of ``max_length`` tokens. Packed, a sequence crossing a
     row's end continues in the next row (its positions restart there) and only the last row may be shorter; else
-    one row per sequence, truncated. Kept as arrays while written: 5 bytes a token (10 while ``rows`` joins
-    them)."""
+    one row per sequence, truncated. The tokens are kept in memory (5 bytes a token), or with ``into`` (a path
+    ``FOLDER/NAME``) written straight to the files of the set ``NAME`` (``TokenRows.load``): a corpus's tokens are
+    then never held in memory, only its sequences' starts (8 bytes a sequence)."""
 
-    def __init__(self, max_length: int, pack: bool = True):
-        self.max_length, self.pack = max_length, pack
-        self._chunks: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
+    def __init__(self, max_length: int, pack: bool = True, into: Path | None = None):
+        self.max_length, self.pack, self.into = max_length, pack, into
+        self._parts = {"tokens": [], "distilled": []}  # in memory
+        self._files = (
+            {key: _GrowingArray(Path(f"{into}.{key}.npy"), dtype) for key, dtype in _TOKEN_DTYPES}
+            if into
+            else {}
+        )
+        self._starts: list[np.ndarray] = []
         self.num_tokens = 0
 
     def add(self, ids: Sequence[int], distilled: Sequence[bool] | None = None) -> None:
@@ -172,23 +182,67 @@ class RowWriter:
             keep = within < self.max_length
             ids, distilled, lengths = ids[keep], distilled[keep], np.minimum(lengths, self.max_length)
         lengths = lengths[lengths > 0]
-        self._chunks.append((ids, distilled, self.num_tokens + np.cumsum(lengths) - lengths))
+        for key, values in (("tokens", ids), ("distilled", distilled)):
+            (self._files[key].append if self.into else self._parts[key].append)(values)
+        self._starts.append(self.num_tokens + np.cumsum(lengths) - lengths)
         self.num_tokens += len(ids)
 
     def rows(self) -> TokenRows:
-        tokens, distilled, starts = (
-            np.concatenate([chunk[k] for chunk in self._chunks] or [np.zeros(0, dtype)])
-            for k, dtype in enumerate((np.int32, bool, np.int64))
-        )
-        self._chunks = []
-        row_starts = np.arange(0, len(tokens), self.max_length) if self.pack else starts
-        arrays = {
-            "tokens": tokens,
-            "distilled": distilled,
-            "row_starts": np.append(row_starts, len(tokens)).astype(np.int64),
-            "sequence_starts": starts.astype(np.int64),
+        """The rows: in memory, or (``into``) the set's files completed and mapped."""
+        starts = np.concatenate(self._starts or [np.zeros(0, np.int64)]).astype(np.int64)
+        row_starts = np.arange(0, self.num_tokens, self.max_length) if self.pack else starts
+        index = {
+            "row_starts": np.append(row_starts, self.num_tokens).astype(np.int64),
+            "sequence_starts": starts,
         }
-        return TokenRows(arrays)
+        if not self.into:
+            tokens = {
+                key: np.concatenate(self._parts[key] or [np.zeros(0, dtype)]) for key, dtype in _TOKEN_DTYPES
+            }
+            return TokenRows({**tokens, **index})
+        for file in self._files.values():
+            file.close()
+        for key, values in index.items():
+            np.save(Path(f"{self.into}.{key}.npy"), values)
+        return TokenRows.load(self.into.parent, self.into.name)
+
+
+_TOKEN_DTYPES = (("tokens", np.int32), ("distilled", bool))
+
+
+class _GrowingArray:
+    """A one-dimensional ``.npy`` file written a part at a time: its header is written again with the final
+    length when it is closed (numpy leaves room in a header for a longer shape)."""
+
+    def __init__(self, path: Path, dtype):
+        self.dtype, self.length = np.dtype(dtype), 0
+        self.file = path.open("wb")
+        self.file.write(self._header())
+        self.header_size = self.file.tell()
+
+    def _header(self) -> bytes:
+        header = io.BytesIO()
+        fields = {
+            "descr": np.lib.format.dtype_to_descr(self.dtype),
+            "fortran_order": False,
+            "shape": (self.length,),
+        }
+        np.lib.format.write_array_header_1_0(header, fields)
+        return header.getvalue()
+
+    def append(self, values: np.ndarray) -> None:
+        self.file.write(np.ascontiguousarray(values, self.dtype).data)
+        self.length += len(values)
+
+    def close(self) -> None:
+        header = self._header()
+        if len(header) != self.header_size:
+            raise RuntimeError(
+                f"{self.file.name}: the header of {self.length} values outgrew the room numpy left"
+            )
+        self.file.seek(0)
+        self.file.write(header)
+        self.file.close()
 
 
 def write_sets(folder: Path, sets: dict[str, TokenRows], about: dict) -> None:
