@@ -14,7 +14,8 @@ numbered so that no two are the same, answered with Brown paragraphs), packed in
 Memory is each process's PSS after its build, less before, with every row's tokens read and (readers) every reader
 there: pages shared by the processes (the mapped cache) count 1/n in each of n. The peak is the most private
 (anonymous) memory the process held during its build, less before: what the maker needs while it reads and packs,
-whatever the page cache keeps of the files. The tokenizer loaded before the
+whatever the page cache keeps of the files (the maker's forked encoders, a tokenizer and a chunk of records each, are
+not in it). The tokenizer loaded before the
 build is outside the figure (the data module's own is inside).
 
     .venv/bin/python benchmarks/token_rows.py      # 10 Brown copies + 24k chat records, 4 readers
@@ -282,7 +283,7 @@ def write(result: dict, name: str) -> None:
         f" {paper_gib:,.0f} GiB of host memory, and each process tokenises everything. The cache is 5 bytes a token"
         f" on disk and once in the page cache ({PAPER_TOKENS * 5 / 2**30:.1f} GiB), made by one process; a reader's"
         " own memory is its tokenizer and the rows' index, whatever the tokens. The maker streams the records and"
-        f" writes the tokens as it goes: its private memory peaked at {made['peak_mib']:,.0f} MiB (the lists"
+        f" writes the tokens as it goes: its main process's private memory peaked at {made['peak_mib']:,.0f} MiB (the lists"
         f" {lists['peak_mib']:,.0f} MiB).",
         "",
     ]

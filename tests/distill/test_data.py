@@ -2,6 +2,7 @@
 
 import json
 
+import datasets
 import numpy as np
 import pytest
 import torch
@@ -77,7 +78,17 @@ def test_records_stream_a_chunk_at_a_time(tmp_path, monkeypatch):
     assert [len(f) for f in files] == [5, 5] and [f.kinds for f in files] == [{"text"}, {"prompt"}]
     chunks = list(files[0].chunks())
     assert max(map(len, chunks)) <= 3 and [r["text"] for c in chunks for r in c] == ["a", "b", " c", "d", "e"]
-    assert load_records([text, prompts]) == [r for f in files for c in f.chunks() for r in c]
+    # as datasets lists them whole, messages whose keys differ among them too (kept as JSON text by datasets)
+    chat = write_jsonl(tmp_path / "chat.jsonl", [
+        {"messages": [{"role": "system", "content": "s", "name": "x"}, {"role": "user", "content": "q"}]},
+        {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]},
+    ] * 2)  # fmt: skip
+    for file in (text, prompts, chat):
+        whole = datasets.load_dataset(
+            data._BUILDERS[file.suffix], data_files=str(file), split="train"
+        ).to_list()
+        assert load_records([file]) == [r for r in whole if r.get("text") != ""]
+    assert load_records([chat])[0]["messages"][0] == {"role": "system", "content": "s", "name": "x"}
     keep = np.zeros(10, bool)
     keep[[1, 4, 5, 9]] = True
     kept = [r for c in data.records_of(files, keep) for r in c]

@@ -80,15 +80,16 @@ def test_rows_as_arrays_are_the_rows_as_lists(tmp_path):
 
 def test_the_rows_are_made_once_and_read_after(tiny_model, tmp_path, monkeypatch):
     """A second data module on the same data, tokenizer and row settings reads the rows the first made: it does not
-    tokenise. Another file content or another row length makes new rows; a cap on the rows does not."""
+    tokenise. Another file content (also one that keeps the older file's modification time) or another row length
+    makes new rows; a cap on the rows does not."""
     made = []
     tokenise = DistillDataModule._tokenise
     monkeypatch.setattr(DistillDataModule, "_tokenise", lambda self, *a: made.append(1) or tokenise(self, *a))
     data = write_jsonl(tmp_path / "text.jsonl", [{"text": t} for t in TEXTS])
 
-    def rows(**settings):
+    def rows(file=data, **settings):
         dm = DistillDataModule(
-            str(tiny_model), [str(data)], **{"max_length": 32, "val_fraction": 0.2, **settings}
+            str(tiny_model), [str(file)], **{"max_length": 32, "val_fraction": 0.2, **settings}
         )
         dm.build()
         return as_lists(dm.train_rows), as_lists(dm.val_rows)
@@ -99,7 +100,15 @@ def test_the_rows_are_made_once_and_read_after(tiny_model, tmp_path, monkeypatch
     assert len(made) == 1 and len(train) == 3 and all(row in first[0] for row in train)
     assert rows(max_length=16) != first and len(made) == 2
     write_jsonl(data, [{"text": t.upper()} for t in TEXTS])
-    assert rows() != first and len(made) == 3
+    upper = rows()
+    assert upper != first and len(made) == 3
+    # a copy that keeps the older file's modification time (cp -p): its own rows, not the older copy's
+    stat = data.stat()
+    write_jsonl(data, [{"text": f"{t.lower()} again"} for t in TEXTS])
+    os.utime(data, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    fresh = write_jsonl(tmp_path / "fresh.jsonl", [{"text": f"{t.lower()} again"} for t in TEXTS])
+    copied = rows()
+    assert len(made) == 4 and copied != upper and copied == rows(fresh)
 
 
 def test_validation_sets_in_another_order_keep_their_own_rows(tiny_model, text_file, chat_file):
@@ -216,3 +225,35 @@ def test_records_encoded_in_forked_processes_are_encoded_as_in_one(tiny_model):
         assert np.array_equal(ids, ids2) and np.array_equal(flags, flags2) and lengths == lengths2
     assert sum(len(lengths) for _, _, lengths in forked) == len(records) and not all(forked[0][1])
     assert os.environ.get("TOKENIZERS_PARALLELISM") == parallelism  # as it was
+
+
+def test_chat_records_encoded_by_a_process_per_core_make_the_rows_of_one(tiny_model, tmp_path, monkeypatch):
+    """Through the data module: prompt + answer records over several chunks are encoded in forked processes (one
+    per core, no more than the chunks) into the rows one process makes."""
+    from swiftkv_distill import data, datamodule
+
+    monkeypatch.setattr(data, "CHUNK", 4)
+    cores = len(os.sched_getaffinity(0))
+    with monkeypatch.context() as node:  # a node of 64 cores
+        node.setattr(os, "sched_getaffinity", lambda pid: set(range(64)))
+        assert data.encoding_processes({"text"}, 100) == 1
+        assert data.encoding_processes({"text", "chat"}, 9) == 3 and data.encoding_processes({"chat"}, 4) == 1
+        assert data.encoding_processes({"prompt"}, 1000) == 64
+    records = [{"prompt": f"Question {i}?", "response": f"Answer {i}, said at length."} for i in range(11)]
+    file = write_jsonl(tmp_path / "chat.jsonl", records)
+    chosen = []
+
+    def rows(processes):
+        monkeypatch.setattr(
+            datamodule,
+            "encoding_processes",
+            lambda kinds, count: chosen.append(processes(kinds, count)) or chosen[-1],
+        )
+        monkeypatch.setenv("SWIFTKV_TOKENS_DIR", str(tmp_path / f"tokens{len(chosen)}"))
+        dm = DistillDataModule(str(tiny_model), [str(file)], max_length=32, val_fraction=0.2)
+        dm.build()
+        return as_lists(dm.train_rows), as_lists(dm.val_rows)
+
+    forked = rows(data.encoding_processes)
+    assert chosen == [min(cores, 2), 1]  # 8 training records in 2 chunks, 3 held out in 1
+    assert rows(lambda kinds, count: 1) == forked and len(forked[0]) > 1

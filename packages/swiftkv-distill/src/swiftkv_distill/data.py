@@ -59,10 +59,14 @@ CHUNK = 1000  # records read, and encoded by a process, at a time
 class RecordFile:
     """The records of a local data file (jsonl / json / parquet / text), checked when opened (``DataError``
     naming the file and the record), then read ``CHUNK`` at a time (``chunks``) from the memory-mapped Arrow copy
-    that ``datasets`` makes of it: a corpus is never held in memory whole. ``len``: its records (a text file's
-    blank lines left out); ``kinds``: theirs (``record_kind``)."""
+    that ``datasets`` makes of it (in ``cache_dir``, default its own cache): a corpus is never held in memory whole
+    (``datasets`` parses a ``.json`` array file whole once, to make the copy). ``len``: its records (a text file's
+    blank lines left out); ``kinds``: theirs (``record_kind``).
 
-    def __init__(self, file: str | Path):
+    ``datasets`` tells a file's changes apart by its modification time alone: a copy that keeps an older file's
+    (``cp -p``) is read from the older copy, unless ``cache_dir`` is a new folder."""
+
+    def __init__(self, file: str | Path, cache_dir: Path | None = None):
         import datasets
 
         self.path = Path(file)
@@ -70,7 +74,12 @@ class RecordFile:
         if self.path.suffix.lower() == ".jsonl":
             _check_json_lines(self.path)
         try:
-            self._table = datasets.load_dataset(builder, data_files=str(self.path), split="train").data
+            self._dataset = datasets.load_dataset(
+                builder,
+                data_files=str(self.path),
+                split="train",
+                cache_dir=str(cache_dir) if cache_dir else None,
+            )
         except Exception as error:  # datasets wraps parser errors in several exception types
             raise DataError(
                 f"Data file {self.path} could not be read as {builder}: {type(error).__name__}: {error}"
@@ -96,9 +105,10 @@ class RecordFile:
         return self._count
 
     def chunks(self) -> Iterator[list[dict]]:
-        """The records in order, as lists of up to ``CHUNK``."""
-        for start in range(0, len(self._table), CHUNK):
-            records = self._table.slice(start, CHUNK).to_pylist()
+        """The records in order, as lists of up to ``CHUNK`` (decoded as ``Dataset.to_list`` decodes them: a field
+        whose objects differ in keys, as chat messages may, is kept as JSON text in the Arrow copy)."""
+        for batch in self._dataset.iter(batch_size=CHUNK):
+            records = [dict(zip(batch, values, strict=True)) for values in zip(*batch.values(), strict=True)]
             if self._text:
                 records = [r for r in records if r["text"].strip()]
             if records:
@@ -227,10 +237,11 @@ def encode_records(
 def encoding_processes(kinds: set[str], records: int) -> int:
     """The processes worth encoding ``records`` records of ``kinds`` in: one per core where a record is rendered
     through a chat template (in Python, a record at a time: one core would take about an hour for the paper's
-    680M tokens) and there is more than a chunk; else one (text is batched through the tokenizer's own threads)."""
-    if kinds <= {"text"} or records <= CHUNK:
+    680M tokens), no more than the chunks; else one (text is batched through the tokenizer's own threads)."""
+    if kinds <= {"text"}:
         return 1
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return min(cores, math.ceil(records / CHUNK))
 
 
 def tokenise(

@@ -7,6 +7,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import shutil
 from contextlib import closing
 from pathlib import Path
 
@@ -277,19 +278,19 @@ class DistillDataModule(L.LightningDataModule):
                 raise
             raise DataError(
                 f"The token cache {token_cache_dir()} cannot be written ({error.strerror}: {error.filename}): the "
-                "rows need about 5 bytes a token there. Set SWIFTKV_TOKENS_DIR (or SWIFTKV_CACHE_DIR) to a writable "
-                "folder with room."
+                "rows need about 5 bytes a token there, and a copy of the data files while they are made. Set "
+                "SWIFTKV_TOKENS_DIR (or SWIFTKV_CACHE_DIR) to a writable folder with room."
             ) from None
 
     def _tokenise(
         self, tokenizer, train_files: list[str], val_files: dict[str, list[str]], folder: Path
     ) -> dict[str, TokenRows]:
-        """The rows of the training set (``train``) and of each validation set (``val0``, ``val1``... in the order
-        of ``val_sets``; without validation files, ``val0`` is held out of the training records), written into
-        ``folder`` as made: every file is checked, then its records stream through, a chunk at a time."""
-        hp = self.hparams
-        train = [RecordFile(f) for f in train_files]
-        vals = [[RecordFile(f) for f in files] for files in val_files.values()]
+        """The rows of the training set (``train``) and of each validation set (``val0``, ``val1``... in ``val_sets``'
+        order; without validation files ``val0`` is held out of the training records), written into ``folder``:
+        the files checked, then their records streamed a chunk at a time (``RecordFile``; Arrow copies made afresh)."""
+        hp, arrow = self.hparams, folder / "arrow"
+        train = [RecordFile(f, arrow) for f in train_files]
+        vals = [[RecordFile(f, arrow) for f in files] for files in val_files.values()]
         every = [*train, *(file for files in vals for file in files)]
         if any(f.kinds - {"text"} for f in every) and not getattr(tokenizer, "chat_template", None):
             raise DataError(
@@ -306,16 +307,17 @@ class DistillDataModule(L.LightningDataModule):
         # a bar from a long tokenisation's tenth second
         with tqdm(total=sum(map(len, every)), desc="tokenising", unit="record", delay=10) as bar:
             for name, (files, keep) in sets.items():
-                writer = RowWriter(hp.max_length, hp.pack, into=folder / name)
                 count = sum(map(len, files)) if keep is None else int(keep.sum())
                 processes = encoding_processes(set().union(*(f.kinds for f in files)), count)
                 chunks = tokenise(records_of(files, keep), tokenizer, hp.chat_tokens, processes)
-                with closing(chunks):
+                writer = RowWriter(hp.max_length, hp.pack, into=folder / name)
+                with closing(chunks), closing(writer):
                     for ids, distilled, lengths in chunks:
                         writer.add_many(ids, distilled, lengths)
                         bar.set_postfix_str(f"{writer.num_tokens:,} tokens of {name}", refresh=False)
                         bar.update(len(lengths))
-                rows[name] = writer.rows()
+                    rows[name] = writer.rows()
+        shutil.rmtree(arrow)
         return rows
 
     def check_batches(self, processes: int) -> None:

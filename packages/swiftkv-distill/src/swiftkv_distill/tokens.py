@@ -206,6 +206,12 @@ class RowWriter:
             np.save(Path(f"{self.into}.{key}.npy"), values)
         return TokenRows.load(self.into.parent, self.into.name)
 
+    def close(self) -> None:
+        """Close the set's files (``rows`` does; a failed tokenisation leaves them to the staging folder's
+        removal)."""
+        for file in self._files.values():
+            file.close()
+
 
 _TOKEN_DTYPES = (("tokens", np.int32), ("distilled", bool))
 
@@ -215,7 +221,7 @@ class _GrowingArray:
     length when it is closed (numpy leaves room in a header for a longer shape)."""
 
     def __init__(self, path: Path, dtype):
-        self.dtype, self.length = np.dtype(dtype), 0
+        self.path, self.dtype, self.length = path, np.dtype(dtype), 0
         self.file = path.open("wb")
         self.file.write(self._header())
         self.header_size = self.file.tell()
@@ -231,18 +237,26 @@ class _GrowingArray:
         return header.getvalue()
 
     def append(self, values: np.ndarray) -> None:
-        self.file.write(np.ascontiguousarray(values, self.dtype).data)
+        try:
+            self.file.write(np.ascontiguousarray(values, self.dtype).data)
+        except OSError as error:  # named, as ``cache_unwritable`` needs (a full disk's error names no file)
+            raise OSError(error.errno, error.strerror, str(self.path)) from error
         self.length += len(values)
 
     def close(self) -> None:
-        header = self._header()
-        if len(header) != self.header_size:
-            raise RuntimeError(
-                f"{self.file.name}: the header of {self.length} values outgrew the room numpy left"
-            )
-        self.file.seek(0)
-        self.file.write(header)
-        self.file.close()
+        """Write the final header and close (once; again, nothing)."""
+        if self.file.closed:
+            return
+        try:
+            header = self._header()
+            if len(header) != self.header_size:
+                raise RuntimeError(
+                    f"{self.path}: the header of {self.length} values outgrew the room numpy left"
+                )
+            self.file.seek(0)
+            self.file.write(header)
+        finally:
+            self.file.close()
 
 
 def write_sets(folder: Path, sets: dict[str, TokenRows], about: dict) -> None:
