@@ -74,7 +74,7 @@ def test_records_stream_a_chunk_at_a_time(tmp_path, monkeypatch):
     text = tmp_path / "lines.txt"
     text.write_text("a\n\nb\n c\n\n\nd\ne\n")
     prompts = write_jsonl(tmp_path / "prompts.jsonl", [{"prompt": f"q{i}"} for i in range(5)])
-    files = [data.RecordFile(text), data.RecordFile(prompts)]
+    files = [data.RecordFile(text, tmp_path / "arrow"), data.RecordFile(prompts, tmp_path / "arrow")]
     assert [len(f) for f in files] == [5, 5] and [f.kinds for f in files] == [{"text"}, {"prompt"}]
     chunks = list(files[0].chunks())
     assert max(map(len, chunks)) <= 3 and [r["text"] for c in chunks for r in c] == ["a", "b", " c", "d", "e"]

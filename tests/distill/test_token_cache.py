@@ -140,6 +140,46 @@ def test_a_token_cache_that_cannot_be_written_is_refused_clearly(
             DistillDataModule(str(tiny_model), [str(text_file)], max_length=16).build()
 
 
+FULL_DISK = """
+import os, resource, signal, sys
+from pathlib import Path
+from swiftkv_distill.data import DataError
+from swiftkv_distill.datamodule import DistillDataModule
+model, data, limit = sys.argv[1], sys.argv[2], int(sys.argv[3])
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit then fails with EFBIG, as on a full disk
+resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+try:
+    DistillDataModule(model, [data], max_length=64, val_fraction=0.1).build()
+except DataError as error:
+    print("DataError:", error)
+cache = os.environ["SWIFTKV_TOKENS_DIR"]
+links = [os.path.realpath(f"/proc/self/fd/{fd}") for fd in os.listdir("/proc/self/fd")]
+print("open:", [link for link in links if link.startswith(cache)])
+print("left:", sorted(str(p.relative_to(cache)) for p in Path(cache).rglob("*") if p.is_file() and "lock" not in p.name))
+"""
+
+
+def test_a_token_cache_that_fills_up_is_refused_clearly(tiny_model, tmp_path, monkeypatch):
+    """A real process whose writes fail past a size (as on a full disk): while ``datasets`` copies the data, and
+    later while the tokens are written. Each time the cache's error, no file left open, nothing left behind."""
+    import subprocess
+    import sys
+
+    data = write_jsonl(
+        tmp_path / "letters.jsonl", [{"text": " ".join("abcdefghij" * 40)}] * 50
+    )  # ~20k tokens
+    monkeypatch.setenv("SWIFTKV_TOKENS_DIR", str(tmp_path / "tokens"))
+    # under the Arrow copy (~40 KB), under the tokens (4 bytes a token)
+    for limit, failing in ((4096, "/.arrow-"), (60_000, "/train.tokens.npy")):
+        out = subprocess.run(
+            [sys.executable, "-c", FULL_DISK, str(tiny_model), str(data), str(limit)],
+            capture_output=True, text=True, timeout=300, check=True,
+        ).stdout  # fmt: skip
+        assert "DataError: The token cache" in out and "cannot be written (File too large" in out, out
+        assert failing in out.split("cannot be written")[1].split(")")[0], out
+        assert "open: []" in out and "left: []" in out, out
+
+
 def build_in_a_process(model: str, data: str, marker: str, queue) -> None:
     """One process of a run: builds the data module, says whether it tokenised and what its rows hold."""
     tokenise = DistillDataModule._tokenise

@@ -27,13 +27,16 @@ Local jsonl / json / parquet / text files are read through ``datasets``, a chunk
 
 from __future__ import annotations
 
+import errno
 import json
 import math
 import multiprocessing
 import os
+import tempfile
 from collections import deque
 from collections.abc import Iterable, Iterator, Sequence
 from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass
 from itertools import chain
 from pathlib import Path
 
@@ -42,7 +45,7 @@ import torch
 
 from swiftkv_core.chat import chat_ids, user_turn
 
-from .tokens import RowWriter, TokenRows
+from .tokens import UNWRITABLE, RowWriter, TokenRows
 
 IGNORE = -100
 CHAT_TOKENS = ("answers", "all")
@@ -59,14 +62,14 @@ CHUNK = 1000  # records read, and encoded by a process, at a time
 class RecordFile:
     """The records of a local data file (jsonl / json / parquet / text), checked when opened (``DataError``
     naming the file and the record), then read ``CHUNK`` at a time (``chunks``) from the memory-mapped Arrow copy
-    that ``datasets`` makes of it (in ``cache_dir``, default its own cache): a corpus is never held in memory whole
-    (``datasets`` parses a ``.json`` array file whole once, to make the copy). ``len``: its records (a text file's
-    blank lines left out); ``kinds``: theirs (``record_kind``).
+    that ``datasets`` makes of it in ``cache_dir``: a corpus is never held in memory whole (``datasets`` parses a
+    ``.json`` array file whole once, to make the copy). ``len``: its records (a text file's blank lines left out);
+    ``kinds``: theirs (``record_kind``).
 
-    ``datasets`` tells a file's changes apart by its modification time alone: a copy that keeps an older file's
-    (``cp -p``) is read from the older copy, unless ``cache_dir`` is a new folder."""
+    ``cache_dir`` is to be a new folder, removed after: ``datasets`` tells a file's changes apart by its
+    modification time alone, so a copy that keeps an older file's (``cp -p``) would be read from an older copy."""
 
-    def __init__(self, file: str | Path, cache_dir: Path | None = None):
+    def __init__(self, file: str | Path, cache_dir: Path):
         import datasets
 
         self.path = Path(file)
@@ -75,12 +78,11 @@ class RecordFile:
             _check_json_lines(self.path)
         try:
             self._dataset = datasets.load_dataset(
-                builder,
-                data_files=str(self.path),
-                split="train",
-                cache_dir=str(cache_dir) if cache_dir else None,
+                builder, data_files=str(self.path), split="train", cache_dir=str(cache_dir)
             )
         except Exception as error:  # datasets wraps parser errors in several exception types
+            if (full := _unwritable_cause(error, Path(cache_dir))) is not None:
+                raise full from error
             raise DataError(
                 f"Data file {self.path} could not be read as {builder}: {type(error).__name__}: {error}"
             ) from error
@@ -115,23 +117,80 @@ class RecordFile:
                 yield records
 
 
+def _unwritable_cause(error: BaseException, cache_dir: Path) -> OSError | None:
+    """The error in ``error``'s chain that says ``cache_dir`` cannot be written (one of ``tokens.UNWRITABLE``
+    naming a file there, or a full disk or quota, which reading a data file never causes), named after
+    ``cache_dir``; None if there is none (a data file's own error stays the data's)."""
+    seen = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        if isinstance(error, OSError) and error.errno in UNWRITABLE:
+            named = str(error.filename or "")
+            if named.startswith(str(cache_dir)) or (not named and error.errno in _FULL):
+                return OSError(error.errno, error.strerror, str(cache_dir))
+        error = error.__cause__ or error.__context__
+    return None
+
+
+_FULL = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
+
+
 def load_records(files: Sequence[str | Path]) -> list[dict]:
     """All records of ``files`` (local jsonl / json / parquet / text), in file order, as a list (for small files;
     a corpus is read a chunk at a time: ``RecordFile``). Clear errors, no hub."""
-    return [record for file in files for chunk in RecordFile(file).chunks() for record in chunk]
+    with tempfile.TemporaryDirectory(prefix="swiftkv-records-") as arrow:
+        return [
+            record for file in files for chunk in RecordFile(file, Path(arrow)).chunks() for record in chunk
+        ]
 
 
 def records_of(files: Sequence[RecordFile], keep: np.ndarray | None = None) -> Iterator[list[dict]]:
-    """The records of ``files`` end to end, a chunk at a time; with ``keep`` (a flag per record of all the
-    files), only the flagged ones."""
-    seen = 0
+    """The records of ``files`` end to end, in chunks of ``CHUNK`` (the last may be smaller); with ``keep`` (a
+    flag per record of all the files), only the flagged ones."""
+    seen, records = 0, []
     for file in files:
         for chunk in file.chunks():
             if keep is not None:
                 flags, seen = keep[seen : seen + len(chunk)], seen + len(chunk)
                 chunk = [record for record, kept in zip(chunk, flags, strict=True) if kept]
-            if chunk:
-                yield chunk
+            records += chunk
+            while len(records) >= CHUNK:
+                yield records[:CHUNK]
+                records = records[CHUNK:]
+    if records:
+        yield records
+
+
+@dataclass
+class RecordSet:
+    """The records a set takes of ``files``: those flagged in ``keep`` (a flag per record of all the files), or
+    all (None)."""
+
+    files: list[RecordFile]
+    keep: np.ndarray | None = None
+
+    def __len__(self) -> int:
+        return sum(map(len, self.files)) if self.keep is None else int(self.keep.sum())
+
+    @property
+    def kinds(self) -> set[str]:
+        return set().union(*(f.kinds for f in self.files))
+
+    def chunks(self) -> Iterator[list[dict]]:
+        return records_of(self.files, self.keep)
+
+
+def record_sets(
+    train_files: list[str], val_files: list[list[str]], val_fraction: float, seed: int, cache_dir: Path
+) -> dict[str, RecordSet]:
+    """The record sets of a distillation, their files checked: ``train`` and ``val0``, ``val1``... (one per list
+    of ``val_files``; without any, ``val0`` is ``val_fraction`` of the training records, held out by ``seed``)."""
+    train = [RecordFile(f, cache_dir) for f in train_files]
+    vals = [[RecordFile(f, cache_dir) for f in files] for files in val_files]
+    if not vals:
+        validating = held_out(sum(map(len, train)), val_fraction, seed)
+        return {"train": RecordSet(train, ~validating), "val0": RecordSet(train, validating)}
+    return {"train": RecordSet(train), **{f"val{i}": RecordSet(files) for i, files in enumerate(vals)}}
 
 
 def _check_file(path: Path) -> str:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-import shutil
+import tempfile
 from contextlib import closing
 from pathlib import Path
 
@@ -23,13 +23,12 @@ from .corpora import resolve_files
 from .data import (
     CHAT_TOKENS,
     DataError,
-    RecordFile,
+    RecordSet,
     collate,
     encoding_processes,
     evenly_spaced,
     file_identity,
-    held_out,
-    records_of,
+    record_sets,
     tokenise,
 )
 from .tokens import (
@@ -285,31 +284,29 @@ class DistillDataModule(L.LightningDataModule):
     def _tokenise(
         self, tokenizer, train_files: list[str], val_files: dict[str, list[str]], folder: Path
     ) -> dict[str, TokenRows]:
-        """The rows of the training set (``train``) and of each validation set (``val0``, ``val1``... in ``val_sets``'
-        order; without validation files ``val0`` is held out of the training records), written into ``folder``:
-        the files checked, then their records streamed a chunk at a time (``RecordFile``; Arrow copies made afresh)."""
-        hp, arrow = self.hparams, folder / "arrow"
-        train = [RecordFile(f, arrow) for f in train_files]
-        vals = [[RecordFile(f, arrow) for f in files] for files in val_files.values()]
-        every = [*train, *(file for files in vals for file in files)]
-        if any(f.kinds - {"text"} for f in every) and not getattr(tokenizer, "chat_template", None):
+        """The rows of each record set (``data.record_sets``: ``train``, ``val0``...), written into ``folder``: the
+        files checked, then their records streamed a chunk at a time from Arrow copies made beside ``folder`` (in
+        the token cache: where the rows fit, the copies do), removed after."""
+        with tempfile.TemporaryDirectory(
+            prefix=".arrow-", dir=folder.parent, ignore_cleanup_errors=True
+        ) as arrow:
+            hp = self.hparams
+            sets = record_sets(train_files, list(val_files.values()), hp.val_fraction, hp.seed, Path(arrow))
+            return self._write_rows(tokenizer, sets, folder)
+
+    def _write_rows(self, tokenizer, sets: dict[str, RecordSet], folder: Path) -> dict[str, TokenRows]:
+        hp = self.hparams
+        if any(s.kinds - {"text"} for s in sets.values()) and not getattr(tokenizer, "chat_template", None):
             raise DataError(
                 f"The data holds chat / prompt records but the tokenizer of {self.model_path} has no "
                 "chat template. Use a chat (instruct) model, set tokenizer.chat_template, or give text."
             )
-        # each set: its files, and which of their records it takes (None: all)
-        if vals:
-            sets = {"train": (train, None), **{f"val{i}": (files, None) for i, files in enumerate(vals)}}
-        else:
-            validating = held_out(sum(map(len, train)), hp.val_fraction, hp.seed)
-            sets = {"train": (train, ~validating), "val0": (train, validating)}
         rows = {}
         # a bar from a long tokenisation's tenth second
-        with tqdm(total=sum(map(len, every)), desc="tokenising", unit="record", delay=10) as bar:
-            for name, (files, keep) in sets.items():
-                count = sum(map(len, files)) if keep is None else int(keep.sum())
-                processes = encoding_processes(set().union(*(f.kinds for f in files)), count)
-                chunks = tokenise(records_of(files, keep), tokenizer, hp.chat_tokens, processes)
+        with tqdm(total=sum(map(len, sets.values())), desc="tokenising", unit="record", delay=10) as bar:
+            for name, records in sets.items():
+                processes = encoding_processes(records.kinds, len(records))
+                chunks = tokenise(records.chunks(), tokenizer, hp.chat_tokens, processes)
                 writer = RowWriter(hp.max_length, hp.pack, into=folder / name)
                 with closing(chunks), closing(writer):
                     for ids, distilled, lengths in chunks:
@@ -317,7 +314,6 @@ class DistillDataModule(L.LightningDataModule):
                         bar.set_postfix_str(f"{writer.num_tokens:,} tokens of {name}", refresh=False)
                         bar.update(len(lengths))
                     rows[name] = writer.rows()
-        shutil.rmtree(arrow)
         return rows
 
     def check_batches(self, processes: int) -> None:

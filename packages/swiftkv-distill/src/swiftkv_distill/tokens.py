@@ -18,6 +18,7 @@ A row reads as the dict ``data.collate`` batches: ``input_ids``, ``segments`` (l
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import hashlib
 import io
@@ -44,14 +45,14 @@ def token_cache_dir() -> Path:
 
 
 # what makes a folder unwritable: permissions, a read-only or full file system, a quota, a file in the way
-_UNWRITABLE = (
+UNWRITABLE = (
     errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOTDIR, errno.EEXIST, errno.ENOSPC, errno.EDQUOT, errno.EFBIG
 )  # fmt: skip
 
 
 def cache_unwritable(error: OSError) -> bool:
     """Whether ``error`` says that the token cache cannot be written (a data file's error is not the cache's)."""
-    return error.errno in _UNWRITABLE and str(error.filename or "").startswith(str(token_cache_dir()))
+    return error.errno in UNWRITABLE and str(error.filename or "").startswith(str(token_cache_dir()))
 
 
 def tokenizer_identity(tokenizer) -> str:
@@ -201,16 +202,18 @@ class RowWriter:
             }
             return TokenRows({**tokens, **index})
         for file in self._files.values():
-            file.close()
+            file.finish()
         for key, values in index.items():
-            np.save(Path(f"{self.into}.{key}.npy"), values)
+            with _GrowingArray(Path(f"{self.into}.{key}.npy"), values.dtype) as file:
+                file.append(values)
+                file.finish()
         return TokenRows.load(self.into.parent, self.into.name)
 
     def close(self) -> None:
-        """Close the set's files (``rows`` does; a failed tokenisation leaves them to the staging folder's
-        removal)."""
+        """Give up the set's files unfinished (after ``rows``, nothing to do): a failed tokenisation's, whose
+        staging folder is deleted."""
         for file in self._files.values():
-            file.close()
+            file.discard()
 
 
 _TOKEN_DTYPES = (("tokens", np.int32), ("distilled", bool))
@@ -218,7 +221,8 @@ _TOKEN_DTYPES = (("tokens", np.int32), ("distilled", bool))
 
 class _GrowingArray:
     """A one-dimensional ``.npy`` file written a part at a time: its header is written again with the final
-    length when it is closed (numpy leaves room in a header for a longer shape)."""
+    length by ``finish`` (numpy leaves room in a header for a longer shape); ``discard`` closes it unfinished. A
+    write error names the file (a full disk's error names none), as ``cache_unwritable`` needs."""
 
     def __init__(self, path: Path, dtype):
         self.path, self.dtype, self.length = path, np.dtype(dtype), 0
@@ -236,34 +240,49 @@ class _GrowingArray:
         np.lib.format.write_array_header_1_0(header, fields)
         return header.getvalue()
 
+    def __enter__(self) -> _GrowingArray:
+        return self
+
+    def __exit__(self, *failure) -> None:
+        self.discard()
+
     def append(self, values: np.ndarray) -> None:
-        try:
+        with self._named():
             self.file.write(np.ascontiguousarray(values, self.dtype).data)
-        except OSError as error:  # named, as ``cache_unwritable`` needs (a full disk's error names no file)
-            raise OSError(error.errno, error.strerror, str(self.path)) from error
         self.length += len(values)
 
-    def close(self) -> None:
-        """Write the final header and close (once; again, nothing)."""
-        if self.file.closed:
-            return
-        try:
-            header = self._header()
-            if len(header) != self.header_size:
-                raise RuntimeError(
-                    f"{self.path}: the header of {self.length} values outgrew the room numpy left"
-                )
+    def finish(self) -> None:
+        """Write the final header and close."""
+        header = self._header()
+        if len(header) != self.header_size:
+            raise RuntimeError(f"{self.path}: the header of {self.length} values outgrew the room numpy left")
+        with self._named():
             self.file.seek(0)
             self.file.write(header)
-        finally:
             self.file.close()
+
+    def discard(self) -> None:
+        """Close, unfinished and whatever the disk says (nothing if already closed)."""
+        with contextlib.suppress(OSError):
+            self.file.close()
+
+    @contextlib.contextmanager
+    def _named(self):
+        try:
+            yield
+        except OSError as error:
+            raise OSError(error.errno, error.strerror, str(self.path)) from error
 
 
 def write_sets(folder: Path, sets: dict[str, TokenRows], about: dict) -> None:
     """Save ``sets`` (name -> rows) in ``folder`` with ``sets.json``: each set's summary, and ``about`` (what the
     rows were made from, for a reader of the cache)."""
     summary = {name: rows.save(folder, name) for name, rows in sets.items()}
-    (folder / "sets.json").write_text(json.dumps({"sets": summary, "made_from": about}, indent=1) + "\n")
+    path = folder / "sets.json"
+    try:
+        path.write_text(json.dumps({"sets": summary, "made_from": about}, indent=1) + "\n")
+    except OSError as error:  # named, as ``cache_unwritable`` needs
+        raise OSError(error.errno, error.strerror, str(path)) from error
 
 
 def read_sets(folder: Path) -> dict[str, TokenRows]:
