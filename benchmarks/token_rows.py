@@ -15,8 +15,7 @@ Memory is each process's PSS after its build, less before, with every row's toke
 there: pages shared by the processes (the mapped cache) count 1/n in each of n. The peak is the most private
 (anonymous) memory the process held during its build, less before: what the maker needs while it reads and packs,
 whatever the page cache keeps of the files (the maker's forked encoders, a tokenizer and a chunk of records each, are
-not in it). The tokenizer loaded before the
-build is outside the figure (the data module's own is inside).
+not in it). The tokenizer loaded before the build is outside the figure (the data module's own is inside).
 
     .venv/bin/python benchmarks/token_rows.py      # 10 Brown copies + 24k chat records, 4 readers
 Writes benchmarks/results/NAME.{json,md} (``--name``, default token-rows).
@@ -118,22 +117,23 @@ class PeakPrivate:
     def __init__(self):
         import threading
 
-        self.start = self.peak = _rss_anon()
+        self.start = self.peak = rss_anon()
         self._done = threading.Event()
         self._thread = threading.Thread(target=self._sample, daemon=True)
         self._thread.start()
 
     def _sample(self) -> None:
         while not self._done.wait(0.01):
-            self.peak = max(self.peak, _rss_anon())
+            self.peak = max(self.peak, rss_anon())
 
     def stop(self) -> int:
         self._done.set()
         self._thread.join()
-        return max(self.peak, _rss_anon()) - self.start
+        return max(self.peak, rss_anon()) - self.start
 
 
-def _rss_anon() -> int:
+def rss_anon() -> int:
+    """The process's private (anonymous) resident bytes."""
     for line in Path("/proc/self/status").read_text().splitlines():
         if line.startswith("RssAnon:"):
             return int(line.split()[1]) * 1024

@@ -18,13 +18,6 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
-def rss_anon_mib() -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("RssAnon:"):
-            return int(line.split()[1]) // 1024
-    raise RuntimeError("no RssAnon: Linux only")
-
-
 def main(copies: int) -> None:
     import token_rows
     from transformers import AutoTokenizer
@@ -40,23 +33,23 @@ def main(copies: int) -> None:
 
     def sample() -> None:
         while not done.wait(0.01):
-            peaks[phase[0]] = max(peaks.get(phase[0], 0), rss_anon_mib())
-
-    def marked(name: str, function):
-        def call(*args, **kwargs):
-            phase[0] = name
-            return function(*args, **kwargs)
-
-        return call
+            peaks[phase[0]] = max(peaks.get(phase[0], 0), token_rows.rss_anon() // 2**20)
 
     record_sets, rows = datamodule.record_sets, datamodule.RowWriter.rows
-    datamodule.record_sets = lambda *a, **k: (
-        marked("convert", record_sets)(*a, **k),
-        phase.__setitem__(0, "tokenise"),
-    )[0]
-    datamodule.RowWriter.rows = marked("rows", rows)
+
+    def converting(*args, **kwargs):
+        phase[0] = "convert"
+        sets = record_sets(*args, **kwargs)
+        phase[0] = "tokenise"
+        return sets
+
+    def finishing(writer):
+        phase[0] = "rows"
+        return rows(writer)
+
+    datamodule.record_sets, datamodule.RowWriter.rows = converting, finishing
     AutoTokenizer.from_pretrained(default_model_path())  # outside the figure, as in token_rows.py
-    base = rss_anon_mib()
+    base = token_rows.rss_anon() // 2**20
     threading.Thread(target=sample, daemon=True).start()
     DistillDataModule("default", files, val_fraction=0.0, max_length=8192).build()
     done.set()

@@ -18,7 +18,6 @@ from swiftkv_distill.data import (
     load_records,
     pack,
     record_kind,
-    split_indices,
 )
 from swiftkv_distill.datamodule import DistillDataModule
 from tests.conftest import use_data_cache
@@ -58,6 +57,10 @@ def test_packed_sequences_do_not_attend_to_each_other(tiny_model):
 
 
 def test_split_is_deterministic_and_disjoint():
+    def split_indices(n, val_fraction, seed):
+        flags = data.held_out(n, val_fraction, seed)
+        return np.flatnonzero(~flags).tolist(), np.flatnonzero(flags).tolist()
+
     train, val = split_indices(100, 0.1, seed=3)
     assert (train, val) == split_indices(100, 0.1, seed=3)
     assert len(val) == 10 and not set(train) & set(val) and len(train) + len(val) == 100
@@ -69,7 +72,7 @@ def test_split_is_deterministic_and_disjoint():
 
 def test_records_stream_a_chunk_at_a_time(tmp_path, monkeypatch):
     """A file's records come in order, a chunk of at most ``CHUNK`` at a time, a text file's blank lines left out;
-    ``records_of`` gives the flagged records of several files, in order."""
+    a ``RecordSet`` gives the flagged records of several files, in order."""
     monkeypatch.setattr(data, "CHUNK", 3)
     text = tmp_path / "lines.txt"
     text.write_text("a\n\nb\n c\n\n\nd\ne\n")
@@ -91,7 +94,7 @@ def test_records_stream_a_chunk_at_a_time(tmp_path, monkeypatch):
     assert load_records([chat])[0]["messages"][0] == {"role": "system", "content": "s", "name": "x"}
     keep = np.zeros(10, bool)
     keep[[1, 4, 5, 9]] = True
-    kept = [r for c in data.records_of(files, keep) for r in c]
+    kept = [r for c in data.RecordSet(files, keep).chunks() for r in c]
     assert kept == [{"text": "b"}, {"text": "e"}, {"prompt": "q0"}, {"prompt": "q4"}]
 
 

@@ -144,23 +144,6 @@ def load_records(files: Sequence[str | Path]) -> list[dict]:
         ]
 
 
-def records_of(files: Sequence[RecordFile], keep: np.ndarray | None = None) -> Iterator[list[dict]]:
-    """The records of ``files`` end to end, in chunks of ``CHUNK`` (the last may be smaller); with ``keep`` (a
-    flag per record of all the files), only the flagged ones."""
-    seen, records = 0, []
-    for file in files:
-        for chunk in file.chunks():
-            if keep is not None:
-                flags, seen = keep[seen : seen + len(chunk)], seen + len(chunk)
-                chunk = [record for record, kept in zip(chunk, flags, strict=True) if kept]
-            records += chunk
-            while len(records) >= CHUNK:
-                yield records[:CHUNK]
-                records = records[CHUNK:]
-    if records:
-        yield records
-
-
 @dataclass
 class RecordSet:
     """The records a set takes of ``files``: those flagged in ``keep`` (a flag per record of all the files), or
@@ -177,7 +160,19 @@ class RecordSet:
         return set().union(*(f.kinds for f in self.files))
 
     def chunks(self) -> Iterator[list[dict]]:
-        return records_of(self.files, self.keep)
+        """The set's records, the files end to end, in chunks of ``CHUNK`` (the last may be smaller)."""
+        seen, records = 0, []
+        for file in self.files:
+            for chunk in file.chunks():
+                if self.keep is not None:
+                    flags, seen = self.keep[seen : seen + len(chunk)], seen + len(chunk)
+                    chunk = [record for record, kept in zip(chunk, flags, strict=True) if kept]
+                records += chunk
+                while len(records) >= CHUNK:
+                    yield records[:CHUNK]
+                    records = records[CHUNK:]
+        if records:
+            yield records
 
 
 def record_sets(
@@ -306,7 +301,7 @@ def encoding_processes(kinds: set[str], records: int) -> int:
 def tokenise(
     chunks: Iterable[list[dict]], tokenizer, chat_tokens: str = "answers", processes: int = 1
 ) -> Iterator[tuple[np.ndarray, np.ndarray, list[int]]]:
-    """``encode_records`` of each chunk of records (lists, as ``records_of`` gives them), in order: the chunk's
+    """``encode_records`` of each chunk of records (lists, as ``RecordSet.chunks`` gives them), in order: the chunk's
     ids (int32) and distilled flags (bool) end to end, and its sequences' lengths. With ``processes`` > 1
     (``encoding_processes``) the chunks are encoded in that many forked processes, at most two chunks each ahead
     of the one given out. Forked, as DataLoader workers are: they inherit the tokenizer, and the launching
@@ -376,12 +371,6 @@ def held_out(n: int, val_fraction: float, seed: int) -> np.ndarray:
         order = torch.randperm(n, generator=torch.Generator().manual_seed(seed))
         flags[order[: min(n - 1, math.ceil(n * val_fraction)) if val_fraction > 0 else 0].numpy()] = True
     return flags
-
-
-def split_indices(n: int, val_fraction: float, seed: int) -> tuple[list[int], list[int]]:
-    """Deterministic ``(train, validation)`` record indices, each sorted (``held_out``)."""
-    flags = held_out(n, val_fraction, seed)
-    return np.flatnonzero(~flags).tolist(), np.flatnonzero(flags).tolist()
 
 
 def pack(

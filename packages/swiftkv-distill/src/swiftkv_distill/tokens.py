@@ -116,13 +116,8 @@ class TokenRows(Sequence):
             return bool(self.arrays["distilled"].any())
         return any(self[i]["distilled"].any() for i in range(len(self)))
 
-    def save(self, folder: Path, name: str) -> dict:
-        """Write the arrays as ``NAME.ARRAY.npy`` in ``folder`` (all rows, whatever the selection), unless they are
-        mapped from there already (a ``RowWriter`` wrote them); returns their summary (rows, tokens, distilled
-        tokens)."""
-        if self.source != folder / name:
-            for key in ARRAYS:
-                np.save(folder / f"{name}.{key}.npy", self.arrays[key])
+    def summary(self) -> dict:
+        """All rows' counts, whatever the selection: rows, tokens, distilled tokens."""
         return {
             "rows": len(self.arrays["row_starts"]) - 1,
             "tokens": len(self.arrays["tokens"]),
@@ -157,12 +152,11 @@ class RowWriter:
 
     def __init__(self, max_length: int, pack: bool = True, into: Path | None = None):
         self.max_length, self.pack, self.into = max_length, pack, into
-        self._parts = {"tokens": [], "distilled": []}  # in memory
-        self._files = (
-            {key: _GrowingArray(Path(f"{into}.{key}.npy"), dtype) for key, dtype in _TOKEN_DTYPES}
-            if into
-            else {}
-        )
+        # where the tokens and flags go: parts kept in a list, or a file each
+        self._sinks = {
+            key: _GrowingArray(Path(f"{into}.{key}.npy"), dtype) if into else []
+            for key, dtype in _TOKEN_DTYPES
+        }
         self._starts: list[np.ndarray] = []
         self.num_tokens = 0
 
@@ -183,8 +177,8 @@ class RowWriter:
             keep = within < self.max_length
             ids, distilled, lengths = ids[keep], distilled[keep], np.minimum(lengths, self.max_length)
         lengths = lengths[lengths > 0]
-        for key, values in (("tokens", ids), ("distilled", distilled)):
-            (self._files[key].append if self.into else self._parts[key].append)(values)
+        self._sinks["tokens"].append(ids)
+        self._sinks["distilled"].append(distilled)
         self._starts.append(self.num_tokens + np.cumsum(lengths) - lengths)
         self.num_tokens += len(ids)
 
@@ -198,10 +192,10 @@ class RowWriter:
         }
         if not self.into:
             tokens = {
-                key: np.concatenate(self._parts[key] or [np.zeros(0, dtype)]) for key, dtype in _TOKEN_DTYPES
+                key: np.concatenate(self._sinks[key] or [np.zeros(0, dtype)]) for key, dtype in _TOKEN_DTYPES
             }
             return TokenRows({**tokens, **index})
-        for file in self._files.values():
+        for file in self._sinks.values():
             file.finish()
         for key, values in index.items():
             with _GrowingArray(Path(f"{self.into}.{key}.npy"), values.dtype) as file:
@@ -212,8 +206,9 @@ class RowWriter:
     def close(self) -> None:
         """Give up the set's files unfinished (after ``rows``, nothing to do): a failed tokenisation's, whose
         staging folder is deleted."""
-        for file in self._files.values():
-            file.discard()
+        if self.into:
+            for file in self._sinks.values():
+                file.discard()
 
 
 _TOKEN_DTYPES = (("tokens", np.int32), ("distilled", bool))
@@ -275,9 +270,11 @@ class _GrowingArray:
 
 
 def write_sets(folder: Path, sets: dict[str, TokenRows], about: dict) -> None:
-    """Save ``sets`` (name -> rows) in ``folder`` with ``sets.json``: each set's summary, and ``about`` (what the
-    rows were made from, for a reader of the cache)."""
-    summary = {name: rows.save(folder, name) for name, rows in sets.items()}
+    """Complete ``folder`` with ``sets.json``: each set's summary, and ``about`` (what the rows were made from, for
+    a reader of the cache). ``sets`` (name -> rows) are those ``RowWriter(into=folder / name)`` wrote there."""
+    if unwritten := [name for name, rows in sets.items() if rows.source != folder / name]:
+        raise ValueError(f"write_sets: the sets {unwritten} were not written into {folder} by a RowWriter")
+    summary = {name: rows.summary() for name, rows in sets.items()}
     path = folder / "sets.json"
     try:
         path.write_text(json.dumps({"sets": summary, "made_from": about}, indent=1) + "\n")
