@@ -180,6 +180,51 @@ def test_a_token_cache_that_fills_up_is_refused_clearly(tiny_model, tmp_path, mo
         assert "open: []" in out and "left: []" in out, out
 
 
+KILLED_MAKER = """
+import sys
+from swiftkv_distill.datamodule import DistillDataModule
+DistillDataModule(sys.argv[1], [sys.argv[2]], max_length=16, val_fraction=0.2).build()
+"""
+
+
+def test_what_a_killed_maker_left_is_deleted_by_a_later_one(tiny_model, tmp_path, monkeypatch):
+    """A real process SIGKILLed while it writes the rows leaves its staging folder and the Arrow copies of its data
+    in the token cache. A maker of other rows leaves them alone while that process lives (it holds their locks),
+    and deletes them once it is dead."""
+    import subprocess
+    import sys
+
+    cache = tmp_path / "tokens"
+    monkeypatch.setenv("SWIFTKV_TOKENS_DIR", str(cache))
+
+    def build(name):
+        data = write_jsonl(tmp_path / f"{name}.jsonl", [{"text": f"{name}: {t}"} for t in TEXTS])
+        DistillDataModule(str(tiny_model), [str(data)], max_length=16, val_fraction=0.2).build()
+
+    killed = write_jsonl(tmp_path / "killed.jsonl", [{"text": t} for t in TEXTS * 20])
+    maker = subprocess.Popen(
+        [sys.executable, "-c", KILLED_MAKER, str(tiny_model), str(killed)],
+        env={**os.environ, "SWIFTKV_PAUSE_AT": "token-rows"}, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        for line in maker.stderr:
+            if line.startswith("SWIFTKV_PAUSED token-rows"):
+                break
+        (staging,), (arrow,) = cache.glob(".*.staging.*"), cache.glob(".arrow-*")
+        assert (staging / "train.tokens.npy").is_file() and any(arrow.rglob("*.arrow"))
+        for folder in (staging, arrow):
+            os.utime(folder, (0, 0))  # old enough to be taken for abandoned, were they not locked
+        build("alive")
+        assert staging.is_dir() and arrow.is_dir()
+    finally:
+        maker.kill()
+        maker.wait()
+    build("dead")
+    assert not staging.exists() and not arrow.exists()
+    entries = [p for p in cache.iterdir() if not p.name.endswith(".lock")]
+    assert len(entries) == 2 and all((entry / "sets.json").is_file() for entry in entries)
+
+
 def build_in_a_process(model: str, data: str, marker: str, queue) -> None:
     """One process of a run: builds the data module, says whether it tokenised and what its rows hold."""
     tokenise = DistillDataModule._tokenise

@@ -31,31 +31,60 @@ def atomic_directory(target: str | os.PathLike) -> Iterator[Path]:
     target = Path(target)
     target.parent.mkdir(parents=True, exist_ok=True)
     restore_set_aside(target)  # an earlier writer killed mid-move: its old folder goes back first
-    for stale in target.parent.glob(f".{target.name}.staging.*"):
-        if _abandoned(stale):  # left by a process killed mid-write; another live writer's is left alone
-            shutil.rmtree(stale, ignore_errors=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.staging.", dir=target.parent))
-    # locked while this process writes it: a later writer leaves it alone (the lock dies with this process)
-    claim = os.open(staging, os.O_RDONLY)
+    sweep_abandoned(target.parent, f".{target.name}.staging.*")
+    with _claimed(Path(tempfile.mkdtemp(prefix=f".{target.name}.staging.", dir=target.parent))) as staging:
+        try:
+            yield staging
+            pause_point("atomic-directory")  # the whole new folder is staged; the old one is still in place
+            _readable_as_plain_writes(staging)
+            replace_directory(staging, target)
+        except BaseException:
+            shutil.rmtree(staging, ignore_errors=True)
+            raise
+
+
+@contextmanager
+def scratch_directory(parent: str | os.PathLike, prefix: str) -> Iterator[Path]:
+    """Yield a new, empty folder ``parent/PREFIX...`` for the block's temporary files, deleted when the block ends
+    (also on an error). Folders of the same prefix left by killed processes are deleted first; a live process's
+    are left alone (``sweep_abandoned``)."""
+    parent = Path(parent)
+    parent.mkdir(parents=True, exist_ok=True)
+    sweep_abandoned(parent, f"{prefix}*")
+    with _claimed(Path(tempfile.mkdtemp(prefix=prefix, dir=parent))) as folder:
+        try:
+            yield folder
+        finally:
+            shutil.rmtree(folder, ignore_errors=True)
+
+
+@contextmanager
+def _claimed(folder: Path) -> Iterator[Path]:
+    """``folder``, locked while the block runs: ``sweep_abandoned`` in other processes leaves it alone (the lock
+    dies with this process, killed or not)."""
+    claim = os.open(folder, os.O_RDONLY)
     try:
         _lock(claim)
-        yield staging
-        pause_point("atomic-directory")  # the whole new folder is staged; the old one is still in place
-        _readable_as_plain_writes(staging)
-        replace_directory(staging, target)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
+        yield folder
     finally:
         os.close(claim)
+
+
+def sweep_abandoned(parent: str | os.PathLike, *patterns: str) -> None:
+    """Delete the folders in ``parent`` matching any of ``patterns`` (globs) that no live process writes: the
+    staging and scratch folders of processes killed mid-write (``_abandoned``)."""
+    for pattern in patterns:
+        for stale in Path(parent).glob(pattern):
+            if _abandoned(stale):
+                shutil.rmtree(stale, ignore_errors=True)
 
 
 ABANDONED_AFTER_S = 60.0  # far longer than a writer takes between creating its staging folder and locking it
 
 
 def _abandoned(folder: Path) -> bool:
-    """No live process writes ``folder``: no process holds its lock (``atomic_directory``'s writer does until it
-    ends, killed or not), and it was created or last changed ``ABANDONED_AFTER_S`` ago or more."""
+    """No live process writes ``folder``: no process holds its lock (its writer does until it ends, killed or not:
+    ``_claimed``), and it was created or last changed ``ABANDONED_AFTER_S`` ago or more."""
     try:
         fd = os.open(folder, os.O_RDONLY)
     except OSError:  # gone already (its writer finished), or not a folder we can open

@@ -7,7 +7,6 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-import tempfile
 from contextlib import closing
 from pathlib import Path
 
@@ -16,7 +15,8 @@ import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 from tqdm.auto import tqdm
 
-from swiftkv_core.atomic import made_once
+from swiftkv_core.atomic import made_once, scratch_directory, sweep_abandoned
+from swiftkv_core.faults import pause_point
 from swiftkv_core.runtime import stack_versions
 
 from .corpora import resolve_files
@@ -287,9 +287,9 @@ class DistillDataModule(L.LightningDataModule):
         """The rows of each record set (``data.record_sets``: ``train``, ``val0``...), written into ``folder``: the
         files checked, then their records streamed a chunk at a time from Arrow copies made beside ``folder`` (in
         the token cache: where the rows fit, the copies do), removed after."""
-        with tempfile.TemporaryDirectory(
-            prefix=".arrow-", dir=folder.parent, ignore_cleanup_errors=True
-        ) as arrow:
+        # what makers killed mid-way left in the cache, for any data: their staging folders and Arrow copies
+        sweep_abandoned(folder.parent, ".*.staging.*")
+        with scratch_directory(folder.parent, ".arrow-") as arrow:
             hp = self.hparams
             sets = record_sets(train_files, list(val_files.values()), hp.val_fraction, hp.seed, Path(arrow))
             return self._write_rows(tokenizer, sets, folder)
@@ -313,6 +313,7 @@ class DistillDataModule(L.LightningDataModule):
                         writer.add_many(ids, distilled, lengths)
                         bar.set_postfix_str(f"{writer.num_tokens:,} tokens of {name}", refresh=False)
                         bar.update(len(lengths))
+                        pause_point("token-rows")  # rows in the staging folder, Arrow copies beside it
                     rows[name] = writer.rows()
         return rows
 
