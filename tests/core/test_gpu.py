@@ -21,6 +21,22 @@ def test_swiftkv_on_cuda_bf16_matches_cpu():
 
 
 @pytest.mark.gpu
+@torch.no_grad()
+def test_a_checkpoint_is_loaded_straight_onto_the_gpu(tmp_path):
+    """``generation.load`` on ``cuda``: every weight and buffer there (RoPE's frequencies in fp32, as on the CPU),
+    and the logits of the CPU's load."""
+    from swiftkv_core.generation import load
+
+    convert(tiny_base("llama"), 2, 2).save_pretrained(tmp_path)
+    ids = torch.randint(0, 128, (1, 64))
+    expected = load(tmp_path, need_tokenizer=False)[0](ids).logits
+    model, _ = load(tmp_path, torch.bfloat16, need_tokenizer=False, device="cuda")
+    assert {t.device.type for t in [*model.parameters(), *model.buffers()]} == {"cuda"}
+    assert model.model.rotary_emb.inv_freq.dtype == torch.float32
+    torch.testing.assert_close(model(ids.cuda()).logits.float().cpu(), expected, atol=0.1, rtol=0.05)
+
+
+@pytest.mark.gpu
 def test_commands_take_the_gpu_in_bf16_by_default(tmp_path, capsys):
     """``swiftkv convert`` (with the least-squares K/V fit), ``generate`` and ``analyze`` with no ``--device``:
     on the GPU, in bf16, and say so; the converted checkpoint is written in bf16."""

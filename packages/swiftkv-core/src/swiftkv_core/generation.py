@@ -20,11 +20,11 @@ def load(
     device: torch.device | str = "cpu",
 ):
     """``(model, tokenizer)`` for a checkpoint path (any HF causal LM, SwiftKV or not) or ``'default'``, the model
-    in eval mode on ``device``. The tokenizer is ``None`` when the folder has none and ``need_tokenizer`` is off.
-    """
+    in eval mode on ``device``, its weights read straight onto it (no whole copy in host memory first). The tokenizer
+    is ``None`` when the folder has none and ``need_tokenizer`` is off."""
     tokenizer = load_tokenizer(model, need_tokenizer)
     path = resolve_model_path(model)
-    return AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval(), tokenizer
+    return AutoModelForCausalLM.from_pretrained(path, dtype=dtype, device_map=device).eval(), tokenizer
 
 
 def load_tokenizer(model: str | Path | None = None, need: bool = True):

@@ -109,7 +109,7 @@ def measure(run, ls: list[int]) -> list[dict]:
     tokenizer = AutoTokenizer.from_pretrained(path)
     # fp32 on a GPU too: the distillation validates in its weights' dtype (fp32 under bf16-mixed), and the report
     # sets the init's figures beside the distilled ones
-    base = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(run.device).eval()
+    base = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, device_map=run.device).eval()
     shape = ModelShape.from_config(base.config)
     tokens = min(PROMPT_TOKENS, getattr(base.config, "max_position_embeddings", PROMPT_TOKENS))
     loaders = held_out_loaders(run, path)
