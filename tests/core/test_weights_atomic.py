@@ -9,7 +9,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from swiftkv_core.atomic import atomic_directory, atomic_file
+from swiftkv_core.atomic import atomic_directory, atomic_file, made_once
 from swiftkv_core.convert import convert
 from swiftkv_core.weights import (
     is_swiftkv_parameter,
@@ -119,8 +119,10 @@ def test_a_writer_killed_between_its_two_moves_loses_nothing(tmp_path):
 
 
 def test_atomic_directory_works_where_the_file_system_has_no_locks(tmp_path, monkeypatch):
-    """Some network file systems refuse ``flock`` (ENOLCK): the write goes on, an old staging folder is cleared by
-    its age alone. The refusal is made here (this machine's file systems all lock)."""
+    """Some network file systems refuse ``flock`` (ENOLCK): the write goes on, and a cache's folder is made once
+    (``made_once``). An old staging folder is cleared by its age alone, unless a file in it is being written (a live
+    writer's folder changes only when a file is added). The refusal is made here (this machine's file systems all
+    lock)."""
     import errno
 
     from swiftkv_core import atomic
@@ -129,12 +131,20 @@ def test_atomic_directory_works_where_the_file_system_has_no_locks(tmp_path, mon
         raise OSError(errno.ENOLCK, "No locks available")
 
     monkeypatch.setattr(atomic.fcntl, "flock", no_locks)
-    old = tmp_path / ".out.staging.abandoned"
-    old.mkdir()
-    os.utime(old, (0, 0))
+    old, growing = tmp_path / ".out.staging.abandoned", tmp_path / ".out.staging.growing"
+    for folder in (old, growing):
+        folder.mkdir()
+        (folder / "rows.npy").write_text("")
+        os.utime(folder / "rows.npy", (0, 0))
+        os.utime(folder, (0, 0))
+    (growing / "rows.npy").write_text("written now")
     with atomic_directory(tmp_path / "out") as staging:
         _write(staging, "first")
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".out.staging.growing", "out"]
+    made = []
+    for _ in range(2):
+        made_once(tmp_path / "cache", lambda folder: folder.is_dir(), lambda staging: made.append(staging))
+    assert len(made) == 1 and (tmp_path / "cache").is_dir()
 
 
 def test_atomic_directory_keeps_the_old_folder_if_the_final_move_fails(tmp_path, monkeypatch):

@@ -83,8 +83,10 @@ ABANDONED_AFTER_S = 60.0  # far longer than a writer takes between creating its 
 
 
 def _abandoned(folder: Path) -> bool:
-    """No live process writes ``folder``: no process holds its lock (its writer does until it ends, killed or not:
-    ``_claimed``), and it was created or last changed ``ABANDONED_AFTER_S`` ago or more."""
+    """No live process writes ``folder``: it was created or last changed ``ABANDONED_AFTER_S`` ago or more, and no
+    process holds its lock (its writer does until it ends, killed or not: ``_claimed``). Where the file system has
+    no locks, the age alone decides, that of the files in it too: a live writer's folder changes only when a file is
+    added, its growing file does."""
     try:
         fd = os.open(folder, os.O_RDONLY)
     except OSError:  # gone already (its writer finished), or not a folder we can open
@@ -92,14 +94,28 @@ def _abandoned(folder: Path) -> bool:
     try:
         if time.time() - os.fstat(fd).st_mtime < ABANDONED_AFTER_S:
             return False
-        return _lock(fd, wait=False)
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return True
+    except BlockingIOError:
+        return False
+    except OSError:  # ENOLCK, EOPNOTSUPP: no locks here
+        return time.time() - _last_change(folder) >= ABANDONED_AFTER_S
     finally:
         os.close(fd)  # releases the lock taken here
 
 
+def _last_change(folder: Path) -> float:
+    """The latest modification time of ``folder`` and of what it holds, one level down."""
+    try:
+        with os.scandir(folder) as entries:
+            return max([folder.stat().st_mtime, *(e.stat(follow_symlinks=False).st_mtime for e in entries)])
+    except OSError:  # deleted meanwhile (its writer finished): nothing to delete
+        return time.time()
+
+
 def _lock(fd: int, wait: bool = True) -> bool:
     """Lock ``fd`` exclusively; False if another process holds it (``wait=False``). Where the file system has no
-    locks (some network ones), True: the age alone then tells an abandoned staging folder."""
+    locks (some network ones), True: the caller goes on without one (``_abandoned`` then goes by age)."""
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
     except BlockingIOError:
@@ -133,16 +149,16 @@ def _readable_as_plain_writes(root: Path) -> None:
 def exclusive(target: str | os.PathLike, waiting: str | None = None) -> Iterator[None]:
     """Hold an exclusive lock on ``target`` for the block (``fcntl.flock`` on ``.NAME.lock`` beside it): processes
     that write the same folder take turns. ``waiting`` is printed if another process holds the lock. The lock goes
-    with its process: a killed holder leaves nothing to clear."""
+    with its process: a killed holder leaves nothing to clear. Where the file system has no locks (some network
+    ones), processes do not take turns: each writes its own staging folder (``atomic_directory``), the last in
+    place wins whole."""
     target = Path(target)
     target.parent.mkdir(parents=True, exist_ok=True)
     with open(target.parent / f".{target.name}.lock", "a") as lock:
-        try:
-            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
+        if not _lock(lock.fileno(), wait=False):
             if waiting:
                 print(waiting, flush=True)
-            fcntl.flock(lock, fcntl.LOCK_EX)
+            _lock(lock.fileno())
         yield  # closing the file releases the lock
 
 
