@@ -120,9 +120,8 @@ def test_a_writer_killed_between_its_two_moves_loses_nothing(tmp_path):
 
 def test_atomic_directory_works_where_the_file_system_has_no_locks(tmp_path, monkeypatch):
     """Some network file systems refuse ``flock`` (ENOLCK): the write goes on, and a cache's folder is made once
-    (``made_once``). An old staging folder is cleared by its age alone, unless a file in it is being written (a live
-    writer's folder changes only when a file is added). The refusal is made here (this machine's file systems all
-    lock)."""
+    (``made_once``). A staging folder is cleared by its age alone, once nothing in it changed for a day: a live
+    writer's growing file keeps it. The refusal is made here (this machine's file systems all lock)."""
     import errno
 
     from swiftkv_core import atomic
@@ -134,8 +133,9 @@ def test_atomic_directory_works_where_the_file_system_has_no_locks(tmp_path, mon
     old, growing = tmp_path / ".out.staging.abandoned", tmp_path / ".out.staging.growing"
     for folder in (old, growing):
         folder.mkdir()
-        (folder / "rows.npy").write_text("")
-        os.utime(folder / "rows.npy", (0, 0))
+        for name in ("rows.npy", atomic.CLAIM):
+            (folder / name).write_text("")
+            os.utime(folder / name, (0, 0))
         os.utime(folder, (0, 0))
     (growing / "rows.npy").write_text("written now")
     with atomic_directory(tmp_path / "out") as staging:

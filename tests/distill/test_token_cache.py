@@ -5,6 +5,7 @@ import multiprocessing
 import os
 import pickle
 import random
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -182,44 +183,75 @@ def test_a_token_cache_that_fills_up_is_refused_clearly(tiny_model, tmp_path, mo
 
 KILLED_MAKER = """
 import sys
-from swiftkv_distill.datamodule import DistillDataModule
-DistillDataModule(sys.argv[1], [sys.argv[2]], max_length=16, val_fraction=0.2).build()
+from swiftkv_distill import data, datamodule
+data.CHUNK = 4  # chunks of 4 records, encoded by 2 forked processes
+datamodule.encoding_processes = lambda kinds, records: 2
+datamodule.DistillDataModule(sys.argv[1], [sys.argv[2]], max_length=16, val_fraction=0.2).build()
 """
 
 
+def running(pid: int) -> tuple[str, int] | None:
+    """``(state, parent)`` of a process that runs (not ended, not a zombie: an orphan's may stay one in a
+    container), else None."""
+    try:
+        state, parent = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[:2]
+    except OSError:
+        return None
+    return None if state == "Z" else (state, int(parent))
+
+
+def children_of(pid: int) -> list[int]:
+    return [int(p.name) for p in Path("/proc").glob("[0-9]*") if (running(int(p.name)) or ("", 0))[1] == pid]
+
+
 def test_what_a_killed_maker_left_is_deleted_by_a_later_one(tiny_model, tmp_path, monkeypatch):
-    """A real process SIGKILLed while it writes the rows leaves its staging folder and the Arrow copies of its data
-    in the token cache. A maker of other rows leaves them alone while that process lives (it holds their locks),
-    and deletes them once it is dead."""
+    """A real process SIGKILLed while it writes the rows, its records encoded by forked processes, leaves its
+    staging folder and the Arrow copies of its data in the token cache. A maker of other rows leaves them alone while
+    that process lives (it holds their locks). Its encoders die with it (they share its locks): a maker of the same
+    rows does not wait for it, and one of other rows deletes what it left."""
+    import fcntl
     import subprocess
     import sys
+    import time
 
     cache = tmp_path / "tokens"
     monkeypatch.setenv("SWIFTKV_TOKENS_DIR", str(cache))
 
-    def build(name):
-        data = write_jsonl(tmp_path / f"{name}.jsonl", [{"text": f"{name}: {t}"} for t in TEXTS])
+    def build(data):
         DistillDataModule(str(tiny_model), [str(data)], max_length=16, val_fraction=0.2).build()
 
-    killed = write_jsonl(tmp_path / "killed.jsonl", [{"text": t} for t in TEXTS * 20])
+    turns = [[{"role": "user", "content": t}, {"role": "assistant", "content": t[::-1]}] for t in TEXTS]
+    killed = write_jsonl(tmp_path / "killed.jsonl", [{"messages": m} for m in turns])
     maker = subprocess.Popen(
         [sys.executable, "-c", KILLED_MAKER, str(tiny_model), str(killed)],
         env={**os.environ, "SWIFTKV_PAUSE_AT": "token-rows"}, stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
     try:
+        said = ""
         for line in maker.stderr:
+            said += line
             if line.startswith("SWIFTKV_PAUSED token-rows"):
                 break
+        assert not maker.poll(), said
         (staging,), (arrow,) = cache.glob(".*.staging.*"), cache.glob(".arrow-*")
         assert (staging / "train.tokens.npy").is_file() and any(arrow.rglob("*.arrow"))
+        encoders = children_of(maker.pid)
+        assert len(encoders) == 2
         for folder in (staging, arrow):
             os.utime(folder, (0, 0))  # old enough to be taken for abandoned, were they not locked
-        build("alive")
+        build(write_jsonl(tmp_path / "alive.jsonl", [{"text": t} for t in TEXTS]))
         assert staging.is_dir() and arrow.is_dir()
     finally:
         maker.kill()
         maker.wait()
-    build("dead")
+    deadline = time.monotonic() + 30
+    while any(map(running, encoders)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not any(map(running, encoders)), "the encoders outlived their maker"
+    for lock in cache.glob(".*.lock"):  # a maker of any rows, the killed one's too, takes its turn at once
+        with open(lock) as file:
+            fcntl.flock(file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    build(write_jsonl(tmp_path / "dead.jsonl", [{"text": t.upper()} for t in TEXTS]))
     assert not staging.exists() and not arrow.exists()
     entries = [p for p in cache.iterdir() if not p.name.endswith(".lock")]
     assert len(entries) == 2 and all((entry / "sets.json").is_file() for entry in entries)

@@ -32,10 +32,12 @@ def atomic_directory(target: str | os.PathLike) -> Iterator[Path]:
     target.parent.mkdir(parents=True, exist_ok=True)
     restore_set_aside(target)  # an earlier writer killed mid-move: its old folder goes back first
     sweep_abandoned(target.parent, f".{target.name}.staging.*")
-    with _claimed(Path(tempfile.mkdtemp(prefix=f".{target.name}.staging.", dir=target.parent))) as staging:
+    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.staging.", dir=target.parent))
+    with _claimed(staging) as release:
         try:
             yield staging
             pause_point("atomic-directory")  # the whole new folder is staged; the old one is still in place
+            release()  # the claim is not part of the folder
             _readable_as_plain_writes(staging)
             replace_directory(staging, target)
         except BaseException:
@@ -51,23 +53,38 @@ def scratch_directory(parent: str | os.PathLike, prefix: str) -> Iterator[Path]:
     parent = Path(parent)
     parent.mkdir(parents=True, exist_ok=True)
     sweep_abandoned(parent, f"{prefix}*")
-    with _claimed(Path(tempfile.mkdtemp(prefix=prefix, dir=parent))) as folder:
-        try:
+    folder = Path(tempfile.mkdtemp(prefix=prefix, dir=parent))
+    try:
+        with _claimed(folder):
             yield folder
-        finally:
-            shutil.rmtree(folder, ignore_errors=True)
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+CLAIM = ".claim"  # in a staging or scratch folder: the file its writer holds a lock on while it lives
 
 
 @contextmanager
-def _claimed(folder: Path) -> Iterator[Path]:
-    """``folder``, locked while the block runs: ``sweep_abandoned`` in other processes leaves it alone (the lock
-    dies with this process, killed or not)."""
-    claim = os.open(folder, os.O_RDONLY)
+def _claimed(folder: Path) -> Iterator[Callable[[], None]]:
+    """``folder`` claimed while the block runs: its writer locks the file ``CLAIM`` in it, and ``sweep_abandoned``
+    in other processes leaves it alone. The lock dies with the process, killed or not. It is on a file opened for
+    writing, not on the folder: NFS locks only those. Yields a function that ends the claim early, its file gone
+    (before the folder is moved into place)."""
+    claim = folder / CLAIM
+    fd = os.open(claim, os.O_WRONLY | os.O_CREAT, 0o600)
+
+    def release() -> None:
+        nonlocal fd
+        if fd is not None:
+            claim.unlink(missing_ok=True)
+            os.close(fd)
+            fd = None
+
     try:
-        _lock(claim)
-        yield folder
+        _lock(fd)
+        yield release
     finally:
-        os.close(claim)
+        release()
 
 
 def sweep_abandoned(parent: str | os.PathLike, *patterns: str) -> None:
@@ -75,47 +92,51 @@ def sweep_abandoned(parent: str | os.PathLike, *patterns: str) -> None:
     staging and scratch folders of processes killed mid-write (``_abandoned``)."""
     for pattern in patterns:
         for stale in Path(parent).glob(pattern):
-            if _abandoned(stale):
+            if stale.is_dir() and _abandoned(stale):
                 shutil.rmtree(stale, ignore_errors=True)
 
 
-ABANDONED_AFTER_S = 60.0  # far longer than a writer takes between creating its staging folder and locking it
+ABANDONED_AFTER_S = 60.0  # far longer than a writer takes between creating its folder and claiming it
+UNLOCKED_ABANDONED_AFTER_S = 24 * 3600.0  # where there are no locks: unchanged for a day
 
 
 def _abandoned(folder: Path) -> bool:
     """No live process writes ``folder``: it was created or last changed ``ABANDONED_AFTER_S`` ago or more, and no
-    process holds its lock (its writer does until it ends, killed or not: ``_claimed``). Where the file system has
-    no locks, the age alone decides, that of the files in it too: a live writer's folder changes only when a file is
-    added, its growing file does."""
+    process holds the lock on its claim (``_claimed``), or it has none (its writer was killed before making it).
+    Where the file system has no locks, the age alone decides: nothing in the folder changed for a day."""
     try:
-        fd = os.open(folder, os.O_RDONLY)
-    except OSError:  # gone already (its writer finished), or not a folder we can open
+        if time.time() - folder.stat().st_mtime < ABANDONED_AFTER_S:
+            return False
+        fd = os.open(folder / CLAIM, os.O_WRONLY)
+    except FileNotFoundError:
+        return folder.is_dir()
+    except OSError:  # not a folder we can open
         return False
     try:
-        if time.time() - os.fstat(fd).st_mtime < ABANDONED_AFTER_S:
-            return False
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         return True
     except BlockingIOError:
         return False
     except OSError:  # ENOLCK, EOPNOTSUPP: no locks here
-        return time.time() - _last_change(folder) >= ABANDONED_AFTER_S
+        return time.time() - _last_change(folder) >= UNLOCKED_ABANDONED_AFTER_S
     finally:
         os.close(fd)  # releases the lock taken here
 
 
 def _last_change(folder: Path) -> float:
-    """The latest modification time of ``folder`` and of what it holds, one level down."""
+    """The latest modification time of ``folder`` and of everything in it."""
     try:
-        with os.scandir(folder) as entries:
-            return max([folder.stat().st_mtime, *(e.stat(follow_symlinks=False).st_mtime for e in entries)])
+        times = [folder.stat().st_mtime]
+        for root, _, files in os.walk(folder):
+            times += [os.stat(root).st_mtime, *(os.stat(os.path.join(root, f)).st_mtime for f in files)]
+        return max(times)
     except OSError:  # deleted meanwhile (its writer finished): nothing to delete
         return time.time()
 
 
 def _lock(fd: int, wait: bool = True) -> bool:
     """Lock ``fd`` exclusively; False if another process holds it (``wait=False``). Where the file system has no
-    locks (some network ones), True: the caller goes on without one (``_abandoned`` then goes by age)."""
+    locks (Lustre without flock, NFS mounted nolock), True: the caller goes on without one."""
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
     except BlockingIOError:
@@ -171,7 +192,8 @@ def made_once(
     """``target``, a folder of a cache: made by ``make(staging)`` (``atomic_directory``) unless ``is_made(target)``,
     by one process at a time (``exclusive``); a process that waited for another finds it made. So the ranks of a
     ``fabric run`` on an empty cache make it once, and none takes another's staging folder for a killed run's
-    leftover. A cache already made is only read: it may be read-only."""
+    leftover (where the file system has no locks, each may make it: the last in place wins whole). A cache already
+    made is only read: it may be read-only."""
     target = Path(target)
     if not is_made(target):
         with exclusive(target, waiting):

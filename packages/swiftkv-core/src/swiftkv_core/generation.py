@@ -20,11 +20,21 @@ def load(
     device: torch.device | str = "cpu",
 ):
     """``(model, tokenizer)`` for a checkpoint path (any HF causal LM, SwiftKV or not) or ``'default'``, the model
-    in eval mode on ``device``, its weights read straight onto it (no whole copy in host memory first). The tokenizer
-    is ``None`` when the folder has none and ``need_tokenizer`` is off."""
+    in eval mode on ``device`` (``load_weights``). The tokenizer is ``None`` when the folder has none and
+    ``need_tokenizer`` is off."""
     tokenizer = load_tokenizer(model, need_tokenizer)
-    path = resolve_model_path(model)
-    return AutoModelForCausalLM.from_pretrained(path, dtype=dtype, device_map=device).eval(), tokenizer
+    return load_weights(resolve_model_path(model), dtype, device).eval(), tokenizer
+
+
+def load_weights(path: str | Path, dtype: torch.dtype, device: torch.device | str):
+    """``AutoModelForCausalLM.from_pretrained(path)`` on ``device``, its weights read straight onto a GPU (no whole
+    copy in host memory first) where ``accelerate`` is installed: transformers needs it for that."""
+    from transformers.utils import is_accelerate_available
+
+    device = torch.device(device)
+    direct = device.type != "cpu" and is_accelerate_available()
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, device_map=device if direct else None)
+    return model.to(device)
 
 
 def load_tokenizer(model: str | Path | None = None, need: bool = True):

@@ -27,11 +27,14 @@ Local jsonl / json / parquet / text files are read through ``datasets``, a chunk
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import json
 import math
 import multiprocessing
 import os
+import signal
+import sys
 import tempfile
 from collections import deque
 from collections.abc import Iterable, Iterator, Sequence
@@ -317,7 +320,7 @@ def tokenise(
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
     context = multiprocessing.get_context("fork")
     try:
-        with ProcessPoolExecutor(processes, mp_context=context) as pool:
+        with ProcessPoolExecutor(processes, context, _die_with_parent, (os.getpid(),)) as pool:
             pending = deque()
             for chunk in chunks:
                 pending.append(pool.submit(_encoded_job, chunk))
@@ -334,6 +337,15 @@ def tokenise(
 
 
 _JOB: tuple | None = None  # what ``tokenise``'s forked processes encode with: tokenizer, chat_tokens
+
+
+def _die_with_parent(parent: int) -> None:
+    """Each forked encoder is killed with the process that forked it (Linux): they share its open files, the token
+    cache's locks among them, and encoders left waiting for work would hold those forever after a SIGKILL."""
+    if sys.platform == "linux":
+        ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+        if os.getppid() != parent:  # it died before that
+            os._exit(1)
 
 
 def _encoded_job(records: list[dict]) -> tuple[np.ndarray, np.ndarray, list[int]]:

@@ -100,16 +100,17 @@ def measure(run, ls: list[int]) -> list[dict]:
     """The frontier's rows: per ``l``, the init's held-out KL and agreement, the FLOPs bound, the KV bytes."""
     import torch
     from tqdm.auto import tqdm
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
     from swiftkv_core.convert import convert
     from swiftkv_core.flops import ModelShape, kv_cache_bytes_per_token, prefill_flops_total
+    from swiftkv_core.generation import load_weights
 
     path = run.settings.model_identity["path"]
     tokenizer = AutoTokenizer.from_pretrained(path)
     # fp32 on a GPU too: the distillation validates in its weights' dtype (fp32 under bf16-mixed), and the report
     # sets the init's figures beside the distilled ones
-    base = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, device_map=run.device).eval()
+    base = load_weights(path, torch.float32, run.device).eval()
     shape = ModelShape.from_config(base.config)
     tokens = min(PROMPT_TOKENS, getattr(base.config, "max_position_embeddings", PROMPT_TOKENS))
     loaders = held_out_loaders(run, path)
