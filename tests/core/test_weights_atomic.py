@@ -147,6 +147,29 @@ def test_atomic_directory_works_where_the_file_system_has_no_locks(tmp_path, mon
     assert len(made) == 1 and (tmp_path / "cache").is_dir()
 
 
+def test_a_free_lock_is_trusted_on_its_own_host_only(tmp_path):
+    """NFS mounted ``local_lock`` keeps each node's locks to itself: a staging folder claimed on another host, its
+    lock free here, is deleted only once nothing in it changed for a day. One claimed on this host is deleted once
+    its lock is free."""
+    import socket
+
+    from swiftkv_core.atomic import CLAIM
+
+    folders = {}
+    for name, host, written_now in (("here", socket.gethostname(), True), ("there", "node-7", True),
+                                    ("there-long-ago", "node-7", False)):  # fmt: skip
+        folder = folders[name] = tmp_path / f".out.staging.{name}"
+        folder.mkdir()
+        (folder / CLAIM).write_text(host)
+        (folder / "rows.npy").write_text("")
+        for path in [folder / CLAIM, folder] + ([] if written_now else [folder / "rows.npy"]):
+            os.utime(path, (0, 0))
+    with atomic_directory(tmp_path / "out") as staging:
+        _write(staging, "first")
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".out.staging.there", "out"]
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["a.txt"]  # no claim left in place
+
+
 def test_atomic_directory_keeps_the_old_folder_if_the_final_move_fails(tmp_path, monkeypatch):
     target = tmp_path / "out"
     with atomic_directory(target) as staging:

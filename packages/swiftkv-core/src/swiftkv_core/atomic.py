@@ -9,9 +9,11 @@ serving process or a colleague.
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import os
 import shutil
+import socket
 import tempfile
 import time
 import uuid
@@ -33,16 +35,16 @@ def atomic_directory(target: str | os.PathLike) -> Iterator[Path]:
     restore_set_aside(target)  # an earlier writer killed mid-move: its old folder goes back first
     sweep_abandoned(target.parent, f".{target.name}.staging.*")
     staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.staging.", dir=target.parent))
-    with _claimed(staging) as release:
-        try:
+    try:
+        with _claimed(staging):  # until it is in place: a sweeper never takes it for abandoned meanwhile
             yield staging
             pause_point("atomic-directory")  # the whole new folder is staged; the old one is still in place
-            release()  # the claim is not part of the folder
             _readable_as_plain_writes(staging)
             replace_directory(staging, target)
-        except BaseException:
-            shutil.rmtree(staging, ignore_errors=True)
-            raise
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    (target / CLAIM).unlink(missing_ok=True)
 
 
 @contextmanager
@@ -65,26 +67,19 @@ CLAIM = ".claim"  # in a staging or scratch folder: the file its writer holds a 
 
 
 @contextmanager
-def _claimed(folder: Path) -> Iterator[Callable[[], None]]:
-    """``folder`` claimed while the block runs: its writer locks the file ``CLAIM`` in it, and ``sweep_abandoned``
-    in other processes leaves it alone. The lock dies with the process, killed or not. It is on a file opened for
-    writing, not on the folder: NFS locks only those. Yields a function that ends the claim early, its file gone
-    (before the folder is moved into place)."""
-    claim = folder / CLAIM
-    fd = os.open(claim, os.O_WRONLY | os.O_CREAT, 0o600)
-
-    def release() -> None:
-        nonlocal fd
-        if fd is not None:
-            claim.unlink(missing_ok=True)
-            os.close(fd)
-            fd = None
-
+def _claimed(folder: Path) -> Iterator[None]:
+    """``folder`` claimed while the block runs: its writer holds a lock on the file ``CLAIM`` in it, which names the
+    writer's host, and ``sweep_abandoned`` in other processes leaves the folder alone (``_abandoned``). The lock
+    dies with the process, killed or not. It is on a file opened for writing, not on the folder: NFS locks only
+    those. The file stays (deleted with the folder, or by ``atomic_directory`` once in place, closed: on NFS an
+    open file deleted would leave a ``.nfs`` file behind)."""
+    fd = os.open(folder / CLAIM, os.O_WRONLY | os.O_CREAT, 0o600)
     try:
         _lock(fd)
-        yield release
+        os.write(fd, socket.gethostname().encode())
+        yield
     finally:
-        release()
+        os.close(fd)
 
 
 def sweep_abandoned(parent: str | os.PathLike, *patterns: str) -> None:
@@ -97,30 +92,34 @@ def sweep_abandoned(parent: str | os.PathLike, *patterns: str) -> None:
 
 
 ABANDONED_AFTER_S = 60.0  # far longer than a writer takes between creating its folder and claiming it
-UNLOCKED_ABANDONED_AFTER_S = 24 * 3600.0  # where there are no locks: unchanged for a day
+UNCERTAIN_ABANDONED_AFTER_S = 24 * 3600.0  # where a lock does not tell: a day without a change
 
 
 def _abandoned(folder: Path) -> bool:
     """No live process writes ``folder``: it was created or last changed ``ABANDONED_AFTER_S`` ago or more, and no
     process holds the lock on its claim (``_claimed``), or it has none (its writer was killed before making it).
-    Where the file system has no locks, the age alone decides: nothing in the folder changed for a day."""
+    A free lock is trusted on the host that took it only: NFS mounted ``local_lock`` or ``nolock`` keeps each
+    node's locks to itself. Another host's claim, and every claim where there are no locks, is abandoned once
+    nothing in the folder changed for a day."""
     try:
         if time.time() - folder.stat().st_mtime < ABANDONED_AFTER_S:
             return False
-        fd = os.open(folder / CLAIM, os.O_WRONLY)
+        fd = os.open(folder / CLAIM, os.O_RDWR)
     except FileNotFoundError:
         return folder.is_dir()
-    except OSError:  # not a folder we can open
+    except OSError:  # not a folder we can read
         return False
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        return True
+        if os.read(fd, 256).decode(errors="replace") == socket.gethostname():
+            return True
     except BlockingIOError:
         return False
     except OSError:  # ENOLCK, EOPNOTSUPP: no locks here
-        return time.time() - _last_change(folder) >= UNLOCKED_ABANDONED_AFTER_S
+        pass
     finally:
         os.close(fd)  # releases the lock taken here
+    return time.time() - _last_change(folder) >= UNCERTAIN_ABANDONED_AFTER_S
 
 
 def _last_change(folder: Path) -> float:
@@ -192,14 +191,19 @@ def made_once(
     """``target``, a folder of a cache: made by ``make(staging)`` (``atomic_directory``) unless ``is_made(target)``,
     by one process at a time (``exclusive``); a process that waited for another finds it made. So the ranks of a
     ``fabric run`` on an empty cache make it once, and none takes another's staging folder for a killed run's
-    leftover (where the file system has no locks, each may make it: the last in place wins whole). A cache already
-    made is only read: it may be read-only."""
+    leftover. Where the file system has no locks, each may make it, and what is in place is always one whole. A
+    cache already made is only read: it may be read-only."""
     target = Path(target)
     if not is_made(target):
         with exclusive(target, waiting):
             if not is_made(target):
-                with atomic_directory(target) as staging:
-                    make(staging)
+                try:
+                    with atomic_directory(target) as staging:
+                        make(staging)
+                except OSError as error:
+                    # without locks, another process's folder may have gone in place between the check and the move
+                    if error.errno not in (errno.ENOTEMPTY, errno.EEXIST) or not is_made(target):
+                        raise
     return target
 
 
