@@ -135,7 +135,7 @@ def _last_change(folder: Path) -> float:
 
 def _lock(fd: int, wait: bool = True) -> bool:
     """Lock ``fd`` exclusively; False if another process holds it (``wait=False``). Where the file system has no
-    locks (Lustre without flock, NFS mounted nolock), True: the caller goes on without one."""
+    locks (Lustre mounted without flock, for one), True: the caller goes on without one."""
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
     except BlockingIOError:
@@ -169,9 +169,9 @@ def _readable_as_plain_writes(root: Path) -> None:
 def exclusive(target: str | os.PathLike, waiting: str | None = None) -> Iterator[None]:
     """Hold an exclusive lock on ``target`` for the block (``fcntl.flock`` on ``.NAME.lock`` beside it): processes
     that write the same folder take turns. ``waiting`` is printed if another process holds the lock. The lock goes
-    with its process: a killed holder leaves nothing to clear. Where the file system has no locks (some network
-    ones), processes do not take turns: each writes its own staging folder (``atomic_directory``), the last in
-    place wins whole."""
+    with its process: a killed holder leaves nothing to clear. Where the file system has no locks (Lustre mounted
+    without flock, for one), processes do not take turns: each writes its own staging folder
+    (``atomic_directory``), and what is in place is always one whole."""
     target = Path(target)
     target.parent.mkdir(parents=True, exist_ok=True)
     with open(target.parent / f".{target.name}.lock", "a") as lock:
