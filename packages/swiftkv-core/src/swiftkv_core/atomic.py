@@ -191,12 +191,14 @@ def made_once(
     """``target``, a folder of a cache: made by ``make(staging)`` (``atomic_directory``) unless ``is_made(target)``,
     by one process at a time (``exclusive``); a process that waited for another finds it made. So the ranks of a
     ``fabric run`` on an empty cache make it once, and none takes another's staging folder for a killed run's
-    leftover. Where the file system has no locks, each may make it, and what is in place is always one whole. A
-    cache already made is only read: it may be read-only."""
+    leftover. A maker also deletes the staging folders that killed makers left for any other folder of the cache
+    (made from data since changed, say). Where the file system has no locks, each may make it, and what is in place
+    is always one whole. A cache already made is only read: it may be read-only."""
     target = Path(target)
     if not is_made(target):
         with exclusive(target, waiting):
             if not is_made(target):
+                sweep_abandoned(target.parent, ".*.staging.*")
                 try:
                     with atomic_directory(target) as staging:
                         make(staging)

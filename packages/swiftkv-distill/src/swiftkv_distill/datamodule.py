@@ -15,7 +15,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 from tqdm.auto import tqdm
 
-from swiftkv_core.atomic import made_once, scratch_directory, sweep_abandoned
+from swiftkv_core.atomic import made_once, scratch_directory
 from swiftkv_core.faults import pause_point
 from swiftkv_core.runtime import stack_versions
 
@@ -287,8 +287,6 @@ class DistillDataModule(L.LightningDataModule):
         """The rows of each record set (``data.record_sets``: ``train``, ``val0``...), written into ``folder``: the
         files checked, then their records streamed a chunk at a time from Arrow copies made beside ``folder`` (in
         the token cache: where the rows fit, the copies do), removed after."""
-        # what makers killed mid-way left in the cache, for any data: their staging folders and Arrow copies
-        sweep_abandoned(folder.parent, ".*.staging.*")
         with scratch_directory(folder.parent, ".arrow-") as arrow:
             hp = self.hparams
             sets = record_sets(train_files, list(val_files.values()), hp.val_fraction, hp.seed, Path(arrow))
