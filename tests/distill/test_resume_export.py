@@ -284,7 +284,7 @@ def test_resume_continues_the_wall_time_schedule(tiny_model, text_file, tmp_path
     assert (
         full_lr[8] < full_lr[6] < full_lr[4]
     )  # past the warm-up and decaying (a restart would warm up again)
-    assert resumed._tokens_seen == full._tokens_seen > 0
+    assert resumed.tokens_seen == full.tokens_seen > 0
 
 
 def test_a_failed_export_leaves_the_earlier_one(tiny_model, text_file, tmp_path, monkeypatch):

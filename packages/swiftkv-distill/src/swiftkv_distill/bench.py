@@ -46,7 +46,8 @@ def per_sequence(batch: dict) -> dict:
     if len(lengths) != 1:
         raise ValueError(f"per_sequence needs sequences of one length, got {sorted(lengths)}.")
     (length,) = lengths
-    return {k: v.reshape(-1, length) for k, v in batch.items()}
+    # the flat index of the distilled positions is the same in either shape
+    return {k: v if k == "loss_index" else v.reshape(-1, length) for k, v in batch.items()}
 
 
 def step_rows(

@@ -49,7 +49,7 @@ class RunReport(L.Callback):
         seconds = self._watch.stop() if self._watch else None
         # both over the whole run, across resumes: time since the first step, tokens since then
         train_seconds = getattr(pl_module, "train_seconds", None)
-        tokens = getattr(pl_module, "_tokens_seen", None)
+        tokens = getattr(pl_module, "tokens_seen", None)
         summary = {
             "before": getattr(pl_module, "before_metrics", {}),
             "init": getattr(pl_module, "init_metrics", {}),

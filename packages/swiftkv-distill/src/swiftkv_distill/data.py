@@ -411,9 +411,10 @@ def _rows(sequences, max_length: int, distilled, pack: bool) -> TokenRows:
 
 def collate(rows: Sequence[dict], pad_id: int = 0, pad_to: int | None = None) -> dict[str, torch.Tensor]:
     """Batch rows into ``input_ids``, ``position_ids`` (restarting per packed sequence), ``token_mask`` (real
-    tokens), ``loss_mask`` (the distilled ones: real and flagged in the row's ``distilled``) and ``labels`` (the
-    next token of the same sequence, ``-100`` at each sequence's last token); where a row is flagged ``counted``,
-    ``counted`` (per row: False for a repeated row, run but not scored).
+    tokens), ``loss_mask`` (the distilled ones: real and flagged in the row's ``distilled``), ``loss_index`` (their
+    indices in the flattened rows, found on the host: the step need not wait for the device to count them) and
+    ``labels`` (the next token of the same sequence, ``-100`` at each sequence's last token); where a row is flagged
+    ``counted``, ``counted`` (per row: False for a repeated row, run but not scored).
 
     Padding is on the right and gets its own positions (a separate "sequence"), so real tokens never see it.
     """
@@ -426,8 +427,7 @@ def collate(rows: Sequence[dict], pad_id: int = 0, pad_to: int | None = None) ->
         "labels": torch.full((len(rows), length), IGNORE, dtype=torch.long),
     }
     for i, row in enumerate(rows):
-        ids = torch.tensor(row["input_ids"], dtype=torch.long)
-        n = len(ids)
+        ids, n = torch.tensor(row["input_ids"], dtype=torch.long), len(row["input_ids"])
         batch["input_ids"][i, :n] = ids
         batch["token_mask"][i, :n] = True
         batch["loss_mask"][i, :n] = torch.tensor(row.get("distilled", [True] * n), dtype=torch.bool)
@@ -437,6 +437,7 @@ def collate(rows: Sequence[dict], pad_id: int = 0, pad_to: int | None = None) ->
             batch["labels"][i, start : start + seg - 1] = ids[start + 1 : start + seg]
             start += seg
         batch["position_ids"][i, n:] = torch.arange(length - n)
+    batch["loss_index"] = batch["loss_mask"].flatten().nonzero().flatten()
     if any("counted" in row for row in rows):
         batch["counted"] = torch.tensor([row.get("counted", True) for row in rows])
     return batch

@@ -29,12 +29,13 @@ from .build import (
     distillation_step,
     warn_if_bf16_emulated,
 )
-from .parallelize import check_data_parallel_only, shard_from_rank0
+from .parallelize import check_data_parallel_only, shard_from_rank0, sum_over_processes
 from .schedule import FIRST_STEP_FLOOR, check_optimizer_settings, lr_factor, run_progress, total_steps
 from .step import (
     AccumulationWindow,
     DistillationStep,
     LossSettings,
+    TokenCount,
     ValidationMetrics,
     is_trained_name,
     sampled_positions,
@@ -60,13 +61,12 @@ class SwiftKVDistillation(L.LightningModule):
         min_lr_ratio: the cosine schedule decays to ``learning_rate * min_lr_ratio``.
         logits_chunk_size: positions per chunk of full-vocabulary logits (memory vs speed).
         model_dtype: dtype the weights are loaded in (``float32``; ``bfloat16`` for large models on GPU).
-        frozen_dtype: dtype the frozen weights (the teacher: all but the trained SwiftKV ones) are kept in
-            (default: ``model_dtype``). ``bfloat16`` with ``float32`` weights and ``bf16-mixed`` precision keeps
-            fp32 master weights for what trains and halves the teacher's memory (an 8B model distils on one
-            80 GB GPU: benchmarks/results/gpu-llama-3.1-8b.md) and, under FSDP2, its gathers. A checkpoint
-            stored in this dtype is read in it (only the trained weights widened).
-        evaluate_before_training: run the validation metrics once before the first step (the undistilled model)
-            and log them as ``before/*``.
+        frozen_dtype: dtype the frozen weights (all but the trained SwiftKV ones) are kept in (default:
+            ``model_dtype``). ``bfloat16`` with ``float32`` weights and ``bf16-mixed`` keeps fp32 master weights for
+            what trains and halves the teacher's memory (an 8B model distils on one 80 GB GPU:
+            benchmarks/results/gpu-llama-3.1-8b.md) and its FSDP2 gathers. A checkpoint stored in this dtype is
+            read in it (only the trained weights widened).
+        evaluate_before_training: log the undistilled model's validation metrics (``before/*``) before training.
         reshard_after_forward: FSDP2 (ModelParallelStrategy only): free gathered layer weights after each forward.
         attn_implementation: ``auto`` (flash-attn's variable-length kernels on a GPU where installed, else
             ``flex_attention`` with a block mask of the packed sequences; ``sdpa`` on a CPU), or one of ``sdpa``,
@@ -90,9 +90,9 @@ class SwiftKVDistillation(L.LightningModule):
         lora_rank: rank of student-only adapters on o_proj and the MLP of layers >= l (0: Q/K/V only).
         lora_prefix: adapters on the MLP of layers ``< l`` too (the prefix then runs twice per step).
         activation_checkpointing: recompute the activations of every n-th decoder layer in the backward pass
-            instead of keeping them (0: off; 1: every layer). Only the student's layers >= l run with a graph: with
-            1 each keeps its input alone (``build.checkpoint_activations``), for one more forward of those layers
-            per step. For long rows and large models (the 70B recipe); measured in distill-memory-cpu-8b-widths.md.
+            (0: off; 1: every layer: each of the student's layers >= l keeps its input alone, for one more forward
+            of them per step; ``build.checkpoint_activations``). For long rows and large models (the 70B recipe);
+            measured in distill-memory-cpu-8b-widths.md.
         compile_layers: ``torch.compile`` each decoder layer when training starts (``build.compile_layers``).
             Measured in distill-compile.md and gpu-llama-3.1-8b-distill.md.
     """
@@ -163,7 +163,7 @@ class SwiftKVDistillation(L.LightningModule):
         self.kv_init_report: dict[str, float] = {}
         self.last_val_metrics: dict[str, float] = {}
         self.last_val_step = -1
-        self._tokens_seen = 0
+        self._tokens = TokenCount()
         self._window = AccumulationWindow()  # the gradient-accumulation window (made anew as each fit starts)
         self._step_started: float | None = None
         self._step_ended: float | None = None  # after the optimizer step, before the callbacks' batch end
@@ -208,29 +208,30 @@ class SwiftKVDistillation(L.LightningModule):
     def _world_size(self) -> int:
         return self._trainer.world_size if self._trainer is not None else 1
 
-    def _sum_over_processes(self, value: torch.Tensor) -> torch.Tensor:
-        return self._trainer.strategy.reduce(value, reduce_op="sum") if self._world_size() > 1 else value
-
     def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
         world, window = self._world_size(), self.trainer.accumulate_grad_batches
         length, fraction = batch["input_ids"].shape[1], self.hparams.position_fraction
         positions = sampled_positions(length, fraction, self.global_step, batch["input_ids"].device)
         distilled = batch["loss_mask"] if positions is None else batch["loss_mask"][:, positions]
         # each distilled position's weight: the step's gradient is their mean over every process and batch
-        tokens = self._sum_over_processes(distilled.sum().float())
+        tokens = sum_over_processes(distilled.sum().float(), world)
         row_scale = self._window.row_scale(tokens, world, window)
         out = self.step(batch, row_scale, positions=positions)
         pause_point("training-step")  # mid-step: the forward done, the backward and the update to come
-        log = dict(on_step=True, on_epoch=False, batch_size=batch["input_ids"].shape[0], sync_dist=True,
-                   reduce_fx="sum")  # fmt: skip
-        loss = self._window.mean_loss(out["loss"].detach(), row_scale, tokens)
-        self.log("train/loss", loss, prog_bar=True, **log)
-        for name in ("kl", "agreement", "hidden_mse", "early_exit_kl"):
-            if name in out:
-                value = self._window.mean_metric(name, out[name], tokens)
-                self.log(f"train/{name}", value, prog_bar=name == "agreement", **log)
-        self._tokens_seen += int(batch["token_mask"].sum()) * world
+        # this process's share of each of the step's means, and its real tokens: ONE all-reduce sums them all
+        shares = self._window.shares(out, row_scale, tokens)
+        local = torch.stack([*shares.values(), batch["token_mask"].sum().float()])
+        *means, real = sum_over_processes(local, world)
+        self._tokens.add(real)
+        for name, value in zip(shares, means, strict=True):
+            self.log(f"train/{name}", value, prog_bar=name in ("loss", "agreement"), on_step=True, on_epoch=False,
+                     batch_size=batch["input_ids"].shape[0])  # fmt: skip
         return out["loss"]
+
+    @property
+    def tokens_seen(self) -> int:
+        """The real tokens trained on, by every process, since the first step (summed over resumed runs)."""
+        return self._tokens.seen
 
     @property
     def train_seconds(self) -> float:
@@ -261,10 +262,10 @@ class SwiftKVDistillation(L.LightningModule):
     def on_train_batch_end(self, outputs, batch, batch_idx) -> None:
         log = dict(on_step=True, on_epoch=False, batch_size=1)
         ended, self._step_ended = self._step_ended or self._now(), None
-        if self._step_started is not None:
-            tokens = int(batch["token_mask"].sum()) * self._world_size()  # real tokens, as _tokens_seen
-            self.log("train/tokens_per_s", tokens / max(ended - self._step_started, 1e-9), **log)
-        self.log("train/tokens_seen", float(self._tokens_seen), **log)
+        if self._step_started is not None:  # the batch's real tokens on every process, as tokens_seen
+            seconds = max(ended - self._step_started, 1e-9)
+            self.log("train/tokens_per_s", float(self._tokens.last) / seconds, **log)
+        self.log("train/tokens_seen", float(self.tokens_seen), **log)
         # stopped by a callback (a spent budget): Lightning validates next, inside its training loop, not training
         if self.trainer.should_stop:
             self._fit_ended = ended
@@ -294,8 +295,7 @@ class SwiftKVDistillation(L.LightningModule):
         return self.val_metrics[index]
 
     def _metric_names(self, index: int, metrics: dict[str, float]) -> dict[str, float]:
-        """The first validation set's metrics keep their names (``kl``...); another set's get its name as a prefix
-        (``chat/kl``...), from the data module's ``val_set_names``."""
+        """The first validation set's names (``kl``...); another's prefixed by its ``val_set_names`` (``chat/kl``)."""
         if index == 0:
             return metrics
         names = getattr(getattr(self.trainer, "datamodule", None), "val_set_names", [])
@@ -401,8 +401,8 @@ class SwiftKVDistillation(L.LightningModule):
                 fit.mask = batch["token_mask"]  # every real token's K/V (answer-only losses included)
                 self.step.teacher_pass(batch)
                 fit.collect()
-            if self._world_size() > 1:
-                fit.all_reduce(self._sum_over_processes)
+            if (world := self._world_size()) > 1:
+                fit.all_reduce(lambda value: sum_over_processes(value, world))
             report = fit.solve_and_apply()
         self.train(was_training)
         return report
@@ -412,8 +412,7 @@ class SwiftKVDistillation(L.LightningModule):
         self._fit_ended = self._fit_ended or self._now()  # unless a callback's stop ended training already
         if self.last_val_step == self.global_step or self.trainer.limit_val_batches == 0:
             return
-        loader = self._val_loader()
-        if loader is None:
+        if (loader := self._val_loader()) is None:
             return
         self.last_val_metrics = self.evaluate(loader)
         self.last_val_step = self.global_step
@@ -434,7 +433,7 @@ class SwiftKVDistillation(L.LightningModule):
         checkpoint["kv_init_report"] = self.kv_init_report
         # a resumed run goes on with the wall-time schedule (schedule_seconds) and the token count from here
         checkpoint["train_seconds"] = self.train_seconds
-        checkpoint["tokens_seen"] = self._tokens_seen
+        checkpoint["tokens_seen"] = self.tokens_seen
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
         datamodule = getattr(self._trainer, "datamodule", None)
@@ -446,5 +445,5 @@ class SwiftKVDistillation(L.LightningModule):
         self.init_metrics = checkpoint.get("init_metrics", {})
         self.kv_init_report = checkpoint.get("kv_init_report", {})
         self._resumed_seconds = checkpoint.get("train_seconds", 0.0)
-        self._tokens_seen = checkpoint.get("tokens_seen", 0)
+        self._tokens = TokenCount(checkpoint.get("tokens_seen", 0))
         self._fit_started = self._fit_ended = None  # set at the next step, from _resumed_seconds; at the stop

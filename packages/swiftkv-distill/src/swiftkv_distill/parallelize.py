@@ -13,6 +13,15 @@ from .step import DistillationStep
 FORWARD_METHODS = ("evaluate", "teacher_pass")
 
 
+def sum_over_processes(value: torch.Tensor, processes: int) -> torch.Tensor:
+    """``value`` summed over the ``processes`` of the run, in place: one all-reduce, queued on the device (NCCL),
+    which the host goes on past. Lightning's ``strategy.reduce`` and ``self.log(sync_dist=True)`` put a barrier first,
+    and a barrier waits until the device has done all it was given: a training step would stall at each."""
+    if processes > 1:
+        torch.distributed.all_reduce(value)
+    return value
+
+
 def check_data_parallel_only(device_mesh) -> None:
     """Refuses the device mesh of Lightning's ModelParallelStrategy (``None`` under any other strategy) where it has
     a tensor-parallel dimension: FSDP2 shards over the data-parallel one alone, so each tensor-parallel rank would

@@ -32,6 +32,22 @@ def is_trained_name(name: str) -> bool:
     return is_swiftkv_parameter(name) or ".early_exit_head." in f".{name}"
 
 
+def distilled_index(batch: dict, positions: torch.Tensor | None = None) -> torch.Tensor:
+    """The distilled positions of ``batch`` (of its ``positions`` only, where given), as indices into its rows x
+    positions flattened: the collate's ``loss_index``, found on the host, where every position is kept; else found
+    from ``loss_mask`` on the device, whose count the host then waits for (a GPU's queue drained)."""
+    if positions is None and "loss_index" in batch:
+        return batch["loss_index"]
+    mask = batch["loss_mask"] if positions is None else batch["loss_mask"][:, positions]
+    return mask.flatten().nonzero().flatten()
+
+
+def select(values: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """The ``index`` (``distilled_index``) entries of ``values`` (rows x positions x ...). A gather by a known
+    index: unlike a boolean mask, it leaves the device's queue running, its backward too."""
+    return values.flatten(0, 1).index_select(0, index)
+
+
 def sampled_positions(length: int, fraction: float, step: int, device) -> torch.Tensor | None:
     """The positions distilled at optimizer step ``step``: all (None), or a random ``fraction`` of the ``length``
     drawn from the step number (the same on every process, and after a resume)."""
@@ -81,6 +97,15 @@ class AccumulationWindow:
         self.metrics[name] = self.metrics.get(name, 0.0) + value
         return self.metrics[name] / self.positions.clamp(min=1)
 
+    def shares(self, out: dict, row_scale, positions: torch.Tensor) -> dict[str, torch.Tensor]:
+        """This process's share of each of a step's means (``mean_loss``, ``mean_metric``): the loss, and the metrics
+        the step's ``out`` has."""
+        shares = {"loss": self.mean_loss(out["loss"].detach(), row_scale, positions)}
+        for name in ("kl", "agreement", "hidden_mse", "early_exit_kl"):
+            if name in out:
+                shares[name] = self.mean_metric(name, out[name], positions)
+        return shares
+
     def normalise(self, parameters) -> None:
         """At a window's end: the summed gradients made the window's mean."""
         if self.positions is None:
@@ -90,6 +115,24 @@ class AccumulationWindow:
             if param.grad is not None:
                 param.grad.div_(count)
         self.positions, self.loss, self.metrics = None, 0.0, {}
+
+
+class TokenCount:
+    """The real tokens trained on by every process. Each batch's count stays on the device (summed over the processes
+    with the step's metrics) until ``seen`` or ``last`` is read, after the step's work: the host never waits for it
+    mid-step."""
+
+    def __init__(self, seen: int = 0):
+        self._seen, self._uncounted = seen, 0
+        self.last: torch.Tensor | int = 0  # the last batch's
+
+    def add(self, tokens: torch.Tensor) -> None:
+        self.last, self._uncounted = tokens, self._uncounted + tokens
+
+    @property
+    def seen(self) -> int:
+        self._seen, self._uncounted = self._seen + int(self._uncounted), 0
+        return self._seen
 
 
 @dataclass(frozen=True)
@@ -199,7 +242,7 @@ class DistillationStep(nn.Module):
             )
         return hidden, context, teacher, teacher_last_input
 
-    def _student(self, batch, hidden, context, mask, positions):
+    def _student(self, batch, hidden, context, index, positions):
         """The student's layers >= l (the graph; with ``lora_prefix`` its own layers < l first), its final hidden
         states and the early-exit head's input."""
         inner = self.model.model
@@ -208,9 +251,9 @@ class DistillationStep(nn.Module):
         student, student_last_input = inner.forward_suffix(
             hidden, context, swiftkv=True, return_last_layer_input=True
         )
-        student = inner.norm(student)[mask]
+        student = select(inner.norm(student), index)
         kept = hidden if positions is None else hidden[:, positions]
-        early = self.early_exit_head.norm(kept[mask]) if self.early_exit_head is not None else None
+        early = self.early_exit_head.norm(select(kept, index)) if self.early_exit_head is not None else None
         return student, student_last_input, early
 
     def forward(
@@ -222,11 +265,11 @@ class DistillationStep(nn.Module):
         ``positions``: distil only these sequence positions (sorted indices; None: all). Every position still gets
         its K/V; the student's layers >= l and both LM heads run for these positions only."""
         settings, head_weight = self.settings, self.model.lm_head.weight
-        mask = batch["loss_mask"] if positions is None else batch["loss_mask"][:, positions]
+        index = distilled_index(batch, positions)
         hidden, context, teacher, teacher_last_input = self._prefix_and_teacher(batch, positions)
         with torch.no_grad():
-            teacher = self.model.model.norm(teacher)[mask]
-        student, student_last_input, early = self._student(batch, hidden, context, mask, positions)
+            teacher = select(self.model.model.norm(teacher), index)
+        student, student_last_input, early = self._student(batch, hidden, context, index, positions)
         rows = torch.full((student.shape[0],), 1.0, device=student.device) * row_scale
         kl_sum, kl_rows, agree = distillation_kl(
             student,
@@ -237,12 +280,12 @@ class DistillationStep(nn.Module):
             settings.chunk_size,
             hard_weight=settings.hard_label_weight,
         )
-        mse_rows = (student_last_input - teacher_last_input)[mask].float().pow(2).mean(-1)
+        mse_rows = select(student_last_input - teacher_last_input, index).float().pow(2).mean(-1)
         loss = kl_sum
         if settings.hidden_loss_weight:
             loss = loss + settings.hidden_loss_weight * (mse_rows * rows).sum()
         out = {  # sums over the distilled positions: a caller divides by their count over every process
-            "tokens": mask.sum(),
+            "tokens": torch.full((), index.numel(), device=index.device),
             "kl": kl_rows.detach().sum(),
             "agreement": agree.float().sum(),
             "hidden_mse": mse_rows.detach().sum(),
@@ -277,12 +320,12 @@ class DistillationStep(nn.Module):
             return self._evaluate(batch)
 
     def _evaluate(self, batch: dict) -> Evaluation:
-        mask, chunk_size = batch["loss_mask"], self.settings.chunk_size
+        index, chunk_size = distilled_index(batch), self.settings.chunk_size
         head_weight = self.model.lm_head.weight
         hidden, context, teacher, _ = self._prefix_and_teacher(batch, None)
-        teacher = self.model.model.norm(teacher)[mask]
-        student, _, early = self._student(batch, hidden, context, mask, None)
-        stats = eval_stats(student, teacher, head_weight, batch["labels"][mask], chunk_size)
+        teacher = select(self.model.model.norm(teacher), index)
+        student, _, early = self._student(batch, hidden, context, index, None)
+        stats = eval_stats(student, teacher, head_weight, select(batch["labels"], index), chunk_size)
         early_agree = None
         if early is not None:
             early_agree = _top1_agreement(
@@ -290,7 +333,7 @@ class DistillationStep(nn.Module):
             )
         evaluation = Evaluation(stats, early_agree)
         if "counted" in batch:  # rows repeated to even out the processes (EvenSampler): run, not scored
-            rows = torch.arange(mask.shape[0], device=mask.device)[:, None].expand_as(mask)[mask]
+            rows = index // batch["loss_mask"].shape[1]
             evaluation = evaluation.select(batch["counted"][rows])
         return evaluation
 
