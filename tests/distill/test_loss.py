@@ -66,6 +66,31 @@ def test_eval_stats_match_full_logits():
     assert torch.isnan(stats.student_nll[~valid]).all()
 
 
+def test_eval_stats_widen_a_bf16_head_a_block_at_a_time():
+    """A bf16 head (``frozen_dtype: bfloat16``) gives the statistics of its fp32 copy, without holding that copy: at
+    most a block of it as large as one chunk's logits (the copy is 2.1 GB at 8B), beside those logits."""
+    from swiftkv_core.runtime import PeakMemory
+
+    torch.manual_seed(2)
+    n, hidden, vocab, chunk = 10, 128, 4096, 4  # blocks of 4 * 4096 / 128 = 128 rows of the head: 32 of them
+    student, teacher = torch.randn(n, hidden), torch.randn(n, hidden)
+    head = (torch.randn(vocab, hidden) / hidden**0.5).bfloat16()
+    labels = torch.randint(0, vocab, (n,))
+    with PeakMemory("cpu", resident=[student, teacher, head, labels]) as meter:
+        stats = eval_stats(student, teacher, head, labels, chunk_size=chunk)
+    expected = eval_stats(student, teacher, head.float(), labels, chunk_size=chunk)  # an fp32 head: no blocks
+    for name in ("kl", "agree", "student_nll", "teacher_nll"):
+        torch.testing.assert_close(
+            getattr(stats, name), getattr(expected, name), rtol=1e-6, atol=1e-7, msg=name
+        )
+    held, whole_copy, chunk_logits = (
+        meter.peak_bytes - meter.resident_bytes,
+        vocab * hidden * 4,
+        chunk * vocab * 4,
+    )
+    assert held < 6 * chunk_logits < whole_copy / 4, (held, chunk_logits, whole_copy)
+
+
 def test_separate_teacher_head():
     """The early-exit head: student logits from its own (trainable) head, teacher logits from the final head."""
     torch.manual_seed(2)

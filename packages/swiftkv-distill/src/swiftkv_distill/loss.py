@@ -189,22 +189,46 @@ class EvalStats:
 def eval_stats(
     student_hidden: Tensor, teacher_hidden: Tensor, head_weight: Tensor, labels: Tensor, chunk_size: int = 512
 ) -> EvalStats:
-    """KL, top-1 agreement and both next-token NLLs at T=1, chunked over positions like the loss."""
-    weight = head_weight.float()
+    """KL, top-1 agreement and both next-token NLLs at T=1, chunked over positions like the loss, in fp32."""
     n = student_hidden.shape[0]
     out = EvalStats(*(student_hidden.new_empty(n, dtype=torch.float32) for _ in range(4)))
     out.agree = torch.empty(n, dtype=torch.bool, device=student_hidden.device)
     with torch.autocast(device_type=student_hidden.device.type, enabled=False):
         for start in range(0, n, chunk_size):
             rows = slice(start, start + chunk_size)
-            log_ps = torch.log_softmax(student_hidden[rows].float() @ weight.T, dim=-1)
-            log_pt = torch.log_softmax(teacher_hidden[rows].float() @ weight.T, dim=-1)
-            out.kl[rows] = (log_pt.exp() * (log_pt - log_ps)).sum(-1)
+            # three chunks of fp32 logits alive at most: the two logits and a log-softmax, then in place
+            s_logits, t_logits = fp32_logits(
+                (student_hidden[rows], teacher_hidden[rows]), head_weight, chunk_size
+            )
+            log_ps = torch.log_softmax(s_logits, dim=-1)
+            del s_logits
+            log_pt = torch.log_softmax(t_logits, dim=-1)
+            del t_logits
             out.agree[rows] = log_ps.argmax(-1) == log_pt.argmax(-1)
             label = labels[rows]
             valid = label >= 0
             index = label.clamp(min=0)[:, None]
-            nan = torch.full_like(out.kl[rows], float("nan"))
+            nan = torch.full((len(index),), float("nan"), device=index.device)
             out.student_nll[rows] = torch.where(valid, -log_ps.gather(-1, index)[:, 0], nan)
             out.teacher_nll[rows] = torch.where(valid, -log_pt.gather(-1, index)[:, 0], nan)
+            out.kl[rows] = log_pt.exp().mul_(log_pt.sub_(log_ps)).sum(-1)
     return out
+
+
+def fp32_logits(hiddens: tuple[Tensor, ...], head_weight: Tensor, chunk_size: int) -> list[Tensor]:
+    """``hidden @ head_weight.T`` in fp32 for each of ``hiddens`` (at most ``chunk_size`` positions each). A head held
+    in a lower precision is widened a block of vocabulary rows at a time, each block no larger than one chunk's fp32
+    logits: a whole fp32 copy of it (2.1 GB at 8B, 4.2 GB at 70B) would be held on top of them."""
+    hiddens = [hidden.float() for hidden in hiddens]
+    vocab, width = head_weight.shape
+    block = vocab if head_weight.dtype == torch.float32 else max(1, chunk_size * vocab // width)
+    if block >= vocab:
+        weight = head_weight.float()
+        return [hidden @ weight.T for hidden in hiddens]
+    logits = [hidden.new_empty(hidden.shape[0], vocab) for hidden in hiddens]
+    for start in range(0, vocab, block):
+        weight = head_weight[start : start + block].float()
+        for hidden, out in zip(hiddens, logits, strict=True):
+            out[:, start : start + block] = hidden @ weight.T
+        del weight  # before the next block is widened
+    return logits
