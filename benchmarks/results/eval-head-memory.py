@@ -19,6 +19,8 @@ with PeakMemory("cpu", resident=[head, student, teacher, labels]) as meter:
     stats = eval_stats(student, teacher, head, labels, chunk_size=512)
 seconds = time.perf_counter() - started
 held = meter.peak_bytes - meter.resident_bytes
-print(f"bf16 head {head.numel() * 2 / 2**30:.2f} GiB; one chunk's fp32 logits {positions * vocab * 4 / 2**30:.2f} GiB")
+print(
+    f"bf16 head {head.numel() * 2 / 2**30:.2f} GiB; one chunk's fp32 logits {positions * vocab * 4 / 2**30:.2f} GiB"
+)
 print(f"eval_stats held at most {held / 2**30:.2f} GiB on top of its inputs ({seconds:.1f} s on this CPU)")
 print(f"mean KL {stats.kl.mean():.4f}, agreement {stats.agree.float().mean():.4f}")
