@@ -87,11 +87,13 @@ def test_packed_rows_through_flex_attention_equal_the_dense_mask_on_cpu():
     torch.testing.assert_close(flex_kept["loss"], dense_kept["loss"], atol=1e-6, rtol=1e-5)
 
 
-def test_packed_rows_through_the_flash_attention_path_give_the_dense_step():
+@pytest.mark.parametrize("implementation", ["flash_attention_2", "flash_attention_3"])
+def test_packed_rows_through_the_flash_attention_path_give_the_dense_step(implementation):
     """Several rows of packed sequences (the GPU recipes' batches): transformers' flash path finds packed sequences
     from the positions in a one-row batch only, so SwiftKV hands it the variable-length arguments of the flattened
     batch; without them the rows attended across their packed sequences (loss off by ~1 here). flash-attn's kernels
-    are the plain-PyTorch reference (no flash-attn on a CPU); the rest is transformers' flash path as it runs."""
+    are the plain-PyTorch reference (no flash-attn on a CPU; with flash-attn 2's signature under either name); the
+    rest is transformers' flash path as it runs."""
     model = convert(tiny_base("llama"), 2, 1)
     batch = packed_batch()
     assert batch["input_ids"].shape[0] > 1
@@ -99,10 +101,11 @@ def test_packed_rows_through_the_flash_attention_path_give_the_dense_step():
     kept = torch.tensor([3, 10, 30, 47])
     with torch.no_grad():
         dense_kept = step_results(model, batch, "sdpa", kept)
-    with flash_attention_2_on_the_reference():
-        flash = step_results(model, batch, "flash_attention_2", backward=True)
+    with flash_attention_2_on_the_reference() as calls:
+        flash = step_results(model, batch, implementation, backward=True)
         with torch.no_grad():
-            flash_kept = step_results(model, batch, "flash_attention_2", kept)
+            flash_kept = step_results(model, batch, implementation, kept)
+    assert calls, "the flash-attn path did not run"
     torch.testing.assert_close(flash["loss"], dense["loss"], atol=1e-6, rtol=1e-5)
     torch.testing.assert_close(flash["kl"], dense["kl"], atol=1e-6, rtol=1e-5)
     assert torch.equal(flash["agree"], dense["agree"])
@@ -232,3 +235,22 @@ def test_the_run_picks_fast_packed_attention_for_its_device(monkeypatch):
     assert (
         attention_for("cuda", half=False) == "flex_attention"
     )  # training in fp32: flash-attn computes no fp32
+    with pytest.raises(ValueError, match="flash_attention_3 computes in fp16 and bf16 only"):
+        attention_for("cuda", "flash_attention_3", half=False)
+    # FlashAttention-3's package too: picked on a Hopper GPU only, where transformers takes it
+    import transformers.utils
+
+    monkeypatch.setattr(
+        importlib.util,
+        "find_spec",
+        lambda name, *args: (
+            object() if name in ("flash_attn", "flash_attn_interface") else find_spec(name, *args)
+        ),
+    )
+    monkeypatch.setattr(transformers.utils, "is_flash_attn_3_available", lambda: True)
+    for capability, expected in (((9, 0), "flash_attention_3"), ((8, 0), "flash_attention_2")):
+        monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index, c=capability: c)
+        assert attention_for("cuda") == expected, capability
+    monkeypatch.setattr(transformers.utils, "is_flash_attn_3_available", lambda: False)
+    assert attention_for("cuda:0") == "flash_attention_2"  # flash_attn_interface from another package

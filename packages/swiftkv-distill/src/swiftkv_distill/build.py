@@ -62,21 +62,22 @@ def check_precision(device: torch.device, trainer) -> None:
         )
 
 
-ATTENTION = ("auto", "sdpa", "eager", "flex_attention", "flash_attention_2")
+ATTENTION = ("auto", "sdpa", "eager", "flex_attention", "flash_attention_2", "flash_attention_3")
 
 
 def attention_for(device: torch.device | str, requested: str = "auto", half: bool = True) -> str:
     """The attention implementation a run uses on ``device``. ``auto``: on a GPU flash-attn's where it is installed
     (variable-length kernels: packed sequences attend only within themselves) and the training steps compute in
-    fp16 or bf16 (``half``; flash-attn computes in nothing else), else PyTorch's ``flex_attention`` (a block mask
+    fp16 or bf16 (``half``; flash-attn computes in nothing else): FlashAttention-3 on a Hopper GPU (H100, H200) where
+    its ``flash-attn-3`` package is installed, else flash-attn 2; else PyTorch's ``flex_attention`` (a block mask
     built from the packed segments: the blocks across sequences are skipped); on a CPU ``sdpa`` (fastest there;
     packed sequences get a dense mask). Each also runs in compiled layers (``compile_layers``). Asked for by name,
     flash-attn in fp32 is refused, saying what to set."""
     if requested not in ATTENTION:
         raise ValueError(f"attn_implementation must be one of {ATTENTION}, got {requested!r}.")
-    if requested == "flash_attention_2" and not half:
+    if requested.startswith("flash_attention") and not half:
         raise ValueError(
-            "attn_implementation: flash_attention_2 computes in fp16 and bf16 only, and this run's training steps "
+            f"attn_implementation: {requested} computes in fp16 and bf16 only, and this run's training steps "
             "compute in fp32: set trainer.precision: bf16-mixed (fp32 weights, bf16 compute), or "
             "model.attn_implementation: flex_attention (or auto) to train in fp32."
         )
@@ -84,8 +85,20 @@ def attention_for(device: torch.device | str, requested: str = "auto", half: boo
         return requested
     if torch.device(device).type != "cuda":
         return "sdpa"
-    flash = half and importlib.util.find_spec("flash_attn") is not None
-    return "flash_attention_2" if flash else "flex_attention"
+    if not half:
+        return "flex_attention"
+    if importlib.util.find_spec("flash_attn_interface") is not None and _hopper(device):
+        from transformers.utils import is_flash_attn_3_available
+
+        if is_flash_attn_3_available():  # transformers' own test: the package named flash-attn-3
+            return "flash_attention_3"
+    return "flash_attention_2" if importlib.util.find_spec("flash_attn") is not None else "flex_attention"
+
+
+def _hopper(device) -> bool:
+    """Whether ``device`` is a Hopper GPU (compute capability 9.x), the one FlashAttention-3 runs on."""
+    index = torch.device(device).index
+    return torch.cuda.get_device_capability(torch.cuda.current_device() if index is None else index)[0] == 9
 
 
 def check_frozen_dtype(frozen: str, trainer) -> None:

@@ -68,9 +68,9 @@ class SwiftKVDistillation(L.LightningModule):
             read in it (only the trained weights widened).
         evaluate_before_training: log the undistilled model's validation metrics (``before/*``) before training.
         reshard_after_forward: FSDP2 (ModelParallelStrategy only): free gathered layer weights after each forward.
-        attn_implementation: ``auto`` (flash-attn's variable-length kernels on a GPU where installed, else
-            ``flex_attention`` with a block mask of the packed sequences; ``sdpa`` on a CPU), or one of ``sdpa``,
-            ``eager``, ``flex_attention``, ``flash_attention_2``. Every choice gives the same numbers.
+        attn_implementation: ``auto`` (``build.attention_for``: flash-attn's variable-length kernels on a GPU where
+            installed, else ``flex_attention``; ``sdpa`` on a CPU), or one of ``sdpa``, ``eager``,
+            ``flex_attention``, ``flash_attention_2``, ``flash_attention_3``. Each gives the same numbers.
         schedule_seconds: run the warm-up + cosine schedule over this much wall time (from the first step, summed
             over resumed runs) instead of over ``max_steps``, for a run with a time budget (pair with
             ``trainer.max_time``). The schedule then depends on the machine's speed: runs are not bit-identical.
