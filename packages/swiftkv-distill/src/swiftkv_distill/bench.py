@@ -143,7 +143,10 @@ def step_rows(
             sequences = per_sequence(batches[0])
             with torch.compiler.set_stance("force_eager"):
                 model_flops[loss_fn] = sum(
-                    count_flops(one_step, {k: v[i : i + 1] for k, v in sequences.items()})[0]
+                    # a row's own: the whole batch's loss_index would not index it (the step finds it anew)
+                    count_flops(
+                        one_step, {k: v[i : i + 1] for k, v in sequences.items() if k != "loss_index"}
+                    )[0]
                     for i in range(len(sequences["input_ids"]))
                 )
         flops = model_flops[loss_fn]

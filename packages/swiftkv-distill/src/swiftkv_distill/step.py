@@ -35,7 +35,8 @@ def is_trained_name(name: str) -> bool:
 def distilled_index(batch: dict, positions: torch.Tensor | None = None) -> torch.Tensor:
     """The distilled positions of ``batch`` (of its ``positions`` only, where given), as indices into its rows x
     positions flattened: the collate's ``loss_index``, found on the host, where every position is kept; else found
-    from ``loss_mask`` on the device, whose count the host then waits for (a GPU's queue drained)."""
+    from ``loss_mask`` on the device, whose count the host then waits for (a GPU's queue drained). Code that slices,
+    joins or re-pads a batch's rows must drop ``loss_index`` (it indexes the whole batch)."""
     if positions is None and "loss_index" in batch:
         return batch["loss_index"]
     mask = batch["loss_mask"] if positions is None else batch["loss_mask"][:, positions]
