@@ -46,8 +46,8 @@ def per_sequence(batch: dict) -> dict:
     if len(lengths) != 1:
         raise ValueError(f"per_sequence needs sequences of one length, got {sorted(lengths)}.")
     (length,) = lengths
-    # the flat index of the distilled positions is the same in either shape
-    return {k: v if k == "loss_index" else v.reshape(-1, length) for k, v in batch.items()}
+    # without the collate's loss_index, which indexes the whole batch: the step finds each row's from loss_mask
+    return {k: v.reshape(-1, length) for k, v in batch.items() if k != "loss_index"}
 
 
 def step_rows(
@@ -143,10 +143,7 @@ def step_rows(
             sequences = per_sequence(batches[0])
             with torch.compiler.set_stance("force_eager"):
                 model_flops[loss_fn] = sum(
-                    # a row's own: the whole batch's loss_index would not index it (the step finds it anew)
-                    count_flops(
-                        one_step, {k: v[i : i + 1] for k, v in sequences.items() if k != "loss_index"}
-                    )[0]
+                    count_flops(one_step, {k: v[i : i + 1] for k, v in sequences.items()})[0]
                     for i in range(len(sequences["input_ids"]))
                 )
         flops = model_flops[loss_fn]
