@@ -25,8 +25,9 @@ RESULTS = Path(__file__).parent / "results"
 
 
 def _batches(tokenizer, steps: int, batch_size: int, seq_len: int):
+    from swiftkv_distill.batches import collate, pack
     from swiftkv_distill.corpora import prepare
-    from swiftkv_distill.data import collate, encode_record, pack
+    from swiftkv_distill.data import encode_record
 
     records = [json.loads(line) for line in prepare("brown_train").open()][:4000]
     rows = pack([encode_record(r, tokenizer)[0] for r in records], seq_len)

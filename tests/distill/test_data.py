@@ -9,16 +9,9 @@ import torch
 from transformers import AutoTokenizer
 
 from swiftkv_distill import data
+from swiftkv_distill.batches import collate, pack
 from swiftkv_distill.build import build_swiftkv_model
-from swiftkv_distill.data import (
-    DataError,
-    collate,
-    encode_record,
-    evenly_spaced,
-    load_records,
-    pack,
-    record_kind,
-)
+from swiftkv_distill.data import DataError, encode_record, evenly_spaced, load_records, record_kind
 from swiftkv_distill.datamodule import DistillDataModule
 from tests.conftest import use_data_cache
 from tests.distill.conftest import write_jsonl
@@ -32,6 +25,8 @@ def test_pack_and_collate_positions_and_labels():
     assert batch["position_ids"].tolist() == [[0, 1, 2, 0], [0, 0, 1, 2], [0, 1, 0, 1]]
     assert batch["labels"].tolist() == [[2, 3, -100, -100], [-100, 7, 8, -100], [10, -100, -100, -100]]
     assert batch["loss_mask"].tolist() == [[True] * 4, [True] * 4, [True, True, False, False]]
+    # flash-attn's sequences of the flattened rows: 3 | 1 ; 1 | 3 ; 2 | the last row's padding
+    assert batch["cu_seq_lens"].tolist() == [0, 3, 4, 5, 8, 10, 12] and batch["max_seq_len"] == 3
 
 
 def test_packed_sequences_do_not_attend_to_each_other(tiny_model):

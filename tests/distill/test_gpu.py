@@ -7,7 +7,7 @@ import torch
 
 from swiftkv_core.convert import swiftkv_parameter_names
 from swiftkv_distill import DistillDataModule, SwiftKVDistillation
-from swiftkv_distill.data import collate, pack
+from swiftkv_distill.batches import collate, on_device, pack
 from swiftkv_distill.export import export
 from tests.distill.conftest import quiet_trainer
 
@@ -27,7 +27,7 @@ def test_distillation_step_on_cuda_matches_cpu(tiny_model, fp32_matmuls):
 
     def loss_and_grads(device, autocast: bool):
         module.to(device)
-        on = {k: v.to(device) for k, v in batch.items()}
+        on = on_device(batch, device)
         module.zero_grad(set_to_none=True)
         with torch.autocast(device, dtype=torch.bfloat16, enabled=autocast):
             out = module.step(on, 1.0 / on["loss_mask"].sum())

@@ -16,9 +16,11 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from swiftkv_core.weights import is_swiftkv_parameter
-from swiftkv_distill.data import collate, pack
+from swiftkv_distill.batches import collate, pack, row_wise
 from swiftkv_distill.module import SwiftKVDistillation
+from swiftkv_distill.step import AccumulationWindow
 from tests.distill.test_distributed import ROOT, _config, _launch, _losses
+from tests.flash_reference import flash_attention_2_on_the_reference
 
 aten = torch.ops.aten
 # operations whose result the host must read from the device: a value, or a shape that depends on the values
@@ -50,11 +52,9 @@ def _ours(reads: Counter) -> dict:
     return {key: n for key, n in reads.items() if key[1].split(":")[0] in ("step.py", "loss.py", "module.py")}
 
 
-@pytest.mark.parametrize("early_exit", [False, True])
-def test_the_step_reads_nothing_from_the_device(tiny_model, early_exit):
-    """The distillation step's forward and backward, on a collated batch of packed rows: the step's own code reads
-    nothing (the distilled positions were found by the collate, on the host), nor does anything in the backward. The
-    model's forward may read the positions to find the packed sequences (transformers' convention)."""
+def _module_and_batch(tiny_model, early_exit: bool) -> tuple[SwiftKVDistillation, dict]:
+    """A step whose student differs from its teacher, and a collated batch of packed rows (3 sequences in 2 rows
+    of 8, the last padded), where not every real token is distilled."""
     module = SwiftKVDistillation(
         str(tiny_model),
         num_key_value_layers=2,
@@ -68,14 +68,18 @@ def test_the_step_reads_nothing_from_the_device(tiny_model, early_exit):
             if is_swiftkv_parameter(name):
                 p.add_(0.05 * torch.randn_like(p))
     sequences = [[5, 17, 300, 42, 9, 8], [77, 1000, 3, 4, 5], [12, 13, 14, 15]]
-    answers_only = [
-        [False] * 2 + [True] * 4,
-        [True] * 5,
-        [False] * 3 + [True],
-    ]  # not every real token distilled
-    batch = collate(pack(sequences, max_length=8, distilled=answers_only), 0, 8)
+    answers_only = [[False] * 2 + [True] * 4, [True] * 5, [False] * 3 + [True]]
+    return module, collate(pack(sequences, max_length=8, distilled=answers_only), 0, 8)
+
+
+@pytest.mark.parametrize("early_exit", [False, True])
+def test_the_step_reads_nothing_from_the_device(tiny_model, early_exit):
+    """The distillation step's forward and backward, on a collated batch of packed rows: the step's own code reads
+    nothing (the distilled positions were found by the collate, on the host), nor does anything in the backward. The
+    model's forward may read the positions to find the packed sequences (transformers' convention; with sdpa)."""
+    module, batch = _module_and_batch(tiny_model, early_exit)
     with HostReads() as from_the_mask:  # without the collate's index, the step finds the positions itself
-        expected = module.step({k: v for k, v in batch.items() if k != "loss_index"}, 0.1)
+        expected = module.step(row_wise(batch), 0.1)
     assert ("aten.nonzero.default", "step.py") in {
         (op, where.split(":")[0]) for op, where in from_the_mask.reads
     }
@@ -88,6 +92,41 @@ def test_the_step_reads_nothing_from_the_device(tiny_model, early_exit):
         torch.testing.assert_close(out[name], expected[name], rtol=0, atol=0, msg=name)
     assert _ours(forward.reads) == {}, f"the step reads the device: {dict(forward.reads)}"
     assert dict(backward.reads) == {}, f"the backward reads the device: {dict(backward.reads)}"
+
+
+@pytest.mark.parametrize("implementation", ["flash_attention_2", "flash_attention_3"])
+def test_with_flash_attn_nothing_in_the_step_reads_the_device(tiny_model, implementation):
+    """With flash-attn the collate's variable-length arguments tell the model where the packed sequences start:
+    nothing in the step's forward reads the device, the model's and transformers' code included (the reference
+    kernels that stand in for flash-attn here aside), and the step computes what it computes when the model finds
+    the sequences itself."""
+    module, batch = _module_and_batch(tiny_model, early_exit=False)
+    module.swiftkv_model.config._attn_implementation = implementation
+    with flash_attention_2_on_the_reference() as calls:
+        with HostReads() as finding:  # the model finds the sequences from the positions
+            expected = module.step(row_wise(batch), 0.1)
+        with HostReads() as forward:
+            out = module.step(batch, 0.1)
+    assert calls, "the flash-attn path did not run"
+    finders = {where.split(":")[0] for _, where in finding.reads}
+    assert {"modeling.py", "masking_utils.py"} <= finders, dict(finding.reads)
+    reads = {key: n for key, n in forward.reads.items() if not key[1].startswith("flash_reference.py")}
+    assert reads == {}, f"the forward reads the device: {reads}"
+    for name in expected:
+        torch.testing.assert_close(out[name], expected[name], rtol=0, atol=0, msg=name)
+
+
+def test_a_windows_gradients_become_its_mean_without_a_read():
+    """Gradient accumulation: the window's distilled positions are counted on the device, and the summed gradients
+    divided by that count there, at the optimizer step (before: ``float(count)``, a read per step)."""
+    window, param = AccumulationWindow(), torch.nn.Parameter(torch.zeros(3))
+    param.grad = torch.full((3,), 16.0)  # two batches' gradients, summed
+    with HostReads() as reads:
+        for positions in (torch.tensor(3), torch.tensor(5)):  # each batch's, summed over the processes
+            assert window.row_scale(positions, processes=1, window=2) == 2.0
+        window.normalise([param])
+    assert dict(reads.reads) == {}
+    assert param.grad.tolist() == [2.0] * 3 and window.positions is None
 
 
 class CountCollectives(L.Callback):

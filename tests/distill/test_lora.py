@@ -8,7 +8,7 @@ from transformers import AutoModelForCausalLM
 
 from swiftkv_core.weights import swiftkv_parameter_names
 from swiftkv_distill import DistillDataModule, SwiftKVDistillation
-from swiftkv_distill.data import collate, pack
+from swiftkv_distill.batches import collate, pack
 from swiftkv_distill.export import export
 from tests.distill.conftest import quiet_trainer
 

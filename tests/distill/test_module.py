@@ -11,8 +11,8 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 
 from swiftkv_core.weights import is_swiftkv_parameter, swiftkv_parameter_names
 from swiftkv_distill import DistillDataModule, LossSettings, SwiftKVDistillation
+from swiftkv_distill.batches import collate, pack
 from swiftkv_distill.build import attention_for, checkpoint_activations, compile_layers
-from swiftkv_distill.data import collate, pack
 from swiftkv_distill.loss import distillation_kl
 from swiftkv_distill.step import sampled_positions
 from tests.distill.conftest import quiet_trainer

@@ -350,6 +350,9 @@ class SwiftKVModelMixin:
         Distillation runs this once and ``forward_suffix`` twice (teacher and student) on its output.
         Packed sequences (``position_ids`` restarting at 0, no ``attention_mask``) are kept apart by the causal
         mask only without a cache: pass ``use_cache=False`` (transformers' mask ignores packing with a cache).
+        With flash-attn, a caller that knows where the packed sequences start passes flash-attn's variable-length
+        arguments (``cu_seq_lens_q``, ``cu_seq_lens_k``, ``max_length_q``, ``max_length_k``: the sequences of the
+        flattened rows) and the forward reads nothing from the device to find them.
         """
         config = self.config
         if (input_ids is None) ^ (inputs_embeds is not None):
@@ -369,9 +372,13 @@ class SwiftKVModelMixin:
         past_seen = past_key_values.get_seq_length() if past_key_values is not None else 0
         length = inputs_embeds.shape[1]
         implementation = config._attn_implementation
+        flash = runs_flash_attn(implementation)
+        # the caller's own flash-attn variable-length arguments: rows of several sequences, known without a read
+        varlen = flash and "cu_seq_lens_q" in kwargs
         plain = (
-            (implementation == "sdpa" or _runs_flash_attn(implementation))
+            (implementation == "sdpa" or flash)
             and length > 1
+            and not varlen
             and _plain_prompt(attention_mask, position_ids, past_seen, length)
         )
         if position_ids is None:
@@ -390,9 +397,11 @@ class SwiftKVModelMixin:
         # since dynamo folds torch.compiler.is_exporting() to True there, and the compiled sdpa leaves its flash
         # kernels)
         sdpa_is_causal = plain and past_seen == 0 and implementation == "sdpa"
-        causal_mask = None if sdpa_is_causal else create_causal_mask(**mask_kwargs)
-        if _runs_flash_attn(implementation):
-            kwargs = {**_flash_varlen_kwargs(mask_kwargs), **kwargs}  # the caller's own win
+        # flash-attn's mask is the padding mask alone: none without one (transformers would read the positions first)
+        no_mask = sdpa_is_causal or (flash and attention_mask is None)
+        causal_mask = None if no_mask else create_causal_mask(**mask_kwargs)
+        if flash and not varlen:
+            kwargs = {**_flash_varlen_kwargs(mask_kwargs), **kwargs}
         subset = config.swiftkv and keep is not None
         subset_mask = _kept_rows_mask(mask_kwargs, causal_mask, keep, plain, kwargs) if subset else None
         context = LayerContext(
@@ -526,7 +535,7 @@ def _plain_prompt(attention_mask, position_ids, past_seen: int, length: int) -> 
 NO_SUBSET = object()  # ``_kept_rows_mask``: the attention implementation cannot run the kept rows alone
 
 
-def _runs_flash_attn(implementation: str) -> bool:
+def runs_flash_attn(implementation: str) -> bool:
     """Whether ``implementation`` runs transformers' flash-attn path: ``flash_attention_2/3/4``, or a kernel from the
     hub with flash-attn's entry points (``"kernels-community/flash-attn3"``, registered to the same path). Its
     padding mask is passed as it is, its causal mask aligned to the bottom-right corner, and packed rows need its
@@ -546,7 +555,7 @@ def _kept_rows_mask(mask_kwargs: dict, causal_mask, keep, plain: bool, attention
       is prompt length squared: 1 GiB at 32k tokens, 16 GiB at 128k); otherwise (padding, packing, a 4-D mask)
       layers < l hold transformers' full mask anyway, and the kept rows are taken from it, not from a second one;
     - flex_attention: a block mask of the kept rows (blocks a kept row cannot see are skipped);
-    - flash-attn (``_runs_flash_attn``): its causal mask is aligned to the bottom-right corner, which is what the
+    - flash-attn (``runs_flash_attn``): its causal mask is aligned to the bottom-right corner, which is what the
       LAST rows need (``logits_to_keep=N``, what ``generate`` asks for); its mask is the padding mask as it is. Other row
       subsets, and packed sequences, have no flash-attn form here: ours (``_flash_varlen_kwargs``), a caller's own
       variable-length arguments, and those transformers' flash path finds by itself in ONE row with no padding (from
@@ -567,7 +576,7 @@ def _kept_rows_mask(mask_kwargs: dict, causal_mask, keep, plain: bool, attention
         if mask is not None and not (isinstance(mask, torch.Tensor) and mask.dim() == 2):
             return NO_SUBSET  # a caller's own 4-D mask or BlockMask: no kept-rows form of it here
         return _kept_rows_block_mask(mask_kwargs, keep)
-    if _runs_flash_attn(implementation) and isinstance(keep, slice):
+    if runs_flash_attn(implementation) and isinstance(keep, slice):
         if "cu_seq_lens_q" in attention_kwargs:
             return NO_SUBSET
         if plain:

@@ -10,6 +10,8 @@ import json
 
 import torch
 
+from .batches import collate, on_device, pack, row_wise
+
 
 def packed_batches(
     rows: int, row_tokens: int, segments: int, count: int, device: str, dataset: str = "brown_train"
@@ -22,7 +24,6 @@ def packed_batches(
     from swiftkv_core.default_model import default_model_path
 
     from .corpora import prepare
-    from .data import collate, pack
 
     tokenizer = AutoTokenizer.from_pretrained(default_model_path())
     document, documents, need = [], [], rows * segments * count
@@ -34,8 +35,9 @@ def packed_batches(
         if len(documents) >= need:
             break
     packed = pack(documents, row_tokens)
-    return [{k: v.to(device) for k, v in collate(packed[i * rows : (i + 1) * rows], 0, row_tokens).items()}
-            for i in range(count)]  # fmt: skip
+    return [
+        on_device(collate(packed[i * rows : (i + 1) * rows], 0, row_tokens), device) for i in range(count)
+    ]
 
 
 def per_sequence(batch: dict) -> dict:
@@ -46,8 +48,8 @@ def per_sequence(batch: dict) -> dict:
     if len(lengths) != 1:
         raise ValueError(f"per_sequence needs sequences of one length, got {sorted(lengths)}.")
     (length,) = lengths
-    # without the collate's loss_index, which indexes the whole batch: the step finds each row's from loss_mask
-    return {k: v.reshape(-1, length) for k, v in batch.items() if k != "loss_index"}
+    # without the collate's whole-batch entries: the step finds each row's from the rows
+    return {k: v.reshape(-1, length) for k, v in row_wise(batch).items()}
 
 
 def step_rows(

@@ -1,5 +1,5 @@
-"""Distillation data: what a record is, and how records become token rows (tokenised, split, packed, batched).
-``datamodule.py`` serves these rows to Lightning.
+"""Distillation data: what a record is, and how records become token sequences (read, tokenised, split).
+``batches.py`` packs them into rows and batches the rows; ``datamodule.py`` serves them to Lightning.
 
 A record is one of (detected per record):
 
@@ -48,9 +48,8 @@ import torch
 
 from swiftkv_core.chat import chat_ids, user_turn
 
-from .tokens import UNWRITABLE, RowWriter, TokenRows
+from .tokens import UNWRITABLE
 
-IGNORE = -100
 CHAT_TOKENS = ("answers", "all")
 _BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".txt": "text", ".text": "text"}
 
@@ -383,64 +382,6 @@ def held_out(n: int, val_fraction: float, seed: int) -> np.ndarray:
         order = torch.randperm(n, generator=torch.Generator().manual_seed(seed))
         flags[order[: min(n - 1, math.ceil(n * val_fraction)) if val_fraction > 0 else 0].numpy()] = True
     return flags
-
-
-def pack(
-    sequences: Sequence[list[int]], max_length: int, distilled: Sequence[list[bool]] | None = None
-) -> TokenRows:
-    """Concatenate sequences into rows of ``max_length`` tokens; a sequence crossing a row end continues in the
-    next row (positions restart there). Each row reads as ``{"input_ids", "segments": [lengths...],
-    "distilled"}`` (``distilled``: per token, from ``distilled`` or all True); the last row may be shorter (the
-    collator pads it)."""
-    return _rows(sequences, max_length, distilled, pack=True)
-
-
-def unpacked(
-    sequences: Sequence[list[int]], max_length: int, distilled: Sequence[list[bool]] | None = None
-) -> TokenRows:
-    """One row per sequence, truncated to ``max_length``."""
-    return _rows(sequences, max_length, distilled, pack=False)
-
-
-def _rows(sequences, max_length: int, distilled, pack: bool) -> TokenRows:
-    writer = RowWriter(max_length, pack)
-    for index, sequence in enumerate(sequences):
-        writer.add(sequence, distilled[index] if distilled is not None else None)
-    return writer.rows()
-
-
-def collate(rows: Sequence[dict], pad_id: int = 0, pad_to: int | None = None) -> dict[str, torch.Tensor]:
-    """Batch rows into ``input_ids``, ``position_ids`` (restarting per packed sequence), ``token_mask`` (real
-    tokens), ``loss_mask`` (the distilled ones: real and flagged in the row's ``distilled``), ``loss_index`` (their
-    indices in the flattened rows, found on the host: the step need not wait for the device to count them) and
-    ``labels`` (the next token of the same sequence, ``-100`` at each sequence's last token); where a row is flagged
-    ``counted``, ``counted`` (per row: False for a repeated row, run but not scored).
-
-    Padding is on the right and gets its own positions (a separate "sequence"), so real tokens never see it.
-    """
-    length = max(pad_to or 0, max(len(r["input_ids"]) for r in rows))
-    batch = {
-        "input_ids": torch.full((len(rows), length), pad_id, dtype=torch.long),
-        "position_ids": torch.zeros((len(rows), length), dtype=torch.long),
-        "token_mask": torch.zeros((len(rows), length), dtype=torch.bool),
-        "loss_mask": torch.zeros((len(rows), length), dtype=torch.bool),
-        "labels": torch.full((len(rows), length), IGNORE, dtype=torch.long),
-    }
-    for i, row in enumerate(rows):
-        ids, n = torch.tensor(row["input_ids"], dtype=torch.long), len(row["input_ids"])
-        batch["input_ids"][i, :n] = ids
-        batch["token_mask"][i, :n] = True
-        batch["loss_mask"][i, :n] = torch.tensor(row.get("distilled", [True] * n), dtype=torch.bool)
-        start = 0
-        for seg in row["segments"]:
-            batch["position_ids"][i, start : start + seg] = torch.arange(seg)
-            batch["labels"][i, start : start + seg - 1] = ids[start + 1 : start + seg]
-            start += seg
-        batch["position_ids"][i, n:] = torch.arange(length - n)
-    batch["loss_index"] = batch["loss_mask"].flatten().nonzero().flatten()
-    if any("counted" in row for row in rows):
-        batch["counted"] = torch.tensor([row.get("counted", True) for row in rows])
-    return batch
 
 
 def evenly_spaced(rows: list, count: int) -> list:

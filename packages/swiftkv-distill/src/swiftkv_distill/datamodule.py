@@ -19,12 +19,12 @@ from swiftkv_core.atomic import made_once, scratch_directory
 from swiftkv_core.faults import pause_point
 from swiftkv_core.runtime import stack_versions
 
+from .batches import collate
 from .corpora import resolve_files
 from .data import (
     CHAT_TOKENS,
     DataError,
     RecordSet,
-    collate,
     encoding_processes,
     evenly_spaced,
     file_identity,

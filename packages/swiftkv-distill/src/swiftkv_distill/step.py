@@ -22,6 +22,7 @@ from torch import nn
 from torchmetrics import MeanMetric, SumMetric
 
 from swiftkv_core.early_exit import EarlyExitHead
+from swiftkv_core.modeling import runs_flash_attn
 from swiftkv_core.weights import is_swiftkv_parameter
 
 from .loss import EvalStats, distillation_kl, eval_stats
@@ -36,7 +37,7 @@ def distilled_index(batch: dict, positions: torch.Tensor | None = None) -> torch
     """The distilled positions of ``batch`` (of its ``positions`` only, where given), as indices into its rows x
     positions flattened: the collate's ``loss_index``, found on the host, where every position is kept; else found
     from ``loss_mask`` on the device, whose count the host then waits for (a GPU's queue drained). Code that slices,
-    joins or re-pads a batch's rows must drop ``loss_index`` (it indexes the whole batch)."""
+    joins or re-pads a batch's rows must drop it (``batches.row_wise``: it indexes the whole batch)."""
     if positions is None and "loss_index" in batch:
         return batch["loss_index"]
     mask = batch["loss_mask"] if positions is None else batch["loss_mask"][:, positions]
@@ -111,7 +112,7 @@ class AccumulationWindow:
         """At a window's end: the summed gradients made the window's mean."""
         if self.positions is None:
             return
-        count = float(self.positions.clamp(min=1))  # one host sync per optimizer step
+        count = self.positions.clamp(min=1)  # on the device: the host does not wait for it
         for param in parameters:
             if param.grad is not None:
                 param.grad.div_(count)
@@ -224,12 +225,20 @@ class DistillationStep(nn.Module):
         self.early_exit_head = early_exit_head
 
     def _prefix(self, batch: dict, positions: torch.Tensor | None):
+        varlen = {}
+        if "cu_seq_lens" in batch and runs_flash_attn(self.model.config._attn_implementation):
+            # the collate's, found on the host: the model would read the positions on the device to find them
+            starts, longest = batch["cu_seq_lens"], batch["max_seq_len"]
+            varlen = dict(
+                cu_seq_lens_q=starts, cu_seq_lens_k=starts, max_length_q=longest, max_length_k=longest
+            )
         return self.model.model.forward_prefix(
             input_ids=batch["input_ids"],
             position_ids=batch["position_ids"],
             attention_mask=None,
             use_cache=False,
             keep_positions=positions,
+            **varlen,
         )
 
     def _prefix_and_teacher(self, batch: dict, positions: torch.Tensor | None):

@@ -10,10 +10,10 @@ A set of rows is four arrays:
 
 - ``tokens`` and ``distilled``: every row's tokens, end to end, and per token whether it is distilled;
 - ``row_starts``: row ``r`` is ``tokens[row_starts[r]:row_starts[r + 1]]``;
-- ``sequence_starts``: where each sequence begins; a row's segments (``data.collate`` restarts the positions
+- ``sequence_starts``: where each sequence begins; a row's segments (``batches.collate`` restarts the positions
   at each) are cut there.
 
-A row reads as the dict ``data.collate`` batches: ``input_ids``, ``segments`` (lengths), ``distilled``.
+A row reads as the dict ``batches.collate`` batches: ``input_ids``, ``segments`` (lengths), ``distilled``.
 """
 
 from __future__ import annotations

@@ -1,0 +1,96 @@
+"""Token rows into batches: rows packed from token sequences (``pack``, ``unpacked``; ``tokens.RowWriter`` writes
+them), and rows collated into the tensors the distillation step reads (``collate``), with what the step needs to
+know of their sequences found on the host, so that it never waits for the device to find it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from itertools import accumulate
+
+import torch
+
+from .tokens import RowWriter, TokenRows
+
+IGNORE = -100
+# the batch's entries that describe all of its rows at once, not each row (``row_wise``)
+WHOLE_BATCH = ("loss_index", "cu_seq_lens", "max_seq_len")
+
+
+def pack(
+    sequences: Sequence[list[int]], max_length: int, distilled: Sequence[list[bool]] | None = None
+) -> TokenRows:
+    """Concatenate sequences into rows of ``max_length`` tokens; a sequence crossing a row end continues in the
+    next row (positions restart there). Each row reads as ``{"input_ids", "segments": [lengths...],
+    "distilled"}`` (``distilled``: per token, from ``distilled`` or all True); the last row may be shorter (the
+    collator pads it)."""
+    return _rows(sequences, max_length, distilled, pack=True)
+
+
+def unpacked(
+    sequences: Sequence[list[int]], max_length: int, distilled: Sequence[list[bool]] | None = None
+) -> TokenRows:
+    """One row per sequence, truncated to ``max_length``."""
+    return _rows(sequences, max_length, distilled, pack=False)
+
+
+def _rows(sequences, max_length: int, distilled, pack: bool) -> TokenRows:
+    writer = RowWriter(max_length, pack)
+    for index, sequence in enumerate(sequences):
+        writer.add(sequence, distilled[index] if distilled is not None else None)
+    return writer.rows()
+
+
+def collate(
+    rows: Sequence[dict], pad_id: int = 0, pad_to: int | None = None
+) -> dict[str, torch.Tensor | int]:
+    """Batch rows into ``input_ids``, ``position_ids`` (restarting per packed sequence), ``token_mask`` (real
+    tokens), ``loss_mask`` (the distilled ones: real and flagged in the row's ``distilled``), ``loss_index`` (their
+    indices in the flattened rows, found on the host: the step need not wait for the device to count them),
+    ``labels`` (the next token of the same sequence, ``-100`` at each sequence's last token), ``cu_seq_lens`` and
+    ``max_seq_len`` (where each sequence of the flattened rows starts, and the longest, as an ``int``: flash-attn's
+    variable-length arguments, also found on the host); where a row is flagged ``counted``, ``counted`` (per row:
+    False for a repeated row, run but not scored).
+
+    Padding is on the right and gets its own positions (a separate "sequence"), so real tokens never see it.
+    Code that slices, joins or re-pads a batch's rows must drop ``loss_index``, ``cu_seq_lens`` and ``max_seq_len``
+    (``row_wise``): they describe the whole batch.
+    """
+    length = max(pad_to or 0, max(len(r["input_ids"]) for r in rows))
+    batch = {
+        "input_ids": torch.full((len(rows), length), pad_id, dtype=torch.long),
+        "position_ids": torch.zeros((len(rows), length), dtype=torch.long),
+        "token_mask": torch.zeros((len(rows), length), dtype=torch.bool),
+        "loss_mask": torch.zeros((len(rows), length), dtype=torch.bool),
+        "labels": torch.full((len(rows), length), IGNORE, dtype=torch.long),
+    }
+    spans = []  # every sequence's length, row by row, a row's padding as one more
+    for i, row in enumerate(rows):
+        ids, n = torch.tensor(row["input_ids"], dtype=torch.long), len(row["input_ids"])
+        batch["input_ids"][i, :n] = ids
+        batch["token_mask"][i, :n] = True
+        batch["loss_mask"][i, :n] = torch.tensor(row.get("distilled", [True] * n), dtype=torch.bool)
+        start = 0
+        for seg in row["segments"]:
+            batch["position_ids"][i, start : start + seg] = torch.arange(seg)
+            batch["labels"][i, start : start + seg - 1] = ids[start + 1 : start + seg]
+            start += seg
+        batch["position_ids"][i, n:] = torch.arange(length - n)
+        spans.extend([*row["segments"], *([length - n] if n < length else [])])
+    batch["loss_index"] = batch["loss_mask"].flatten().nonzero().flatten()
+    batch["cu_seq_lens"] = torch.tensor([0, *accumulate(spans)], dtype=torch.int32)
+    batch["max_seq_len"] = max(spans)
+    if any("counted" in row for row in rows):
+        batch["counted"] = torch.tensor([row.get("counted", True) for row in rows])
+    return batch
+
+
+def row_wise(batch: dict) -> dict:
+    """``batch`` without its whole-batch entries (``WHOLE_BATCH``): what code that slices, joins or re-pads its rows
+    may keep. The step then finds what it needs from the rows, on the device."""
+    return {k: v for k, v in batch.items() if k not in WHOLE_BATCH}
+
+
+def on_device(batch: dict, device) -> dict:
+    """``batch`` with its tensors moved to ``device`` (``max_seq_len`` is an ``int``, and stays one)."""
+    return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
