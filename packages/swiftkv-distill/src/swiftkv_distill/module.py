@@ -213,15 +213,15 @@ class SwiftKVDistillation(L.LightningModule):
         length, fraction = batch["input_ids"].shape[1], self.hparams.position_fraction
         positions = sampled_positions(length, fraction, self.global_step, batch["input_ids"].device)
         distilled = batch["loss_mask"] if positions is None else batch["loss_mask"][:, positions]
-        # each distilled position's weight: the step's gradient is their mean over every process and batch (counts
-        # summed as integers, sums as float64: exact however many processes)
+        # each distilled position's weight: the step's gradient is their mean over every process and batch
         tokens = sum_over_processes(distilled.sum(), world)
         row_scale = self._window.row_scale(tokens, world, window)
         out = self.step(batch, row_scale, positions=positions)
         pause_point("training-step")  # mid-step: the forward done, the backward and the update to come
-        # this process's share of each of the step's means, and its real tokens: ONE all-reduce sums them all
+        # this process's share of each of the step's means, and its real tokens: ONE all-reduce sums them all (in
+        # float32: the tokens are exact up to 2**24 a step, 16.8M)
         shares = self._window.shares(out, row_scale, tokens)
-        local = torch.stack([value.double() for value in (*shares.values(), batch["token_mask"].sum())])
+        local = torch.stack([*shares.values(), batch["token_mask"].sum().float()])
         *means, real = sum_over_processes(local, world)
         self._tokens.add(real)
         for name, value in zip(shares, means, strict=True):
