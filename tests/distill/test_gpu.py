@@ -187,3 +187,16 @@ def test_a_run_that_cannot_hold_its_weights_on_the_gpu_is_refused_before_reading
         and "(131.4 GiB in bfloat16)" in message
     )
     assert "or more GPUs with FSDP2" in message and "frozen_dtype" not in message.split("To fit:")[1]
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_a_windows_half_gradients_are_divided_in_fp32_on_cuda(dtype):
+    """On a GPU a 0-d divisor on the device takes the gradient's dtype: a window of 70,000 distilled positions would
+    be inf in fp16 (every gradient 0), and rounded in bf16. ``normalise`` divides half gradients in fp32."""
+    from swiftkv_distill.step import AccumulationWindow
+
+    window, param = AccumulationWindow(), torch.nn.Parameter(torch.zeros(4, device="cuda", dtype=dtype))
+    param.grad = torch.full((4,), 7000.0, device="cuda", dtype=dtype)
+    window.row_scale(torch.tensor(70001, device="cuda"), processes=1, window=2)
+    window.normalise([param])
+    assert param.grad.tolist() == [torch.tensor(7000.0 / 70001, dtype=dtype).item()] * 4

@@ -112,10 +112,12 @@ class AccumulationWindow:
         """At a window's end: the summed gradients made the window's mean."""
         if self.positions is None:
             return
-        count = self.positions.clamp(min=1)  # on the device: the host does not wait for it
-        for param in parameters:
-            if param.grad is not None:
-                param.grad.div_(count)
+        count = self.positions.clamp(min=1).float()  # on the device: the host does not wait for it
+        for grad in (param.grad for param in parameters if param.grad is not None):
+            if grad.dtype == torch.float32:
+                grad.div_(count)
+            else:  # on a GPU a half gradient takes the divisor in its own dtype (fp16: inf above 65504)
+                grad.copy_(grad.float().div_(count))
         self.positions, self.loss, self.metrics = None, 0.0, {}
 
 
