@@ -1,6 +1,6 @@
 """Token rows into batches: rows packed from token sequences (``pack``, ``unpacked``; ``tokens.RowWriter`` writes
 them), and rows collated into the tensors the distillation step reads (``collate``), with what the step needs to
-know of their sequences found on the host, so that it never waits for the device to find it.
+know of their sequences found on the host, so that it need not wait for the device to find it.
 """
 
 from __future__ import annotations
