@@ -9,10 +9,11 @@ import importlib.util
 
 import pytest
 import torch
+from lightning.fabric.utilities import move_data_to_device
 
 from swiftkv_core.convert import convert
 from swiftkv_distill import DistillDataModule, SwiftKVDistillation
-from swiftkv_distill.batches import collate, on_device, pack
+from swiftkv_distill.batches import collate, pack
 from swiftkv_distill.build import attention_for, compile_layers
 from swiftkv_distill.step import DistillationStep
 from tests.conftest import FLEX_HEADS, tiny_base
@@ -34,7 +35,7 @@ def packed_batch(device="cpu") -> dict:
     sequences = [torch.randint(1, 128, (n,)).tolist() for n in (20, 35, 9, 40, 17, 23)]
     batch = collate(pack(sequences, 48), pad_to=48)  # rows holding several sequences, positions restarting
     assert (batch["position_ids"][:, 1:] == 0).any()
-    return on_device(batch, device)
+    return move_data_to_device(batch, device)
 
 
 def step_results(model, batch, implementation: str, positions=None, backward: bool = False) -> dict:

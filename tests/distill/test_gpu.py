@@ -4,10 +4,11 @@ the CPU, and the FSDP2 strategy of the GPU recipes on one GPU (skipped without a
 import lightning as L
 import pytest
 import torch
+from lightning.fabric.utilities import move_data_to_device
 
 from swiftkv_core.convert import swiftkv_parameter_names
 from swiftkv_distill import DistillDataModule, SwiftKVDistillation
-from swiftkv_distill.batches import collate, on_device, pack
+from swiftkv_distill.batches import collate, pack
 from swiftkv_distill.export import export
 from tests.distill.conftest import quiet_trainer
 
@@ -27,7 +28,7 @@ def test_distillation_step_on_cuda_matches_cpu(tiny_model, fp32_matmuls):
 
     def loss_and_grads(device, autocast: bool):
         module.to(device)
-        on = on_device(batch, device)
+        on = move_data_to_device(batch, device)
         module.zero_grad(set_to_none=True)
         with torch.autocast(device, dtype=torch.bfloat16, enabled=autocast):
             out = module.step(on, 1.0 / on["loss_mask"].sum())

@@ -89,8 +89,3 @@ def row_wise(batch: dict) -> dict:
     """``batch`` without its whole-batch entries (``WHOLE_BATCH``): what code that slices, joins or re-pads its rows
     may keep. The step then finds what it needs from the rows, on the device."""
     return {k: v for k, v in batch.items() if k not in WHOLE_BATCH}
-
-
-def on_device(batch: dict, device) -> dict:
-    """``batch`` with its tensors moved to ``device`` (``max_seq_len`` is an ``int``, and stays one)."""
-    return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}

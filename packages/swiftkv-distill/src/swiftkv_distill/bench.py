@@ -10,7 +10,7 @@ import json
 
 import torch
 
-from .batches import collate, on_device, pack, row_wise
+from .batches import collate, pack, row_wise
 
 
 def packed_batches(
@@ -19,6 +19,7 @@ def packed_batches(
     """``count`` batches of ``rows`` rows of ``row_tokens`` tokens, each row ``segments`` documents of real text
     (an offline data set's records joined, the default tokenizer), positions restarting per document: the recipes'
     packing."""
+    from lightning.fabric.utilities import move_data_to_device
     from transformers import AutoTokenizer
 
     from swiftkv_core.default_model import default_model_path
@@ -36,7 +37,8 @@ def packed_batches(
             break
     packed = pack(documents, row_tokens)
     return [
-        on_device(collate(packed[i * rows : (i + 1) * rows], 0, row_tokens), device) for i in range(count)
+        move_data_to_device(collate(packed[i * rows : (i + 1) * rows], 0, row_tokens), device)
+        for i in range(count)
     ]
 
 

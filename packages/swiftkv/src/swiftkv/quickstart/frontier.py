@@ -132,14 +132,15 @@ def measure(run, ls: list[int]) -> list[dict]:
 
 def held_out_metrics(model, loaders: dict, device) -> dict:
     """``{set name: {"agreement", "kl"}}`` of ``model`` (SwiftKV on) against itself off, on ``loaders`` (by name)."""
-    from swiftkv_distill.batches import on_device
+    from lightning.fabric.utilities import move_data_to_device
+
     from swiftkv_distill.step import DistillationStep, ValidationMetrics
 
     step, held_out = DistillationStep(model), {}
     for name, loader in loaders.items():
         metrics = ValidationMetrics().to(device)
         for batch in loader:
-            metrics.update(step.evaluate(on_device(batch, device)))
+            metrics.update(step.evaluate(move_data_to_device(batch, device)))
         values = metrics.compute()
         held_out[name] = {"agreement": values["agreement"], "kl": values["kl"]}
     return held_out
