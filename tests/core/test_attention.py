@@ -266,9 +266,8 @@ def test_flash_attention_runs_every_row_where_it_keeps_sequences_apart_by_itself
                 out["logits"], whole[:, -keep:], atol=2e-5 if device == "cpu" else 2e-2, rtol=0
             )
     model.config._attn_implementation = "sdpa"
-    if (
-        given != "varlen arguments"
-    ):  # the sequences were kept apart, as sdpa keeps them without a mask or a cache
+    # the sequences were kept apart, as sdpa keeps them without a mask or a cache
+    if given != "varlen arguments":
         with torch.no_grad():
             packed = model(ids, position_ids=positions, use_cache=False).logits
         torch.testing.assert_close(whole, packed, atol=2e-5 if device == "cpu" else 2e-2, rtol=0)

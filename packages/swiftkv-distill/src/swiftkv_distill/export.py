@@ -75,9 +75,8 @@ def export_checkpoints(
     if trainer is not None and not trainer.is_global_zero:
         return [None] * len(folders)
     step = module.step
-    if (
-        module.device_mesh is not None
-    ):  # the in-memory step is sharded: rebuild a plain one, load what trained
+    if module.device_mesh is not None:
+        # the in-memory step is sharded: rebuild a plain one, load what trained
         step = module.build_step()
         step.load_state_dict(state, strict=False)
     model, head = step.model, step.early_exit_head

@@ -114,10 +114,11 @@ class AccumulationWindow:
             return
         count = self.positions.clamp(min=1).float()  # on the device: the host does not wait for it
         for grad in (param.grad for param in parameters if param.grad is not None):
-            if grad.dtype == torch.float32:
-                grad.div_(count)
-            else:  # on a GPU a half gradient takes the divisor in its own dtype (fp16: inf above 65504)
+            if grad.dtype in (torch.float16, torch.bfloat16):
+                # on a GPU a half gradient would take the divisor in its own dtype (fp16: inf above 65504)
                 grad.copy_(grad.float().div_(count))
+            else:
+                grad.div_(count)
         self.positions, self.loss, self.metrics = None, 0.0, {}
 
 
