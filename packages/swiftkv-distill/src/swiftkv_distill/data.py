@@ -1,5 +1,6 @@
 """Distillation data: what a record is, and how records become token sequences (read, tokenised, split).
-``batches.py`` packs them into rows and batches the rows; ``datamodule.py`` serves them to Lightning.
+``tokens.RowWriter`` packs them into rows (``batches.pack`` / ``unpacked`` in memory), ``batches.collate`` batches
+the rows; ``datamodule.py`` serves them to Lightning.
 
 A record is one of (detected per record):
 
@@ -17,9 +18,11 @@ answers from. The prompt and template positions still run through both models an
 their context (the K/V the student computes for them are trained through the answers' loss); only their own
 next-token KL is left out, because a chat user never samples prompt tokens. ``chat_tokens="all"`` distils
 every position of every record.
-With ``pack=True`` sequences are concatenated into rows of exactly ``max_length`` tokens; each keeps its own
-position ids (restarting at 0), and the model's causal mask keeps packed sequences from attending to each
-other (transformers derives the block-diagonal mask from the position ids when no attention mask is given).
+With ``pack=True`` sequences are concatenated into rows of ``max_length`` tokens (the last may be shorter: the
+collate pads it); each keeps its own position ids (restarting at 0), and the model's causal mask keeps packed
+sequences from attending to each other (transformers derives the block-diagonal mask from the position ids when
+no attention mask is given; with flash-attn the step passes the collate's ``cu_seq_lens`` / ``max_seq_len``, its
+variable-length arguments, instead).
 The train/validation split is by record, from a seeded permutation: the same files and seed give the same split.
 Local jsonl / json / parquet / text files are read through ``datasets``, a chunk of records at a time
 (``RecordFile``).

@@ -1,6 +1,6 @@
-"""The Lightning data module of a distillation: local files (or named offline data sets) -> checked, tokenised,
-split and packed rows (``data.py``), made once into the token cache (``tokens.py``) -> batches, with a seeded
-sampler that resumes mid-epoch exactly."""
+"""The Lightning data module of a distillation: local files (or named offline data sets) -> checked, tokenised
+and split (``data.py``), packed into rows made once into the token cache (``tokens.py``) -> batches
+(``batches.collate``), with a seeded sampler that resumes mid-epoch exactly."""
 
 from __future__ import annotations
 

@@ -3,7 +3,7 @@
     h_l, ctx = prefix(tokens)                   # embeddings + layers < l, no grad, ONCE (same in both passes)
     teacher  = suffix(h_l, swiftkv=False)        # original layers >= l, no grad
     student  = suffix(h_l, swiftkv=True)         # SwiftKV layers >= l, the only pass with a graph
-    loss = T^2 KL(teacher || student)            # chunked over positions (loss.py), real tokens only
+    loss = T^2 KL(teacher || student)            # chunked over positions (loss.py), distilled ones only
          + hidden_loss_weight * MSE(hidden entering the last layer)
          + early_exit_weight * T^2 KL(teacher || early_exit_head(h_l))   (optional)
 

@@ -1,8 +1,8 @@
 """Token rows as flat arrays: 5 bytes a token (an int32 id and a distilled flag), written to disk once and
 memory-mapped by every process of a run (``datamodule.py`` keeps them in its token cache).
 
-Rows held as Python lists of ints cost about 54 bytes a token in every process that builds them
-(``benchmarks/results/token-rows.md``): the paper's 680M training tokens would take 271 GiB on the 8 processes of
+Rows held as Python lists of ints cost about 52 bytes a token in every process that builds them
+(``benchmarks/results/token-rows.md``): the paper's 680M training tokens would take 265 GiB on the 8 processes of
 an 8-GPU node, and each process would spend the tokenisation again. Here the processes of a node share one copy
 through the page cache.
 
