@@ -28,9 +28,8 @@
 #               prefill's CUDA graphs)
 # A dry run here, on the CPU, after prepare (the script's wiring, not the figures): GPU_LEASE_DRY_RUN=1 bash
 #   scripts/gpu-lease.sh run attention tests quickstart takes this machine's .venv instead of installing the wheels,
-#   runs the quickstart on the CPU, each limit x4 (the gpu tests skip; the quickstart took 16 minutes on 2 cores,
-#   half of them in its frontier, on 2026-11-29; 8.8 on 2026-12-05 at bedc9bf, all 3 steps exit 0, on an AVX-512
-#   machine); the other steps need a GPU
+#   runs the quickstart on the CPU, each limit x4 (the gpu tests skip; the quickstart takes 9-16 minutes on 2
+#   cores); the other steps need a GPU
 # A 15-minute lease as spent on 2026-11-26 (H200): the timings alone on the GPU, after the test they rest on,
 #   bash scripts/gpu-lease.sh run attention distill                                                    (3.5 min)
 # then at once (within the 30 s) the correctness steps beside the quickstart (5 min; shared, so untimed),

@@ -21,8 +21,7 @@ every position of every record.
 With ``pack=True`` sequences are concatenated into rows of ``max_length`` tokens (the last may be shorter: the
 collate pads it); each keeps its own position ids (restarting at 0), and the model's causal mask keeps packed
 sequences from attending to each other (transformers derives the block-diagonal mask from the position ids when
-no attention mask is given; with flash-attn the step passes the collate's ``cu_seq_lens`` / ``max_seq_len``, its
-variable-length arguments, instead).
+no attention mask is given; with flash-attn, ``batches.collate``'s variable-length arguments say where they start).
 The train/validation split is by record, from a seeded permutation: the same files and seed give the same split.
 Local jsonl / json / parquet / text files are read through ``datasets``, a chunk of records at a time
 (``RecordFile``).
