@@ -267,3 +267,44 @@ def test_a_model_trained_again_in_place_is_another_model(tmp_path):
     after = model_identity(tmp_path)
     assert after["weight_files"]["model.safetensors"]["bytes"] == weights.stat().st_size
     assert after != before
+
+
+def test_the_two_moves_take_turns_where_only_files_open_for_writing_lock(tmp_path, monkeypatch):
+    """NFS emulates ``flock`` with byte-range locks, which need a file open for writing: a folder's lock fails
+    there (EBADF). The rule is made here (this machine's file systems lock folders): the swaps of two writers of
+    the same folder still take turns, on a lock file the second waits for, and nothing is left beside the
+    target where folders lock."""
+    import errno
+    import fcntl
+    import threading
+
+    from swiftkv_core import atomic
+
+    target = tmp_path / "out"
+    with atomic_directory(target) as staging:
+        _write(staging, "first")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+    real_flock = fcntl.flock
+
+    def nfs_flock(fd, operation):
+        if fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_ACCMODE == os.O_RDONLY:
+            raise OSError(errno.EBADF, "Bad file descriptor")
+        real_flock(fd, operation)
+
+    monkeypatch.setattr(atomic.fcntl, "flock", nfs_flock)
+    entered = threading.Event()
+
+    def second_writer():
+        with atomic._swapping(target):  # a separate open of the lock file: flock makes the two take turns
+            entered.set()
+
+    with atomic._swapping(target):
+        other = threading.Thread(target=second_writer)
+        other.start()
+        assert not entered.wait(timeout=1.0)  # the first holds the lock: the second waits
+    other.join(timeout=10)
+    assert entered.is_set()
+    with atomic_directory(target) as staging:
+        _write(staging, "second")
+    assert (target / "a.txt").read_text() == "second"
+    assert sorted(p.name for p in tmp_path.iterdir()) == [atomic.SWAP_LOCK, "out"]

@@ -244,17 +244,41 @@ def restore_set_aside(dst: str | os.PathLike) -> None:
             shutil.rmtree(leftover, ignore_errors=True)
 
 
+SWAP_LOCK = (
+    ".swiftkv-swap.lock"  # where a folder cannot be locked (NFS): the file ``_swapping`` locks instead
+)
+
+
 @contextmanager
 def _swapping(dst: Path) -> Iterator[None]:
     """The two moves of ``replace_directory`` and ``restore_set_aside`` take turns (a lock on the parent folder,
     held for microseconds): a folder set aside while its owner lives is never taken for a killed process's
-    leftover."""
+    leftover. NFS emulates ``flock`` with byte-range locks, which need a file open for writing, and a folder cannot
+    be opened so (EBADF): there the lock is on the file ``SWAP_LOCK`` in the parent, left there for the next
+    writer. Elsewhere nothing is added beside ``dst``."""
     fd = os.open(dst.parent, os.O_RDONLY)
     try:
-        _lock(fd)
+        fcntl.flock(fd, fcntl.LOCK_EX)
+    except OSError as error:  # ENOLCK, EOPNOTSUPP: no locks here, the moves go on without one
+        if error.errno == errno.EBADF:  # NFS: a folder cannot be locked there
+            os.close(fd)
+            fd = _swap_lock_file(dst.parent)
+    try:
         yield
     finally:
-        os.close(fd)
+        if fd >= 0:
+            os.close(fd)
+
+
+def _swap_lock_file(parent: Path) -> int:
+    """``parent``'s ``SWAP_LOCK`` opened and locked; -1 where another user's lock file cannot be opened for writing
+    (its umask left it read-only for others): the moves then go on without a lock, as where there are none."""
+    try:
+        fd = os.open(parent / SWAP_LOCK, os.O_WRONLY | os.O_CREAT, 0o666)
+    except PermissionError:
+        return -1
+    _lock(fd)
+    return fd
 
 
 @contextmanager
