@@ -244,9 +244,8 @@ def restore_set_aside(dst: str | os.PathLike) -> None:
             shutil.rmtree(leftover, ignore_errors=True)
 
 
-SWAP_LOCK = (
-    ".swiftkv-swap.lock"  # where a folder cannot be locked (NFS): the file ``_swapping`` locks instead
-)
+# where a folder cannot be locked (NFS): the file ``_swapping`` locks instead
+SWAP_LOCK = ".swiftkv-swap.lock"
 
 
 @contextmanager
