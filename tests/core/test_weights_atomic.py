@@ -308,3 +308,53 @@ def test_the_two_moves_take_turns_where_only_files_open_for_writing_lock(tmp_pat
         _write(staging, "second")
     assert (target / "a.txt").read_text() == "second"
     assert sorted(p.name for p in tmp_path.iterdir()) == [atomic.SWAP_LOCK, "out"]
+
+
+@pytest.mark.skipif(
+    not hasattr(os, "geteuid") or os.geteuid() != 0, reason="becomes another user: needs root"
+)
+def test_another_users_read_only_lock_files_do_not_stop_a_write(monkeypatch):
+    """A folder shared by a team (a cache, checkpoints) on NFS: the lock files another user made are read-only for
+    this one (the other's umask). The write goes on without taking turns, as where there are no locks, instead of
+    failing. The other user is real: a forked child that becomes ``nobody``; NFS's rule is made as above."""
+    import errno
+    import fcntl
+    import shutil
+    import tempfile
+    import traceback
+    from pathlib import Path
+
+    from swiftkv_core import atomic
+
+    real_flock = fcntl.flock
+
+    def nfs_flock(fd, operation):
+        if fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_ACCMODE == os.O_RDONLY:
+            raise OSError(errno.EBADF, "Bad file descriptor")
+        real_flock(fd, operation)
+
+    monkeypatch.setattr(atomic.fcntl, "flock", nfs_flock)
+    shared = Path(tempfile.mkdtemp())  # not under tmp_path: its parents are private to root
+    try:
+        shared.chmod(0o777)
+        for name in (atomic.SWAP_LOCK, ".cache.lock"):
+            (shared / name).touch(mode=0o644)
+        child = os.fork()
+        if child == 0:  # pragma: no cover (the child's exit code is the result)
+            code = 1
+            try:
+                os.setgid(65534)
+                os.setuid(65534)
+                atomic.made_once(
+                    shared / "cache", lambda folder: folder.is_dir(), lambda staging: _write(staging, "x")
+                )
+                code = 0
+            except BaseException:
+                traceback.print_exc()
+            finally:
+                os._exit(code)
+        _, status = os.waitpid(child, 0)
+        assert os.waitstatus_to_exitcode(status) == 0
+        assert (shared / "cache" / "a.txt").read_text() == "x" and (shared / "cache").stat().st_uid == 65534
+    finally:
+        shutil.rmtree(shared)

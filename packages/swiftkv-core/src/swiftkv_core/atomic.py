@@ -170,16 +170,30 @@ def exclusive(target: str | os.PathLike, waiting: str | None = None) -> Iterator
     """Hold an exclusive lock on ``target`` for the block (``fcntl.flock`` on ``.NAME.lock`` beside it): processes
     that write the same folder take turns. ``waiting`` is printed if another process holds the lock. The lock goes
     with its process: a killed holder leaves nothing to clear. Where the file system has no locks (Lustre mounted
-    without flock, for one), processes do not take turns: each writes its own staging folder
-    (``atomic_directory``), and what is in place is always one whole."""
+    without flock, for one), or the lock file is another user's and read-only for this one (a shared cache),
+    processes do not take turns: each writes its own staging folder (``atomic_directory``), and what is in place is
+    always one whole."""
     target = Path(target)
     target.parent.mkdir(parents=True, exist_ok=True)
-    with open(target.parent / f".{target.name}.lock", "a") as lock:
-        if not _lock(lock.fileno(), wait=False):
+    fd = _open_lock_file(target.parent / f".{target.name}.lock")
+    try:
+        if fd >= 0 and not _lock(fd, wait=False):
             if waiting:
                 print(waiting, flush=True)
-            _lock(lock.fileno())
-        yield  # closing the file releases the lock
+            _lock(fd)
+        yield
+    finally:
+        if fd >= 0:
+            os.close(fd)  # releases the lock
+
+
+def _open_lock_file(path: Path) -> int:
+    """``path`` opened for writing (made if missing) for ``flock``; -1 where it is another user's and read-only for
+    this one (their umask): the caller then goes on without a lock, as where the file system has none."""
+    try:
+        return os.open(path, os.O_WRONLY | os.O_CREAT, 0o666)
+    except PermissionError:
+        return -1
 
 
 def made_once(
@@ -261,23 +275,14 @@ def _swapping(dst: Path) -> Iterator[None]:
     except OSError as error:  # ENOLCK, EOPNOTSUPP: no locks here, the moves go on without one
         if error.errno == errno.EBADF:  # NFS: a folder cannot be locked there
             os.close(fd)
-            fd = _swap_lock_file(dst.parent)
+            fd = _open_lock_file(dst.parent / SWAP_LOCK)
+            if fd >= 0:
+                _lock(fd)
     try:
         yield
     finally:
         if fd >= 0:
             os.close(fd)
-
-
-def _swap_lock_file(parent: Path) -> int:
-    """``parent``'s ``SWAP_LOCK`` opened and locked; -1 where another user's lock file cannot be opened for writing
-    (its umask left it read-only for others): the moves then go on without a lock, as where there are none."""
-    try:
-        fd = os.open(parent / SWAP_LOCK, os.O_WRONLY | os.O_CREAT, 0o666)
-    except PermissionError:
-        return -1
-    _lock(fd)
-    return fd
 
 
 @contextmanager
