@@ -269,21 +269,15 @@ def test_a_model_trained_again_in_place_is_another_model(tmp_path):
     assert after != before
 
 
-def test_the_two_moves_take_turns_where_only_files_open_for_writing_lock(tmp_path, monkeypatch):
-    """NFS emulates ``flock`` with byte-range locks, which need a file open for writing: a folder's lock fails
-    there (EBADF). The rule is made here (this machine's file systems lock folders): the swaps of two writers of
-    the same folder still take turns, on a lock file the second waits for, and nothing is left beside the
-    target where folders lock."""
+@pytest.fixture
+def nfs_locks(monkeypatch):
+    """NFS's rule made on this machine, whose file systems lock folders: NFS emulates ``flock`` with byte-range
+    locks, which need a file open for writing, so a folder's lock fails there (EBADF)."""
     import errno
     import fcntl
-    import threading
 
     from swiftkv_core import atomic
 
-    target = tmp_path / "out"
-    with atomic_directory(target) as staging:
-        _write(staging, "first")
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
     real_flock = fcntl.flock
 
     def nfs_flock(fd, operation):
@@ -292,6 +286,19 @@ def test_the_two_moves_take_turns_where_only_files_open_for_writing_lock(tmp_pat
         real_flock(fd, operation)
 
     monkeypatch.setattr(atomic.fcntl, "flock", nfs_flock)
+
+
+def test_the_two_moves_take_turns_where_only_files_open_for_writing_lock(tmp_path, nfs_locks):
+    """Where only files open for writing lock (NFS, ``nfs_locks``), the swaps of two writers of the same folder
+    still take turns, on a lock file the second waits for. (Where folders lock, nothing is left beside the target:
+    the tests above list the folder.)"""
+    import threading
+
+    from swiftkv_core import atomic
+
+    target = tmp_path / "out"
+    with atomic_directory(target) as staging:
+        _write(staging, "first")
     entered = threading.Event()
 
     def second_writer():
@@ -313,12 +320,10 @@ def test_the_two_moves_take_turns_where_only_files_open_for_writing_lock(tmp_pat
 @pytest.mark.skipif(
     not hasattr(os, "geteuid") or os.geteuid() != 0, reason="becomes another user: needs root"
 )
-def test_another_users_read_only_lock_files_do_not_stop_a_write(monkeypatch):
+def test_another_users_read_only_lock_files_do_not_stop_a_write(nfs_locks):
     """A folder shared by a team (a cache, checkpoints) on NFS: the lock files another user made are read-only for
     this one (the other's umask). The write goes on without taking turns, as where there are no locks, instead of
-    failing. The other user is real: a forked child that becomes ``nobody``; NFS's rule is made as above."""
-    import errno
-    import fcntl
+    failing. The other user is real: a forked child that becomes ``nobody``."""
     import shutil
     import tempfile
     import traceback
@@ -326,14 +331,6 @@ def test_another_users_read_only_lock_files_do_not_stop_a_write(monkeypatch):
 
     from swiftkv_core import atomic
 
-    real_flock = fcntl.flock
-
-    def nfs_flock(fd, operation):
-        if fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_ACCMODE == os.O_RDONLY:
-            raise OSError(errno.EBADF, "Bad file descriptor")
-        real_flock(fd, operation)
-
-    monkeypatch.setattr(atomic.fcntl, "flock", nfs_flock)
     shared = Path(tempfile.mkdtemp())  # not under tmp_path: its parents are private to root
     try:
         shared.chmod(0o777)
