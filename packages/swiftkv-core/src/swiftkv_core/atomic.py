@@ -271,14 +271,15 @@ def _swapping(dst: Path) -> Iterator[None]:
     writer. Elsewhere nothing is added beside ``dst``."""
     fd = os.open(dst.parent, os.O_RDONLY)
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
-    except OSError as error:  # ENOLCK, EOPNOTSUPP: no locks here, the moves go on without one
-        if error.errno == errno.EBADF:  # NFS: a folder cannot be locked there
-            os.close(fd)
-            fd = _open_lock_file(dst.parent / SWAP_LOCK)
-            if fd >= 0:
-                _lock(fd)
-    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        except OSError as error:  # ENOLCK, EOPNOTSUPP: no locks here, the moves go on without one
+            if error.errno == errno.EBADF:  # NFS: a folder cannot be locked there
+                os.close(fd)
+                fd = -1  # closed: not closed again if what follows raises
+                fd = _open_lock_file(dst.parent / SWAP_LOCK)
+                if fd >= 0:
+                    _lock(fd)
         yield
     finally:
         if fd >= 0:
