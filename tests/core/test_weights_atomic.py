@@ -269,89 +269,55 @@ def test_a_model_trained_again_in_place_is_another_model(tmp_path):
     assert after != before
 
 
-@pytest.fixture
-def nfs_locks(monkeypatch):
-    """NFS's rule made on this machine, whose file systems lock folders: NFS emulates ``flock`` with byte-range
-    locks, which need a file open for writing, so a folder's lock fails there (EBADF)."""
-    import errno
-    import fcntl
+def _as_another_user(function) -> None:
+    """``function()`` run as the user ``nobody`` in a forked child (the caller is root), its failure re-raised here."""
+    import time
+    import traceback
 
-    from swiftkv_core import atomic
-
-    real_flock = fcntl.flock
-
-    def nfs_flock(fd, operation):
-        if fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_ACCMODE == os.O_RDONLY:
-            raise OSError(errno.EBADF, "Bad file descriptor")
-        real_flock(fd, operation)
-
-    monkeypatch.setattr(atomic.fcntl, "flock", nfs_flock)
-
-
-def test_the_two_moves_take_turns_where_only_files_open_for_writing_lock(tmp_path, nfs_locks):
-    """Where only files open for writing lock (NFS, ``nfs_locks``), the swaps of two writers of the same folder
-    still take turns, on a lock file the second waits for. (Where folders lock, nothing is left beside the target:
-    the tests above list the folder.)"""
-    import threading
-
-    from swiftkv_core import atomic
-
-    target = tmp_path / "out"
-    with atomic_directory(target) as staging:
-        _write(staging, "first")
-    entered = threading.Event()
-
-    def second_writer():
-        with atomic._swapping(target):  # a separate open of the lock file: flock makes the two take turns
-            entered.set()
-
-    with atomic._swapping(target):
-        other = threading.Thread(target=second_writer)
-        other.start()
-        assert not entered.wait(timeout=1.0)  # the first holds the lock: the second waits
-    other.join(timeout=10)
-    assert entered.is_set()
-    with atomic_directory(target) as staging:
-        _write(staging, "second")
-    assert (target / "a.txt").read_text() == "second"
-    assert sorted(p.name for p in tmp_path.iterdir()) == [atomic.SWAP_LOCK, "out"]
+    child = os.fork()
+    if child == 0:  # pragma: no cover (the child's exit code is the result)
+        code = 1
+        try:
+            os.setgroups([])
+            os.setgid(65534)
+            os.setuid(65534)
+            function()
+            code = 0
+        except BaseException:
+            traceback.print_exc()
+        finally:
+            os._exit(code)
+    deadline = time.monotonic() + 60
+    while (status := os.waitpid(child, os.WNOHANG))[0] == 0 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    if status[0] == 0:
+        os.kill(child, signal.SIGKILL)
+        os.waitpid(child, 0)
+        pytest.fail("the other user's write hung")
+    assert os.waitstatus_to_exitcode(status[1]) == 0, "the other user's write failed (its traceback above)"
 
 
-@pytest.mark.skipif(
-    not hasattr(os, "geteuid") or os.geteuid() != 0, reason="becomes another user: needs root"
-)
-def test_another_users_read_only_lock_files_do_not_stop_a_write(nfs_locks):
-    """A folder shared by a team (a cache, checkpoints) on NFS: the lock files another user made are read-only for
-    this one (the other's umask). The write goes on without taking turns, as where there are no locks, instead of
-    failing. The other user is real: a forked child that becomes ``nobody``."""
+def test_another_users_read_only_lock_file_does_not_stop_a_write():
+    """A cache shared by a team: the lock file another user's run left is read-only for this one (the other's
+    umask). The cache is still made, without taking turns (as where there are no locks), instead of failing. As
+    root, the other user is real (a forked child that becomes ``nobody``); otherwise the lock file is made
+    read-only."""
     import shutil
     import tempfile
-    import traceback
     from pathlib import Path
-
-    from swiftkv_core import atomic
 
     shared = Path(tempfile.mkdtemp())  # not under tmp_path: its parents are private to root
     try:
         shared.chmod(0o777)
-        for name in (atomic.SWAP_LOCK, ".cache.lock"):
-            (shared / name).touch(mode=0o644)
-        child = os.fork()
-        if child == 0:  # pragma: no cover (the child's exit code is the result)
-            code = 1
-            try:
-                os.setgid(65534)
-                os.setuid(65534)
-                atomic.made_once(
-                    shared / "cache", lambda folder: folder.is_dir(), lambda staging: _write(staging, "x")
-                )
-                code = 0
-            except BaseException:
-                traceback.print_exc()
-            finally:
-                os._exit(code)
-        _, status = os.waitpid(child, 0)
-        assert os.waitstatus_to_exitcode(status) == 0
-        assert (shared / "cache" / "a.txt").read_text() == "x" and (shared / "cache").stat().st_uid == 65534
+        (shared / ".cache.lock").touch(mode=0o444)
+
+        def make():
+            made_once(shared / "cache", lambda folder: folder.is_dir(), lambda staging: _write(staging, "x"))
+
+        if os.geteuid() == 0:
+            _as_another_user(make)
+        else:
+            make()
+        assert (shared / "cache" / "a.txt").read_text() == "x"
     finally:
         shutil.rmtree(shared)

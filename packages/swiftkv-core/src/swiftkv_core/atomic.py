@@ -175,7 +175,10 @@ def exclusive(target: str | os.PathLike, waiting: str | None = None) -> Iterator
     always one whole."""
     target = Path(target)
     target.parent.mkdir(parents=True, exist_ok=True)
-    fd = _open_lock_file(target.parent / f".{target.name}.lock")
+    try:
+        fd = os.open(target.parent / f".{target.name}.lock", os.O_WRONLY | os.O_CREAT, 0o666)
+    except PermissionError:
+        fd = -1  # another user's, read-only for this one (their umask): no turns, as without locks
     try:
         if fd >= 0 and not _lock(fd, wait=False):
             if waiting:
@@ -185,15 +188,6 @@ def exclusive(target: str | os.PathLike, waiting: str | None = None) -> Iterator
     finally:
         if fd >= 0:
             os.close(fd)  # releases the lock
-
-
-def _open_lock_file(path: Path) -> int:
-    """``path`` opened for writing (made if missing) for ``flock``; -1 where it is another user's and read-only for
-    this one (their umask): the caller then goes on without a lock, as where the file system has none."""
-    try:
-        return os.open(path, os.O_WRONLY | os.O_CREAT, 0o666)
-    except PermissionError:
-        return -1
 
 
 def made_once(
@@ -258,32 +252,19 @@ def restore_set_aside(dst: str | os.PathLike) -> None:
             shutil.rmtree(leftover, ignore_errors=True)
 
 
-# where a folder cannot be locked (NFS): the file ``_swapping`` locks instead
-SWAP_LOCK = ".swiftkv-swap.lock"
-
-
 @contextmanager
 def _swapping(dst: Path) -> Iterator[None]:
     """The two moves of ``replace_directory`` and ``restore_set_aside`` take turns (a lock on the parent folder,
     held for microseconds): a folder set aside while its owner lives is never taken for a killed process's
-    leftover. NFS emulates ``flock`` with byte-range locks, which need a file open for writing, and a folder cannot
-    be opened so (EBADF): there the lock is on the file ``SWAP_LOCK`` in the parent, left there for the next
-    writer. Elsewhere nothing is added beside ``dst``."""
+    leftover. On NFS a folder's lock holds on its own host only (the client keeps it; files' locks go to the
+    server): processes on two nodes writing the same folder at once do not take turns here. ``made_once``, the
+    one writer that runs on every node (a cache), takes turns across nodes through ``exclusive``'s lock file."""
     fd = os.open(dst.parent, os.O_RDONLY)
     try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX)
-        except OSError as error:  # ENOLCK, EOPNOTSUPP: no locks here, the moves go on without one
-            if error.errno == errno.EBADF:  # NFS: a folder cannot be locked there
-                os.close(fd)
-                fd = -1  # closed: not closed again if what follows raises
-                fd = _open_lock_file(dst.parent / SWAP_LOCK)
-                if fd >= 0:
-                    _lock(fd)
+        _lock(fd)
         yield
     finally:
-        if fd >= 0:
-            os.close(fd)
+        os.close(fd)
 
 
 @contextmanager
