@@ -270,7 +270,8 @@ def test_a_model_trained_again_in_place_is_another_model(tmp_path):
 
 
 def _as_another_user(function) -> None:
-    """``function()`` run as the user ``nobody`` in a forked child (the caller is root), its failure re-raised here."""
+    """``function()`` run as the user ``nobody`` in a forked child (the caller is root); the test fails if it raises
+    (its traceback printed) or hangs."""
     import time
     import traceback
 
@@ -300,8 +301,8 @@ def _as_another_user(function) -> None:
 def test_another_users_read_only_lock_file_does_not_stop_a_write():
     """A cache shared by a team: the lock file another user's run left is read-only for this one (the other's
     umask). The cache is still made, without taking turns (as where there are no locks), instead of failing. As
-    root, the other user is real (a forked child that becomes ``nobody``); otherwise the lock file is made
-    read-only."""
+    root, the other user is real (a forked child that becomes ``nobody``); otherwise this user's own read-only lock
+    file stands for the other's."""
     import shutil
     import tempfile
     from pathlib import Path
