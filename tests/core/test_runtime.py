@@ -147,9 +147,18 @@ def test_device_and_dtype_choice(monkeypatch):
     assert runtime.choose_device("auto").type == ("cuda" if gpu else "cpu")
     assert runtime.choose_device("cpu") == torch.device("cpu")
     assert runtime.choose_dtype("auto", torch.device("cpu")) == torch.float32
-    for bf16, dtype in ((True, torch.bfloat16), (False, torch.float16)):
-        monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True, bf16=bf16: bf16)
-        assert runtime.choose_dtype("auto", torch.device("cuda")) == dtype
+    # a host with a T4 (7.5: no bf16) as GPU 0 and an A100 (8.0) as GPU 1: each GPU's own answer counts
+    capabilities = {0: (7, 5), 1: (8, 0)}
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(
+        torch.cuda,
+        "get_device_capability",
+        lambda device=None: capabilities[getattr(device, "index", None) or 0],
+    )
+    assert runtime.choose_dtype("auto", torch.device("cuda")) == torch.float16
+    assert runtime.choose_dtype("auto", torch.device("cuda:0")) == torch.float16
+    assert runtime.choose_dtype("auto", torch.device("cuda:1")) == torch.bfloat16
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: gpu)
     assert runtime.choose_dtype("float16", torch.device("cpu")) == torch.float16
     for bad in ("gpu", "tpu", "mps", "cuda:x"):
         with pytest.raises(ValueError, match=f"--device '{bad}': choose 'auto'"):

@@ -323,7 +323,7 @@ def test_the_teachers_device_keys_its_answers(tiny_model, tmp_path, monkeypatch)
     assert answer_file("cpu") == on_a_cpu_machine
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
-    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
     assert answer_file("cpu") == on_a_cpu_machine
     assert answer_file("auto") == answer_file("cuda") != on_a_cpu_machine
     _, record = answers.teacher_answers_cache_file([], str(tiny_model), backend="hf", device="cuda")

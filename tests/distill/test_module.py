@@ -209,9 +209,11 @@ def test_bf16_on_a_gpu_without_it_is_refused_saying_what_to_set(monkeypatch):
     from swiftkv_distill.build import check_precision
 
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Tesla V100-SXM2-16GB")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     cuda, bf16 = torch.device("cuda"), SimpleNamespace(precision="bf16-mixed")
-    for supported in (False, True):
-        monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True, s=supported: s)
+    for major in (7, 8):
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None, major=major: (major, 0))
+        supported = major >= 8
         if not supported:
             with pytest.raises(
                 ValueError, match="Tesla V100-SXM2-16GB has no bf16.*trainer.precision: 16-mixed"

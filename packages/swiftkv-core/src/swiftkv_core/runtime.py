@@ -89,10 +89,13 @@ def why_no_gpu(cuda_build: str | None = torch.version.cuda) -> str:
     )
 
 
-def gpu_computes_bf16() -> bool:
-    """Whether the GPU computes bf16 natively (CUDA compute capability 8.0 or more; a V100 or T4 only emulates it,
-    slowly); False without a GPU."""
-    return torch.cuda.is_bf16_supported(including_emulation=False)
+def gpu_computes_bf16(device: torch.device | str | None = None) -> bool:
+    """Whether ``device`` (the current GPU where None or unnumbered) computes bf16 natively: CUDA compute capability
+    8.0 or more (a V100 or T4 only emulates it, slowly). Asked of that GPU itself, so a host with an A100 and a T4
+    gets each one's answer. False without a GPU."""
+    if not torch.cuda.is_available():
+        return False
+    return torch.cuda.get_device_capability(device)[0] >= 8
 
 
 def choose_dtype(requested: str, device: torch.device) -> torch.dtype:
@@ -102,7 +105,7 @@ def choose_dtype(requested: str, device: torch.device) -> torch.dtype:
     if requested == "auto":
         if device.type != "cuda":
             return torch.float32
-        return torch.bfloat16 if gpu_computes_bf16() else torch.float16
+        return torch.bfloat16 if gpu_computes_bf16(device) else torch.float16
     if requested not in DTYPES:
         raise ValueError(f"--dtype {requested!r}: choose 'auto' or one of {list(DTYPES)}.")
     return DTYPES[requested]

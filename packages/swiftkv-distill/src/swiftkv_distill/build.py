@@ -54,7 +54,7 @@ def check_precision(device: torch.device, trainer) -> None:
     precision = trainer_precision(trainer)
     if device.type != "cuda" or not precision.startswith("bf16"):
         return
-    if not gpu_computes_bf16():
+    if not gpu_computes_bf16(device):
         raise ValueError(
             f"trainer.precision {precision}: {device_description(device)} has no bf16 (compute capability below "
             "8.0). Set trainer.precision: 16-mixed (fp16 autocast, fp32 master weights), or run on an A100, L4, "
