@@ -98,6 +98,49 @@ def test_cpu_recipe_instantiates():
     assert cli.trainer.max_steps > 0
 
 
+def test_several_nodes_without_a_launcher_are_refused_before_anything_starts(monkeypatch):
+    """The 70B recipe (2 nodes) started on one node as a plain command would wait 30 minutes for the other node's
+    processes: refused at once, saying how to launch it on each node or run it on one. Under a launcher (here
+    MASTER_ADDR, as set by hand or torchrun) the same settings instantiate."""
+    from swiftkv_distill.cli import main
+    from swiftkv_distill.recipe import MULTI_NODE_LAUNCH
+
+    for name in MULTI_NODE_LAUNCH:
+        monkeypatch.delenv(name, raising=False)
+    with pytest.raises(
+        SystemExit,
+        match=r"trainer.num_nodes is 2.*fabric run --num_nodes 2 --node_rank RANK.*"
+        r"--devices 8 .*--trainer.strategy.data_parallel_size 8.*accumulate_grad_batches 2",
+    ):
+        main(["fit", "--config", "llama-3.1-70b-instruct", "--model.model", "/models/Llama-3.1-70B-Instruct"])
+    two_nodes = ["--config", "smollm2-135m-cpu", "--trainer.num_nodes", "2"]
+    with pytest.raises(ValueError, match="trainer.num_nodes is 2"):
+        make_cli(two_nodes, run=False)
+    monkeypatch.setenv("MASTER_ADDR", "node-0")
+    assert make_cli(two_nodes, run=False).trainer.num_nodes == 2
+
+
+def test_a_sharding_that_is_not_the_processes_started_is_refused_before_they_start():
+    """The 8-GPU recipe's FSDP2 over 8 processes, run with one device: refused when parsed, naming the fix (Lightning
+    itself finds it only once the processes are up); matching sizes and Lightning's "auto" pass."""
+    one_device = [
+        "--config",
+        "llama-3.1-8b-instruct",
+        "--model.model",
+        "default",
+        "--trainer.accelerator",
+        "cpu",
+    ]
+    with pytest.raises(
+        ValueError,
+        match=r"data_parallel_size 8 x tensor_parallel_size 1 = 8 processes, but "
+        r"trainer.devices 1 x num_nodes 1 start 1: set --trainer.strategy.data_parallel_size 1",
+    ):
+        make_cli([*one_device, "--trainer.devices", "1"], run=False)
+    for fix in (["--trainer.strategy.data_parallel_size", "1"], ["--trainer.strategy", "auto"]):
+        assert make_cli([*one_device, "--trainer.devices", "1", *fix], run=False).trainer.world_size == 1
+
+
 def test_gpu_recipe_strategy_is_fsdp2():
     path = next(p for p in CONFIGS if p.stem == "llama-3.1-8b-instruct")
     raw = yaml.safe_load(path.read_text())

@@ -43,6 +43,12 @@ class DistillCLI(LightningCLI):
         # One model path for the module (weights) and the data (tokenizer, context length).
         parser.link_arguments("model.model", "data.model")
 
+    def instantiate_classes(self) -> None:
+        trainer = self.config.get(self.subcommand, self.config).trainer
+        check_launch(trainer.num_nodes, trainer.devices, os.environ)
+        check_world_size(trainer)
+        super().instantiate_classes()
+
     def before_fit(self) -> None:
         """The data read, checked, tokenised and packed before the Trainer writes anything (its config, logs): bad
         data is refused with nothing left in the output folder. (Several processes leave it to Lightning, which
@@ -63,6 +69,53 @@ class DistillCLI(LightningCLI):
         model.resume_from = ckpt_path  # under FSDP2 no process then reads the pretrained weights
         with told_out_of_memory(self.trainer, model, datamodule or self.datamodule):
             self.trainer.fit(model, datamodule=datamodule, ckpt_path=ckpt_path, **kwargs)
+
+
+# what a launcher on several nodes sets: torchrun / fabric run, SLURM, Open MPI, LSF, or by hand (Lightning's own
+# environment reads MASTER_ADDR and NODE_RANK)
+MULTI_NODE_LAUNCH = (
+    "TORCHELASTIC_RUN_ID",
+    "SLURM_NTASKS",
+    "OMPI_COMM_WORLD_SIZE",
+    "LSB_JOBID",
+    "MASTER_ADDR",
+)
+
+
+def check_launch(num_nodes: int, devices, environ) -> None:
+    """Refuse ``trainer.num_nodes`` > 1 started without a multi-node launcher: the command would start this node's
+    processes only, and they would wait for the others' until the process group's timeout (30 min)."""
+    if num_nodes <= 1 or any(environ.get(name) for name in MULTI_NODE_LAUNCH):
+        return
+    raise ValueError(
+        f"trainer.num_nodes is {num_nodes}, and no multi-node launcher started this process: it would start this "
+        "node's processes only and wait for the others' for 30 minutes. On each node run `fabric run --num_nodes "
+        f"{num_nodes} --node_rank RANK --main_address FIRST_NODE --accelerator cuda --devices {devices} "
+        "apps/distill.py --config ...` (Lightning 2.6's name for `lightning run`; torchrun and SLURM's srun work "
+        f"too); on one node pass --trainer.num_nodes 1 --trainer.strategy.data_parallel_size {devices} (the "
+        f"global batch is then {num_nodes}x smaller: --trainer.accumulate_grad_batches {num_nodes} keeps it)."
+    )
+
+
+def check_world_size(trainer) -> None:
+    """Refuse a ModelParallelStrategy whose data x tensor parallel size is not the processes the trainer starts
+    (``devices`` x ``num_nodes``), before any process starts: Lightning finds it only once every process is up."""
+    strategy = trainer.strategy
+    if not str(getattr(strategy, "class_path", "")).endswith("ModelParallelStrategy"):
+        return
+    # the command line's devices "1" is a string (Lightning's type: list, str or int)
+    sizes = [strategy.init_args.data_parallel_size, strategy.init_args.tensor_parallel_size, trainer.devices]
+    if not all(isinstance(n, int) or (isinstance(n, str) and n.isdigit()) for n in sizes):
+        return  # "auto" (Lightning's own choice) or a list of devices
+    dp, tp, devices = map(int, sizes)
+    processes = devices * trainer.num_nodes
+    if dp * tp != processes:
+        raise ValueError(
+            f"trainer.strategy's data_parallel_size {dp} x tensor_parallel_size {tp} = {dp * tp} processes, but "
+            f"trainer.devices {devices} x num_nodes {trainer.num_nodes} start {processes}: set "
+            f"--trainer.strategy.data_parallel_size {max(processes // tp, 1)}, or --trainer.strategy auto for one "
+            "process."
+        )
 
 
 def with_recipe_paths(args: list[str]) -> list[str]:

@@ -143,7 +143,9 @@ def distill(run: Run) -> dict:
         "data.val_files": val_files,
         "data.max_val_rows": s.max_eval_rows,
         "trainer.accelerator": s.accelerator,
+        # one process on one device, whatever the recipe's launch (an 8-GPU recipe's FSDP2 strategy too)
         "trainer.devices": 1,
+        "trainer.strategy": "auto",
     }
     built, summary = budgeted_fit(
         s.recipe,
