@@ -136,3 +136,32 @@ def test_cli_commands_run_where_and_in_the_dtype_asked(tmp_path, capsys):
     printed = capsys.readouterr().out
     assert "swiftkv analyze: on CPU (" in printed and "float32 (--device cpu -> cpu)" in printed
     assert (tmp_path / "analyze" / "similarity.png").is_file()
+
+
+def test_weights_that_outgrow_the_device_are_refused_before_any_is_read(tmp_path, capsys, monkeypatch):
+    """The count comes from the safetensors headers (every stored number, tied weights once); a device without room
+    for them is refused naming what fits: the CPU in bf16 for a GPU, bf16 for fp32; a GPU with more memory else."""
+    from swiftkv_core.checkpoints import stored_parameter_count
+    from swiftkv_core.commands import check_weights_fit
+
+    model = tiny_base("llama")
+    model.save_pretrained(tmp_path / "base")
+    count = stored_parameter_count(tmp_path / "base")
+    assert count == sum(p.numel() for p in model.parameters())
+    assert stored_parameter_count(tmp_path / "none") is None
+    base, cpu, gpu = str(tmp_path / "base"), torch.device("cpu"), torch.device("cuda")
+    check_weights_fit(base, cpu, torch.float32, have=count * 4)  # fits
+    with pytest.raises(
+        ValueError, match=r"take .* GiB in float32 and CPU .* use --dtype bfloat16 .* or a device"
+    ):
+        check_weights_fit(base, cpu, torch.float32, have=count * 3)
+    with pytest.raises(ValueError, match=r"in bfloat16 and CPU .*: use a device with more memory\.$"):
+        check_weights_fit(base, cpu, torch.bfloat16, have=count)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H100 80GB HBM3")
+    with pytest.raises(
+        ValueError, match=r"and NVIDIA H100 80GB HBM3 has .*: use --device cpu --dtype bfloat16 \("
+    ):
+        check_weights_fit(base, gpu, torch.bfloat16, have=count)
+    # a model that fits goes on through the command
+    main(["convert", "--model", base, "--out_dir", str(tmp_path / "swiftkv"), "--device", "cpu"])
+    assert "swiftkv convert: on CPU" in capsys.readouterr().out

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 from dataclasses import asdict
 from pathlib import Path
@@ -122,6 +123,24 @@ def stored_dtype(model: str | os.PathLike):
     weights), of another (fp8, fp64), not in safetensors files, or ``model`` names no checkpoint."""
     import torch
 
+    if (entries := _weight_entries(model)) is None:
+        return None
+    found = {entry["dtype"] for entry in entries if entry["dtype"] not in ("I64", "I32", "BOOL")}
+    name = SAFETENSORS_DTYPES.get(found.pop()) if len(found) == 1 else None
+    return getattr(torch, name) if name else None
+
+
+def stored_parameter_count(model: str | os.PathLike) -> int | None:
+    """How many numbers the weight files of ``model`` hold (those ``from_pretrained`` reads), from their safetensors
+    headers alone; ``None`` where they are not safetensors files or ``model`` names no checkpoint."""
+    if (entries := _weight_entries(model)) is None:
+        return None
+    return sum(math.prod(entry["shape"]) for entry in entries)
+
+
+def _weight_entries(model: str | os.PathLike) -> list[dict] | None:
+    """The safetensors header entries (dtype, shape, offsets) of the weight files ``from_pretrained`` reads for
+    ``model`` (the index's files, or ``model.safetensors``); ``None`` where there are none or one is unreadable."""
     try:
         path = resolve_model_path(model)
     except (OSError, ValueError):
@@ -135,17 +154,13 @@ def stored_dtype(model: str | os.PathLike):
         )
     except (OSError, ValueError, KeyError, AttributeError):
         return None  # from_pretrained says what is wrong with the index
-    files = [path / name for name in sorted(names)]
-    found = set()
-    for file in files:
+    entries = []
+    for file in [path / name for name in sorted(names)]:
         read = _safetensors_header(file) if file.is_file() else None
         if read is None:
             return None
-        found |= {
-            entry["dtype"] for entry in read[1].values() if entry["dtype"] not in ("I64", "I32", "BOOL")
-        }
-    name = SAFETENSORS_DTYPES.get(found.pop()) if len(found) == 1 else None
-    return getattr(torch, name) if name else None
+        entries += read[1].values()
+    return entries
 
 
 def check_swiftkv_version_of(swiftkv: str | os.PathLike, base: str | os.PathLike):

@@ -48,6 +48,7 @@ def convert(
     _existing_files(kv_init_text_files, "--kv_init_text_files")
     _positive(kv_init_tokens=kv_init_tokens)
     device, dtype = _placement("convert", device, dtype)
+    check_weights_fit(model, device, dtype)
     tokenizer = load_tokenizer(model, need=bool(kv_init_text_files))
     if kv_init_text_files:  # the fit's first batch before any weight is read: text too short is refused here
         from .kv_init import fit_kv_projections, text_batches
@@ -110,6 +111,7 @@ def analyze(
     if not texts:
         texts = _sample_texts()
     device, dtype = _placement("analyze", device, dtype)
+    check_weights_fit(model, device, dtype)
     base, tokenizer = load(model, dtype=dtype, device=device)
     similarity = layer_input_similarity(base, tokenizer, texts, max_length=max_length)
     result = write_similarity_report(
@@ -154,6 +156,7 @@ def generate(
     _positive(max_new_tokens=max_new_tokens)
     check_checkpoint(model, num_key_value_layers, key_value_group_size)  # family, and l / g when given
     device, dtype = _placement("generate", device, dtype)
+    check_weights_fit(model, device, dtype)
     lm, tokenizer = load(model, dtype=dtype, device=device)
     if num_key_value_layers is not None and not hasattr(lm, "swiftkv"):
         lm = convert_model(lm, num_key_value_layers, key_value_group_size)
@@ -252,6 +255,31 @@ def _placement(command: str, device: str, dtype: str) -> tuple[torch.device, tor
         flush=True,
     )
     return chosen, chosen_dtype
+
+
+def check_weights_fit(model: str, device: torch.device, dtype: torch.dtype, have: int | None = None) -> None:
+    """Refuse, before any weight is read, a model whose weights alone outgrow ``device``'s memory (``have`` bytes,
+    default ``runtime.device_memory_bytes``): a 70B model in bf16 onto one 80 GB GPU would fail mid-load with
+    CUDA's out-of-memory error, or a CPU's with the kernel's kill. The message names what fits instead."""
+    from .checkpoints import stored_parameter_count
+    from .runtime import device_description, device_memory_bytes
+
+    count = stored_parameter_count(model)
+    have = device_memory_bytes(device) if have is None else have
+    need = count * dtype.itemsize if count else 0
+    if not have or need <= have:
+        return
+    host = device_memory_bytes("cpu") or 0
+    fixes = []
+    if device.type != "cpu" and count * 2 <= host:
+        fixes.append(f"--device cpu --dtype bfloat16 ({count * 2 / 2**30:.1f} GiB of this machine's memory)")
+    if dtype.itemsize > 2 and count * 2 <= have:
+        fixes.append(f"--dtype bfloat16 ({count * 2 / 2**30:.1f} GiB)")
+    fixes.append("a device with more memory")
+    raise ValueError(
+        f"{model}: its {count / 1e9:.1f}B weights take {need / 2**30:.1f} GiB in {str(dtype).removeprefix('torch.')}"
+        f" and {device_description(device)} has {have / 2**30:.1f} GiB: use {', or '.join(fixes)}."
+    )
 
 
 def _positive(**values: int) -> None:
