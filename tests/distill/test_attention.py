@@ -216,6 +216,8 @@ def test_the_gpu_recipes_flash_attention_with_fp32_weights_evaluates_and_fits_kv
 
 
 def test_the_run_picks_fast_packed_attention_for_its_device(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)  # an A100 (compute capability 8.0)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index: (8, 0))
     assert attention_for("cpu") == "sdpa"  # fastest on a CPU; packed rows get a dense mask there
     assert attention_for("cuda") in (
         "flex_attention",
@@ -236,6 +238,10 @@ def test_the_run_picks_fast_packed_attention_for_its_device(monkeypatch):
     assert (
         attention_for("cuda", half=False) == "flex_attention"
     )  # training in fp32: flash-attn computes no fp32
+    # a T4 (7.5) in fp16: flash-attn runs on Ampere and newer only
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index: (7, 5))
+    assert attention_for("cuda") == "flex_attention"
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index: (8, 0))
     with pytest.raises(ValueError, match="flash_attention_3 computes in fp16 and bf16 only"):
         attention_for("cuda", "flash_attention_3", half=False)
     # FlashAttention-3's package too: picked on a Hopper GPU only, where transformers takes it
@@ -250,7 +256,6 @@ def test_the_run_picks_fast_packed_attention_for_its_device(monkeypatch):
     )
     monkeypatch.setattr(transformers.utils, "is_flash_attn_3_available", lambda: True)
     for capability, expected in (((9, 0), "flash_attention_3"), ((8, 0), "flash_attention_2")):
-        monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
         monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index, c=capability: c)
         assert attention_for("cuda") == expected, capability
     monkeypatch.setattr(transformers.utils, "is_flash_attn_3_available", lambda: False)

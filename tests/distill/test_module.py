@@ -203,6 +203,36 @@ def test_bf16_mixed_trains(tiny_model, text_file, tmp_path, monkeypatch):
     assert all(p.dtype == torch.float32 for p in module.trainable_parameters())  # fp32 master weights
 
 
+def test_bf16_true_keeps_the_position_weights_and_the_validation_sums_in_fp32(
+    tiny_model, text_file, tmp_path
+):
+    """bf16-true converts the whole LightningModule to bf16 and makes bf16 the default dtype in its steps: the
+    weight of each distilled position (1 / their count: 6.14e-4 for 6.15e-4 at 13k in bf16) and the validation's
+    running sums (3% high after 40 x 8192 values) stay fp32."""
+    from swiftkv_distill.step import AccumulationWindow
+
+    torch.set_default_dtype(torch.bfloat16)  # as in Lightning's bf16-true steps
+    try:
+        scale = AccumulationWindow().row_scale(torch.tensor(13001), processes=8, window=1)
+    finally:
+        torch.set_default_dtype(torch.float32)
+    assert scale.dtype == torch.float32 and scale.item() == pytest.approx(8 / 13001, rel=1e-6)
+    module = SwiftKVDistillation(str(tiny_model), num_key_value_layers=2, evaluate_before_training=False)
+    dm = DistillDataModule(
+        str(tiny_model), [str(text_file)], val_files=[str(text_file)], max_length=32, batch_size=2
+    )
+    trainer = quiet_trainer(
+        tmp_path, max_steps=2, precision="bf16-true", limit_val_batches=1, num_sanity_val_steps=0
+    )
+    trainer.fit(module, dm)
+    assert torch.isfinite(trainer.callback_metrics["train/loss"]) and module.last_val_metrics["kl"] >= 0
+    assert module.swiftkv_model.lm_head.weight.dtype == torch.bfloat16
+    states = [
+        t for m in module.val_metrics.modules() if hasattr(m, "_defaults") for t in m.metric_state.values()
+    ]
+    assert states and all(t.dtype == torch.float32 for t in states)
+
+
 def test_bf16_on_a_gpu_without_it_is_refused_saying_what_to_set(monkeypatch):
     """A V100 or T4 (compute capability < 8.0) computes no bf16: a bf16 recipe there is refused before any weight is
     read, naming fp16's precision instead; other precisions, devices and GPUs pass."""
@@ -223,6 +253,13 @@ def test_bf16_on_a_gpu_without_it_is_refused_saying_what_to_set(monkeypatch):
             check_precision(cuda, bf16)
         check_precision(cuda, SimpleNamespace(precision="16-mixed"))
         check_precision(torch.device("cpu"), bf16)
+    # FSDP2 (Lightning's ModelParallelStrategy) takes no 16-mixed: fp32 is named there instead
+    from lightning.pytorch.strategies import ModelParallelStrategy
+
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (7, 0))
+    sharded = SimpleNamespace(precision="bf16-mixed", strategy=ModelParallelStrategy(1, 1))
+    with pytest.raises(ValueError, match="has no bf16.*trainer.precision: 32-true"):
+        check_precision(cuda, sharded)
 
 
 @pytest.mark.parametrize("kv_init", ["least_squares", "published"])

@@ -55,10 +55,12 @@ def check_precision(device: torch.device, trainer) -> None:
     if device.type != "cuda" or not precision.startswith("bf16"):
         return
     if not gpu_computes_bf16(device):
+        # Lightning's ModelParallelStrategy (FSDP2) takes no 16-mixed
+        sharded = type(getattr(trainer, "strategy", None)).__name__ == "ModelParallelStrategy"
+        instead = "32-true (fp32)" if sharded else "16-mixed (fp16 autocast, fp32 master weights)"
         raise ValueError(
             f"trainer.precision {precision}: {device_description(device)} has no bf16 (compute capability below "
-            "8.0). Set trainer.precision: 16-mixed (fp16 autocast, fp32 master weights), or run on an A100, L4, "
-            "H100 or newer GPU."
+            f"8.0). Set trainer.precision: {instead}, or run on an A100, L4, H100 or newer GPU."
         )
 
 
@@ -87,18 +89,23 @@ def attention_for(device: torch.device | str, requested: str = "auto", half: boo
         return "sdpa"
     if not half:
         return "flex_attention"
-    if importlib.util.find_spec("flash_attn_interface") is not None and _hopper(device):
+    major = _compute_capability(device)
+    if major < 8:  # flash-attn runs on Ampere (8.x) and newer only: not on a V100 or T4 in fp16
+        return "flex_attention"
+    if importlib.util.find_spec("flash_attn_interface") is not None and major == 9:
         from transformers.utils import is_flash_attn_3_available
 
-        if is_flash_attn_3_available():  # transformers' own test: the package named flash-attn-3
+        if (
+            is_flash_attn_3_available()
+        ):  # transformers' own test: the package named flash-attn-3 (Hopper only)
             return "flash_attention_3"
     return "flash_attention_2" if importlib.util.find_spec("flash_attn") is not None else "flex_attention"
 
 
-def _hopper(device) -> bool:
-    """Whether ``device`` is a Hopper GPU (compute capability 9.x), the one FlashAttention-3 runs on."""
+def _compute_capability(device) -> int:
+    """The major CUDA compute capability of ``device`` (the current GPU where it has no index): 9 on Hopper."""
     index = torch.device(device).index
-    return torch.cuda.get_device_capability(torch.cuda.current_device() if index is None else index)[0] == 9
+    return torch.cuda.get_device_capability(torch.cuda.current_device() if index is None else index)[0]
 
 
 def check_frozen_dtype(frozen: str, trainer) -> None:

@@ -78,7 +78,8 @@ class AccumulationWindow:
     def row_scale(self, positions: torch.Tensor, processes: int, window: int) -> torch.Tensor | float:
         """The weight of each of a batch's ``positions`` (their count on all processes)."""
         if window == 1:
-            return processes / positions.clamp(min=1)
+            # float32 as the loss is: under bf16-true Lightning makes bf16 the default dtype of a division's result
+            return processes / positions.clamp(min=1).float()
         self.positions = positions if self.positions is None else self.positions + positions
         return float(processes * window)
 
@@ -283,7 +284,7 @@ class DistillationStep(nn.Module):
         with torch.no_grad():
             teacher = select(self.model.model.norm(teacher), index)
         student, student_last_input, early = self._student(batch, hidden, context, index, positions)
-        rows = torch.full((student.shape[0],), 1.0, device=student.device) * row_scale
+        rows = torch.full((student.shape[0],), 1.0, dtype=torch.float32, device=student.device) * row_scale
         kl_sum, kl_rows, agree = distillation_kl(
             student,
             teacher,
@@ -376,6 +377,14 @@ class ValidationMetrics(nn.Module):
         super().__init__()
         self.means = nn.ModuleDict({name: MeanMetric() for name in self.NAMES})
         self.tokens = SumMetric()  # the positions scored
+
+    def _apply(self, fn, recurse: bool = True):
+        """Moved as any module, but the sums stay float32: ``bf16-true`` converts the whole LightningModule to bf16,
+        and a bf16 running sum of thousands of values drifts by percents."""
+        super()._apply(fn, recurse)
+        for metric in (*self.means.values(), self.tokens):
+            metric.set_dtype(torch.float32)
+        return self
 
     def update(self, evaluation: Evaluation) -> None:
         stats, m = evaluation.stats, self.means
