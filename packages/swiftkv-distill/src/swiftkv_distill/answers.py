@@ -41,9 +41,14 @@ def hf_answers(path: Path, prompts: list[str], max_new_tokens: int, temperature:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from swiftkv_core.chat import chat_prompt_batch
+    from swiftkv_core.checkpoints import stored_dtype
+    from swiftkv_core.commands import check_weights_fit
 
     tokenizer = AutoTokenizer.from_pretrained(path)
     dtype = hf_dtype(device)
+    # a teacher that cannot fit the device is refused before its weights are read ("auto": the stored dtype)
+    loaded = (stored_dtype(path) or torch.float32) if dtype == "auto" else getattr(torch, dtype)
+    check_weights_fit(str(path), torch.device(hf_device(device)), loaded)
     lm = AutoModelForCausalLM.from_pretrained(path, dtype=dtype if dtype == "auto" else getattr(torch, dtype))
     lm = lm.to(hf_device(device)).eval()
     answers = []
