@@ -135,8 +135,8 @@ def check_compiled_prefill(model, forward, ids: torch.Tensor) -> float:
 
     The bf16 tolerance (fp16's by the ratio of their rounding) is above that dtype's rounding at a real depth, where
     eager bf16 itself is several percent from an fp32 copy (benchmarks/results/gpu-llama-3.1-8b-compiled-prefill.md).
-    It catches a broken graph, not the
-    other side's: with random weights the two sides' logits are too close to tell apart, hence the graph count."""
+    It catches a broken graph, not the other side's: with random weights the two sides' logits are too close to tell
+    apart, hence the graph count."""
     from torch._dynamo.utils import counters
 
     # fp16 (a GPU without bf16) rounds 8x finer than bf16: 3 more mantissa bits

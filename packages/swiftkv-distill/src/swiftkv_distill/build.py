@@ -95,9 +95,8 @@ def attention_for(device: torch.device | str, requested: str = "auto", half: boo
     if importlib.util.find_spec("flash_attn_interface") is not None and major == 9:
         from transformers.utils import is_flash_attn_3_available
 
-        if (
-            is_flash_attn_3_available()
-        ):  # transformers' own test: the package named flash-attn-3 (Hopper only)
+        # transformers' own test: the package named flash-attn-3 (Hopper only)
+        if is_flash_attn_3_available():
             return "flash_attention_3"
     return "flash_attention_2" if importlib.util.find_spec("flash_attn") is not None else "flex_attention"
 

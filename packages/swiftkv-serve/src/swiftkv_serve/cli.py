@@ -121,7 +121,7 @@ def option_value(options: list[str], name: str) -> str | None:
     return value
 
 
-# the vLLM options this command reads (the CPU's dtype and KV cache size, the API key)
+# the vLLM options this command reads (the CPU's dtype and KV cache size, the API key, a compile setting)
 READ_OPTIONS = (
     "--api-key",
     "--compilation-config",
