@@ -101,16 +101,13 @@ def main(
             flush=True,
         )
 
+    where = device_description(chosen) if chosen.type == "cuda" else platform.machine()
     result = {
         "model": f"{name} ({str(chosen_dtype).removeprefix('torch.')})",
         "num_key_value_layers": num_key_value_layers,
         "num_hidden_layers": model.config.num_hidden_layers,
         "torch_threads": torch.get_num_threads(),
-        "machine": (
-            f"{device_description(chosen)}, {torch.get_num_threads()} threads, torch {torch.__version__}"
-            if chosen.type == "cuda"
-            else f"{platform.machine()}, {torch.get_num_threads()} threads, torch {torch.__version__}"
-        ),
+        "machine": f"{where}, {torch.get_num_threads()} threads, torch {torch.__version__}",
         "command": " ".join([".venv/bin/python", "benchmarks/prefill.py", *sys.argv[1:]]),
         "rows": rows,
     }
