@@ -26,9 +26,10 @@ def load(
     return load_weights(resolve_model_path(model), dtype, device).eval(), tokenizer
 
 
-def load_weights(path: str | Path, dtype: torch.dtype, device: torch.device | str):
-    """``AutoModelForCausalLM.from_pretrained(path)`` on ``device``, its weights read straight onto a GPU (no whole
-    copy in host memory first) where ``accelerate`` is installed: transformers needs it for that."""
+def load_weights(path: str | Path, dtype: torch.dtype | str, device: torch.device | str):
+    """``AutoModelForCausalLM.from_pretrained(path)`` in ``dtype`` (or ``"auto"``: the stored one) on ``device``, its
+    weights read straight onto a GPU (no whole copy in host memory first) where ``accelerate`` is installed:
+    transformers needs it for that."""
     from transformers.utils import is_accelerate_available
 
     device = torch.device(device)

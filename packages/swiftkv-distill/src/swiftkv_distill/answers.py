@@ -38,19 +38,21 @@ def hf_answers(path: Path, prompts: list[str], max_new_tokens: int, temperature:
     works wherever torch does."""
     import torch
     from tqdm.auto import tqdm
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
     from swiftkv_core.chat import chat_prompt_batch
     from swiftkv_core.checkpoints import stored_dtype
     from swiftkv_core.commands import check_weights_fit
+    from swiftkv_core.generation import load_weights
 
     tokenizer = AutoTokenizer.from_pretrained(path)
     dtype = hf_dtype(device)
+    dtype = dtype if dtype == "auto" else getattr(torch, dtype)
     # a teacher that cannot fit the device is refused before its weights are read ("auto": the stored dtype)
-    loaded = (stored_dtype(path) or torch.float32) if dtype == "auto" else getattr(torch, dtype)
+    loaded = (stored_dtype(path) or torch.float32) if dtype == "auto" else dtype
     check_weights_fit(str(path), torch.device(hf_device(device)), loaded)
-    lm = AutoModelForCausalLM.from_pretrained(path, dtype=dtype if dtype == "auto" else getattr(torch, dtype))
-    lm = lm.to(hf_device(device)).eval()
+    # straight onto the GPU where there is one: no whole copy of the teacher in host memory first
+    lm = load_weights(path, dtype, hf_device(device)).eval()
     answers = []
     batches = range(0, len(prompts), batch_size)
     for index, start in enumerate(tqdm(batches, desc="teacher answers (HF)", unit="batch")):
