@@ -3,7 +3,8 @@ threads and compile state are its own and end with it.
 
 ``run_module_in_child("pkg.module", spec, what)`` runs ``python -m pkg.module SPEC.json RESULT.json``; the module
 ends with ``child_main(function)``, which calls ``function(**spec)`` and writes its result. A failure raises
-``ChildProcessFailed`` with the child's error lines; the child and everything it started are ended in every case.
+``ChildProcessFailed`` with the child's error lines; the child and everything it started are ended in every case,
+this process's own end included, however it comes (``tied_to_this_process``).
 """
 
 from __future__ import annotations
@@ -51,6 +52,15 @@ def terminate_group(proc: subprocess.Popen, grace_s: float = 10) -> None:
     proc.wait()
 
 
+def tied_to_this_process(command: list[str], signal_number: int = signal.SIGTERM) -> list[str]:
+    """``command`` started through a launcher that has ``signal_number`` sent to it when this process ends, however
+    it ends (Linux's ``PR_SET_PDEATHSIG``, kept across the launcher's ``exec`` into the command). Our engines
+    and servers run in a session of their own, which a terminal's Ctrl-C and hangup do not reach: before this, a
+    run killed by SIGKILL, SIGTERM or a closed terminal left its vLLM engine answering on, holding its memory (on a
+    GPU, most of the GPU's) and its port. Start it from the thread that waits for it."""
+    return [sys.executable, "-m", "swiftkv_serve.child", str(os.getpid()), str(int(signal_number)), *command]
+
+
 def run_module_in_child(
     module: str,
     spec: dict,
@@ -76,8 +86,10 @@ def run_module_in_child(
         # Output to files, not pipes: an engine process left behind holding a pipe open cannot block us.
         stdout_path, stderr_path = Path(tmp) / "stdout.log", Path(tmp) / "stderr.log"
         with stdout_path.open("w") as stdout, stderr_path.open("w") as stderr:
+            # SIGHUP when this process ends: child_main then ends the child's whole group (its engine processes)
+            command = [sys.executable, "-m", module, str(spec_path), str(result_path)]
             proc = subprocess.Popen(
-                [sys.executable, "-m", module, str(spec_path), str(result_path)],
+                tied_to_this_process(command, signal.SIGHUP),
                 stdout=stdout,
                 stderr=stderr,
                 env=env,
@@ -114,6 +126,21 @@ def child_main(function: Callable[..., object], spec_file: str, result_file: str
     its JSON-able result written to ``result_file`` (atomically: no file means it failed)."""
     from swiftkv_core.atomic import atomic_file
 
+    if os.getpgrp() == os.getpid():  # the leader of its own group, as run_module_in_child starts it
+        # the parent's end (tied_to_this_process): end the group, this process and the engine processes it started,
+        # as terminate_group would have
+        signal.signal(signal.SIGHUP, lambda *_: os.killpg(0, signal.SIGTERM))
     result = function(**json.loads(Path(spec_file).read_text()))
     with atomic_file(Path(result_file)) as f:
         f.write(json.dumps(result, ensure_ascii=False))
+
+
+if __name__ == "__main__":  # tied_to_this_process's launcher: PARENT_PID SIGNAL COMMAND...
+    # (no swiftkv_core import here: it takes transformers and torch, seconds, before every engine and server)
+    if sys.platform == "linux":
+        import ctypes
+
+        ctypes.CDLL(None).prctl(1, int(sys.argv[2]))  # PR_SET_PDEATHSIG
+        if os.getppid() != int(sys.argv[1]):  # the parent ended before that
+            sys.exit(1)
+    os.execvp(sys.argv[3], sys.argv[3:])

@@ -14,7 +14,7 @@ import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
-from .child import terminate_group
+from .child import terminate_group, tied_to_this_process
 
 
 def free_port() -> int:
@@ -42,8 +42,13 @@ def running_server(
     port = command[command.index("--port") + 1]
     base = f"http://127.0.0.1:{port}"
     with open(log, "w") as out:
+        # SIGTERM when this process ends, however it ends: vLLM's server then stops its engine
         proc = subprocess.Popen(
-            command, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True
+            tied_to_this_process(command),
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env=env,
+            start_new_session=True,
         )
     try:
         deadline = time.monotonic() + timeout_s

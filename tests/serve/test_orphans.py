@@ -1,0 +1,137 @@
+"""A run killed for real leaves no engine or server behind. Our vLLM engines and servers run in a session of their
+own, which a terminal's Ctrl-C and hangup do not reach; before ``tied_to_this_process``, a run ended by SIGKILL,
+SIGTERM or a closed terminal left its engine generating on (on a GPU, holding most of the GPU's memory) and its
+server answering. Each test starts a real parent process, waits until its child is at work, SIGKILLs the parent
+and waits for every process of the child's group to end."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from swiftkv_serve.server import free_port
+
+pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="PR_SET_PDEATHSIG is Linux's")
+
+
+def group_members(group: int) -> list[int]:
+    """The live processes of process group ``group`` (Linux /proc; zombies, already ended, left out)."""
+    members = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            with contextlib.suppress(OSError, ValueError, IndexError):
+                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+                if int(fields[2]) == group and fields[0] != "Z":
+                    members.append(int(entry.name))
+    return members
+
+
+def children_of(parent: int) -> list[int]:
+    children = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            with contextlib.suppress(OSError, ValueError, IndexError):
+                if int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1]) == parent:
+                    children.append(int(entry.name))
+    return children
+
+
+def wait_for(condition, timeout_s: float, what: str):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if value := condition():
+            return value
+        time.sleep(0.2)
+    raise AssertionError(f"no {what} after {timeout_s:.0f} s")
+
+
+def kill_parent_and_expect_group_gone(parent: subprocess.Popen, group: int, timeout_s: float = 30) -> None:
+    try:
+        os.kill(parent.pid, signal.SIGKILL)
+        parent.wait()
+        deadline = time.monotonic() + timeout_s
+        while group_members(group) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not group_members(group), f"left behind: {group_members(group)}"
+    finally:  # whatever the outcome, nothing of this test outlives it
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(group, signal.SIGKILL)
+
+
+@pytest.mark.vllm
+def test_a_killed_runs_vllm_answer_engine_ends_with_it(tiny_llama, tmp_path):
+    """The teacher-answers child (swiftkv_serve.answers, vLLM's engine in the child itself, as the main job's first
+    stage runs it) ends when the process that started it is killed with SIGKILL while answers are generated."""
+    script = textwrap.dedent(
+        """
+        import sys
+        from swiftkv_serve.answers import generate_answers
+        generate_answers(sys.argv[1], ["Tell me a story."] * 4000, max_new_tokens=128, seed=0, progress=True)
+        """
+    )
+    log = tmp_path / "parent.log"
+    parent = subprocess.Popen([sys.executable, "-c", script, str(tiny_llama)], stderr=log.open("w"))
+    try:
+        child = wait_for(lambda: children_of(parent.pid), 60, "child process")[0]
+        answering = re.compile(r"teacher answers \(vLLM\):\s+\d+%\|[^|]*\|\s*[1-9]\d*/4000")
+        wait_for(lambda: answering.search(log.read_text()), 300, "answers under way")
+    except BaseException:
+        parent.kill()
+        raise
+    assert parent.poll() is None, log.read_text()[-2000:]
+    kill_parent_and_expect_group_gone(parent, child)
+
+
+def test_a_killed_runs_child_ends_with_the_processes_it_started(tmp_path):
+    """A ``run_module_in_child`` child that started a process of its own, as vLLM's engine core is one under the
+    main job's serving stage: when the run is killed with SIGKILL, the child ends its whole group."""
+    script = textwrap.dedent(
+        """
+        from swiftkv_serve.child import run_module_in_child
+        run_module_in_child("tests.serve.orphan_child", {"seconds": 600}, "a child", lambda line: print(line, flush=True))
+        """
+    )
+    parent = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    assert parent.stdout.readline().strip() == "started"
+    child = children_of(parent.pid)[0]
+    assert len(group_members(child)) == 2  # the child and the process it started
+    kill_parent_and_expect_group_gone(parent, child, timeout_s=10)
+
+
+HEALTH_SERVER = """
+import http.server, sys
+class Health(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200 if self.path == "/health" else 404)
+        self.end_headers()
+http.server.HTTPServer(("127.0.0.1", int(sys.argv[sys.argv.index("--port") + 1])), Health).serve_forever()
+"""
+
+
+def test_a_killed_runs_server_ends_with_it(tmp_path):
+    """A server started by ``running_server`` (the soak benchmark's, the tests') ends when the process that
+    started it is killed with SIGKILL: the launcher has the kernel send it SIGTERM, what vLLM's server stops on."""
+    port = free_port()
+    script = textwrap.dedent(
+        f"""
+        import sys, time
+        from swiftkv_serve.server import running_server
+        command = [sys.executable, "-c", {HEALTH_SERVER!r}, "--port", "{port}"]
+        with running_server(command, {str(tmp_path / "server.log")!r}) as (base, proc):
+            print(proc.pid, flush=True)
+            time.sleep(600)
+        """
+    )
+    parent = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    server = int(parent.stdout.readline())
+    assert group_members(server) == [server]  # up, answering /health, alone in its group
+    kill_parent_and_expect_group_gone(parent, server, timeout_s=10)
