@@ -378,7 +378,7 @@ class SwiftKVDistillation(L.LightningModule):
         for logger in self.loggers:
             logger.log_metrics({f"{prefix}/{k}": v for k, v in metrics.items()}, step=0)
         if self.trainer.is_global_zero:
-            print(f"{what}: " + ", ".join(f"{k}={v:.4f}" for k, v in metrics.items()))
+            print(f"{what}: " + ", ".join(f"{k}={v:.5g}" for k, v in metrics.items()))
         return metrics
 
     @torch.no_grad()
