@@ -57,7 +57,9 @@ def tied_to_this_process(command: list[str], signal_number: int = signal.SIGTERM
     it ends (Linux's ``PR_SET_PDEATHSIG``, kept across the launcher's ``exec`` into the command). Our engines
     and servers run in a session of their own, which a terminal's Ctrl-C and hangup do not reach: before this, a
     run killed by SIGKILL, SIGTERM or a closed terminal left its vLLM engine answering on, holding its memory (on a
-    GPU, most of the GPU's) and its port. Start it from the thread that waits for it."""
+    GPU, most of the GPU's) and its port. Start it from the thread that waits for it. Elsewhere: ``command``."""
+    if sys.platform != "linux":
+        return command
     return [sys.executable, "-m", "swiftkv_serve.child", str(os.getpid()), str(int(signal_number)), *command]
 
 
@@ -135,12 +137,11 @@ def child_main(function: Callable[..., object], spec_file: str, result_file: str
         f.write(json.dumps(result, ensure_ascii=False))
 
 
-if __name__ == "__main__":  # tied_to_this_process's launcher: PARENT_PID SIGNAL COMMAND...
+if __name__ == "__main__":  # tied_to_this_process's launcher (Linux): PARENT_PID SIGNAL COMMAND...
     # (no swiftkv_core import here: it takes transformers and torch, seconds, before every engine and server)
-    if sys.platform == "linux":
-        import ctypes
+    import ctypes
 
-        ctypes.CDLL(None).prctl(1, int(sys.argv[2]))  # PR_SET_PDEATHSIG
-        if os.getppid() != int(sys.argv[1]):  # the parent ended before that
-            sys.exit(1)
+    ctypes.CDLL(None).prctl(1, int(sys.argv[2]))  # PR_SET_PDEATHSIG
+    if os.getppid() != int(sys.argv[1]):  # the parent ended before that
+        sys.exit(1)
     os.execvp(sys.argv[3], sys.argv[3:])
