@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import re
 import signal
 import subprocess
 import sys
@@ -68,26 +67,29 @@ def kill_parent_and_expect_group_gone(parent: subprocess.Popen, group: int, time
 
 
 @pytest.mark.vllm
-def test_a_killed_runs_vllm_answer_engine_ends_with_it(tiny_llama, tmp_path):
+def test_a_killed_runs_vllm_answer_child_ends_with_it(tiny_llama, tmp_path):
     """The teacher-answers child (swiftkv_serve.answers, vLLM's engine in the child itself, as the main job's first
-    stage runs it) ends when the process that started it is killed with SIGKILL while answers are generated."""
+    stage runs it) ends when the process that started it is killed with SIGKILL. Killed while it starts its engine:
+    the kernel's signal does not depend on what the child is doing, and waiting for answers costs vLLM's whole
+    start (2-3 minutes of the suite on 2 cores)."""
     script = textwrap.dedent(
         """
         import sys
         from swiftkv_serve.answers import generate_answers
-        generate_answers(sys.argv[1], ["Tell me a story."] * 4000, max_new_tokens=128, seed=0, progress=True)
+        generate_answers(sys.argv[1], ["Tell me a story."] * 400, max_new_tokens=128, seed=0)
         """
     )
     log = tmp_path / "parent.log"
     parent = subprocess.Popen([sys.executable, "-c", script, str(tiny_llama)], stderr=log.open("w"))
     try:
         child = wait_for(lambda: children_of(parent.pid), 60, "child process")[0]
-        answering = re.compile(r"teacher answers \(vLLM\):\s+\d+%\|[^|]*\|\s*[1-9]\d*/4000")
-        wait_for(lambda: answering.search(log.read_text()), 300, "answers under way")
+        # the launcher has become the answers module, importing vLLM
+        wait_for(lambda: "swiftkv_serve.answers" in Path(f"/proc/{child}/cmdline").read_text(), 10, "exec")
+        time.sleep(5)
     except BaseException:
         parent.kill()
         raise
-    assert parent.poll() is None, log.read_text()[-2000:]
+    assert parent.poll() is None and group_members(child), log.read_text()[-2000:]
     kill_parent_and_expect_group_gone(parent, child)
 
 
