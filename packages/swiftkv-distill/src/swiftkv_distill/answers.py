@@ -46,13 +46,12 @@ def hf_answers(path: Path, prompts: list[str], max_new_tokens: int, temperature:
     from swiftkv_core.generation import load_weights
 
     tokenizer = AutoTokenizer.from_pretrained(path)
-    dtype = hf_dtype(device)
+    dtype, device = hf_dtype(device), torch.device(hf_device(device))
     dtype = dtype if dtype == "auto" else getattr(torch, dtype)
     # a teacher that cannot fit the device is refused before its weights are read ("auto": the stored dtype)
-    loaded = (stored_dtype(path) or torch.float32) if dtype == "auto" else dtype
-    check_weights_fit(str(path), torch.device(hf_device(device)), loaded)
+    check_weights_fit(str(path), device, (stored_dtype(path) or torch.float32) if dtype == "auto" else dtype)
     # straight onto the GPU where there is one: no whole copy of the teacher in host memory first
-    lm = load_weights(path, dtype, hf_device(device)).eval()
+    lm = load_weights(path, dtype, device).eval()
     answers = []
     batches = range(0, len(prompts), batch_size)
     for index, start in enumerate(tqdm(batches, desc="teacher answers (HF)", unit="batch")):
