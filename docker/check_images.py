@@ -8,7 +8,8 @@ serve: the serving image on a SwiftKV serving export of the default model (SmolL
 train: a few-step `swiftkv-distill fit` of the default model inside the training image, then the same through
     `fabric run` with 2 processes (FSDP2), and loads each export outside the container; then the main job
     (`swiftkv quickstart`, short settings) with no network at all: the image holds the model and the data; killed
-    and run again, it resumes from the mounted results folder.
+    and run again, it resumes from the mounted results folder; and `benchmarks/gpu.py --tiny` (the GPU benchmark's
+    every part, on a tiny shape) offline, its results in a mounted folder.
 
 Containers use --network host (our machines have no bridge); users publish the port with -p 8000:8000.
 """
@@ -358,6 +359,7 @@ def check_train(work: Path) -> None:
         env=["-e", "OMP_NUM_THREADS=1"],  # 2 processes on 2 cores
     )  # fmt: skip
     check_quickstart_offline(work)
+    check_benchmark(work)
     docker("volume", "rm", "-f", "swiftkv-docker-test-cache", check=False)
     log("train: all checks passed")
 
@@ -410,6 +412,30 @@ def check_quickstart_offline(work: Path) -> None:
         f"quickstart offline: killed at the distillation, rerun reused {len(reused)} stages, report "
         f"{reports[0].relative_to(work)} in {time.monotonic() - t0:.0f} s in all; "
         + " | ".join(h.strip() for h in headline)
+    )
+
+
+def check_benchmark(work: Path) -> None:
+    """``benchmarks/gpu.py`` inside the training image with no network, as a GPU user runs it (there with
+    ``--gpus all`` and without ``--tiny``: the Llama-3.1-8B shape), its results written to a mounted folder."""
+    out = work / "train-benchmark"
+    subprocess.run(["rm", "-rf", str(out)], check=True)
+    out.mkdir(parents=True)
+    out.chmod(0o777)
+    command = ["run", "--rm", "--network", "none", "-v", f"{out}:/workspace/runs",
+               "-v", "swiftkv-docker-test-cache:/cache", TRAIN_IMAGE,
+               "python", "benchmarks/gpu.py", "--tiny", "true", "--out", "runs/gpu-tiny"]  # fmt: skip
+    log("docker " + " ".join(command))
+    t0 = time.monotonic()
+    (work / "train-benchmark.log").write_text(docker(*command))
+    result = json.loads((out / "gpu-tiny.json").read_text())
+    missing = [part for part in ("prefill", "decode", "kv_cache", "distill") if not result.get(part)]
+    if missing or not (out / "gpu-tiny.md").is_file():
+        raise SystemExit(f"benchmark: no {missing or 'markdown'} in {out}:\n{json.dumps(result)[:2000]}")
+    ours = next(row for row in result["distill"] if row["setup"].startswith("ours"))
+    log(
+        f"benchmark: benchmarks/gpu.py --tiny in {time.monotonic() - t0:.0f} s on {result['device']}: prefill "
+        f"{result['prefill'][0]['speedup_x']:.2f}x, distillation {ours['tokens_per_s']:,.0f} tokens/s"
     )
 
 
