@@ -11,7 +11,10 @@ device=${1:?usage: scripts/docker-context.sh cpu|cuda}
 context=docker/context
 mkdir -p "$context"
 
-pip_config() { python3 -m pip config list 2>/dev/null | sed -n "s/^[a-z:]*\.$1='\(.*\)'$/\1/p" | head -1; }
+# pip's setting $1, or nothing (also where the host's python3 has no pip: a GPU machine needs none of it)
+pip_config() {
+    { python3 -m pip config list 2>/dev/null || true; } | sed -n "s/^[a-z:]*\.$1='\(.*\)'$/\1/p" | head -1
+}
 
 cert=${SWIFTKV_DOCKER_CA:-$(pip_config cert)}
 if [ -n "$cert" ] && [ -f "$cert" ]; then

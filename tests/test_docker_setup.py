@@ -1,7 +1,9 @@
-"""scripts/docker-setup.sh takes debootstrap's Debian mirror as apt does on this machine (or $DEBIAN_MIRROR)."""
+"""scripts/docker-setup.sh takes debootstrap's Debian mirror as apt does on this machine (or $DEBIAN_MIRROR);
+scripts/docker-context.sh needs no pip on the host."""
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 from pathlib import Path
 
@@ -31,3 +33,20 @@ def test_the_mirror_comes_from_the_machines_apt_sources(tmp_path):
     )
     assert mirror(tmp_path) == "http://mirror.example.org/debian"  # deb822 sources first, as apt reads them
     assert mirror(tmp_path, DEBIAN_MIRROR="http://given.example/debian") == "http://given.example/debian"
+
+
+def test_the_cuda_build_context_needs_no_pip_on_the_host(tmp_path):
+    """A GPU machine's python3 may have no pip (pip's settings are read only for a proxy's CA bundle): the context
+    is made all the same, where the script used to stop with exit 1 and no word (its pipeline under pipefail)."""
+    (tmp_path / "scripts").mkdir()
+    shutil.copy(ROOT / "scripts" / "docker-context.sh", tmp_path / "scripts")
+    (tmp_path / "bin").mkdir()
+    python = tmp_path / "bin" / "python3"
+    python.write_text("#!/bin/sh\necho '/usr/bin/python3: No module named pip' >&2\nexit 1\n")
+    python.chmod(0o755)
+    result = subprocess.run(["bash", str(tmp_path / "scripts" / "docker-context.sh"), "cuda"], capture_output=True,
+                            text=True, env={"PATH": f"{tmp_path / 'bin'}:/usr/bin:/bin"})  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    context = tmp_path / "docker" / "context"
+    # no proxy, so no CA bundle: nothing else to put there for a CUDA image
+    assert context.is_dir() and not list(context.iterdir())
