@@ -68,8 +68,9 @@ def main(
         budget_minutes: Training time of the distillation (the evaluations and K/V fit come on top); default 12 on
             a CPU, 4 on a GPU.
         recipe: The distillation recipe: a shipped recipe's name (swiftkv_distill/recipes/) or a YAML path; default
-            smollm2-135m-cpu or smollm2-135m-gpu, by the accelerator. Its model, data and numeric trainer settings
-            are used; budget, checkpoints and progress are the quickstart's own.
+            smollm2-135m-cpu or smollm2-135m-gpu, by the accelerator. Its model settings (not the checkpoint it
+            names: that is MODEL), data and numeric trainer settings are used; budget, checkpoints and progress are
+            the quickstart's own.
         train_files: Training data (jsonl / parquet / txt, or dataset:NAME: dataset:chat_answers is answered by
             MODEL itself); default: the recipe's.
         heldout_text: Held-out text for the evaluation; default: the recipe's (first) validation set.
