@@ -85,7 +85,9 @@ def numbers(text: str) -> list[float]:
 @pytest.mark.vllm
 def test_quickstart_report_is_complete_and_consistent(inputs, tmp_path, capsys):
     report = run_quickstart(inputs, tmp_path / "run")
-    printed = capsys.readouterr().out
+    printed, bars = capsys.readouterr()
+    # live progress inside a frontier point too (minutes each with a GPU recipe on a CPU): the fit, each held-out set
+    assert "   K/V fit:" in bars and "   held-out text:" in bars and "   held-out chat:" in bars
     # the start line says where the run goes and what --accelerator auto chose
     assert re.search(r"on .+ \(--accelerator auto -> (cpu|gpu), recipe ", printed)
     # a stage left out says why and how to have it, under its header
