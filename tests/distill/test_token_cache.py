@@ -5,7 +5,6 @@ import multiprocessing
 import os
 import pickle
 import random
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -16,6 +15,7 @@ from swiftkv_distill.data import DataError
 from swiftkv_distill.datamodule import DistillDataModule
 from swiftkv_distill.tokens import RowWriter, TokenRows, read_sets
 from tests.distill.conftest import TEXTS, write_jsonl
+from tests.processes import children_of, running
 
 
 def reference_rows(sequences, max_length, distilled, packed):
@@ -189,20 +189,6 @@ data.CHUNK = 4  # chunks of 4 records, encoded by 2 forked processes
 datamodule.encoding_processes = lambda kinds, records: 2
 datamodule.DistillDataModule(sys.argv[1], [sys.argv[2]], max_length=16, val_fraction=0.2).build()
 """
-
-
-def running(pid: int) -> tuple[str, int] | None:
-    """``(state, parent)`` of a process that runs (not ended, not a zombie: an orphan's may stay one in a
-    container), else None."""
-    try:
-        state, parent = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[:2]
-    except OSError:
-        return None
-    return None if state == "Z" else (state, int(parent))
-
-
-def children_of(pid: int) -> list[int]:
-    return [int(p.name) for p in Path("/proc").glob("[0-9]*") if (running(int(p.name)) or ("", 0))[1] == pid]
 
 
 def test_what_a_killed_maker_left_is_deleted_by_a_later_one(tiny_model, tmp_path, monkeypatch):

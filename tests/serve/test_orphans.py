@@ -18,30 +18,9 @@ from pathlib import Path
 import pytest
 
 from swiftkv_serve.server import free_port
+from tests.processes import children_of, group_members
 
 pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="PR_SET_PDEATHSIG is Linux's")
-
-
-def group_members(group: int) -> list[int]:
-    """The live processes of process group ``group`` (Linux /proc; zombies, already ended, left out)."""
-    members = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            with contextlib.suppress(OSError, ValueError, IndexError):
-                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-                if int(fields[2]) == group and fields[0] != "Z":
-                    members.append(int(entry.name))
-    return members
-
-
-def children_of(parent: int) -> list[int]:
-    children = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            with contextlib.suppress(OSError, ValueError, IndexError):
-                if int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1]) == parent:
-                    children.append(int(entry.name))
-    return children
 
 
 def wait_for(condition, timeout_s: float, what: str):

@@ -57,14 +57,11 @@ def fit_kv_init(run, model, tokenizer, member_metric: bool = True) -> dict:
     random.Random(0).shuffle(records)  # the fit sees the training mix (prose and chat), not one file
     texts = (tokenizer.decode(encode_record(r, tokenizer)[0]) for r in records)
     recipe = parse(run.settings.recipe).model
-    batches = _with_bar(
-        text_batches(tokenizer, _joined(texts, 4000), device=run.device),
-        lambda batch: batch["input_ids"].numel(),
-        desc="   K/V fit", unit="tok", total=recipe.kv_init_tokens, unit_scale=True,
-    )  # fmt: skip
     return fit_kv_projections(
         model,
-        batches,
+        _tokens_counted(
+            text_batches(tokenizer, _joined(texts, 4000), device=run.device), recipe.kv_init_tokens
+        ),
         max_tokens=recipe.kv_init_tokens,
         ridge=recipe.kv_init_ridge,
         weighting=recipe.kv_init_weighting,
@@ -72,15 +69,15 @@ def fit_kv_init(run, model, tokenizer, member_metric: bool = True) -> dict:
     )
 
 
-def _with_bar(items, size=lambda item: 1, **bar):
-    """``items`` as they are taken, with a progress bar (``tqdm``'s ``bar`` settings) that counts ``size`` of each,
-    up to its total, and goes when done: a K/V fit or a held-out set of a GPU recipe takes minutes on a CPU."""
+def _tokens_counted(batches, total: int):
+    """``batches`` as the fit takes them, with a bar of their tokens up to ``total`` (the fit's), gone when done: a
+    GPU recipe's fit takes minutes on a CPU."""
     from tqdm.auto import tqdm
 
-    with tqdm(leave=False, **bar) as progress:
-        for item in items:
-            yield item
-            progress.update(min(size(item), progress.total - progress.n))
+    with tqdm(total=total, desc="   K/V fit", unit="tok", unit_scale=True, leave=False) as bar:
+        for batch in batches:
+            yield batch
+            bar.update(min(batch["input_ids"].numel(), total - bar.n))
 
 
 def _joined(texts, characters: int):
@@ -149,13 +146,14 @@ def measure(run, ls: list[int]) -> list[dict]:
 def held_out_metrics(model, loaders: dict, device) -> dict:
     """``{set name: {"agreement", "kl"}}`` of ``model`` (SwiftKV on) against itself off, on ``loaders`` (by name)."""
     from lightning.fabric.utilities import move_data_to_device
+    from tqdm.auto import tqdm
 
     from swiftkv_distill.step import DistillationStep, ValidationMetrics
 
     step, held_out = DistillationStep(model), {}
     for name, loader in loaders.items():
         metrics = ValidationMetrics().to(device)
-        for batch in _with_bar(loader, desc=f"   held-out {name}", unit="batch", total=len(loader)):
+        for batch in tqdm(loader, desc=f"   held-out {name}", unit="batch", leave=False):
             metrics.update(step.evaluate(move_data_to_device(batch, device)))
         values = metrics.compute()
         held_out[name] = {"agreement": values["agreement"], "kl": values["kl"]}
