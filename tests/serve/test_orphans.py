@@ -72,13 +72,16 @@ def test_a_killed_runs_vllm_answer_child_ends_with_it(tiny_llama, tmp_path):
     kill_parent_and_expect_group_gone(parent, child)
 
 
-def test_a_killed_runs_child_ends_with_the_processes_it_started(tmp_path):
+@pytest.mark.parametrize("native", [False, True], ids=["in-python", "in-native-code"])
+def test_a_killed_runs_child_ends_with_the_processes_it_started(tmp_path, native):
     """A ``run_module_in_child`` child that started a process of its own, as vLLM's engine core is one under the
-    main job's serving stage: when the run is killed with SIGKILL, the child ends its whole group."""
+    main job's serving stage: when the run is killed with SIGKILL, the child ends its whole group, also while its
+    main thread is in native code that does not come back (where a Python signal handler would never run)."""
     script = textwrap.dedent(
-        """
+        f"""
         from swiftkv_serve.child import run_module_in_child
-        run_module_in_child("tests.serve.orphan_child", {"seconds": 600}, "a child", lambda line: print(line, flush=True))
+        spec = {{"seconds": 600, "native": {native}}}
+        run_module_in_child("tests.serve.orphan_child", spec, "a child", lambda line: print(line, flush=True))
         """
     )
     parent = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)

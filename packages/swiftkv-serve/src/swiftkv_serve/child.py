@@ -16,6 +16,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -88,7 +89,8 @@ def run_module_in_child(
         # Output to files, not pipes: an engine process left behind holding a pipe open cannot block us.
         stdout_path, stderr_path = Path(tmp) / "stdout.log", Path(tmp) / "stderr.log"
         with stdout_path.open("w") as stdout, stderr_path.open("w") as stderr:
-            # SIGHUP when this process ends: child_main then ends the child's whole group (its engine processes)
+            # SIGHUP when this process ends, until child_main watches for that itself; either way the child's whole
+            # group (its engine processes) ends with this process
             command = [sys.executable, "-m", module, str(spec_path), str(result_path)]
             proc = subprocess.Popen(
                 tied_to_this_process(command, signal.SIGHUP),
@@ -129,12 +131,26 @@ def child_main(function: Callable[..., object], spec_file: str, result_file: str
     from swiftkv_core.atomic import atomic_file
 
     if os.getpgrp() == os.getpid():  # the leader of its own group, as run_module_in_child starts it
-        # the parent's end (tied_to_this_process): end the group, this process and the engine processes it started,
-        # as terminate_group would have
-        signal.signal(signal.SIGHUP, lambda *_: os.killpg(0, signal.SIGTERM))
+        # Until here the parent's end (tied_to_this_process's SIGHUP) ends this process, which has started nothing
+        # yet. From here a thread watches for it and ends the group, the engine processes included: a signal
+        # handler would wait for the main thread to come back from native code (an engine's start, a forward),
+        # which took more than 30 s under load.
+        parent = os.getppid()
+        signal.signal(signal.SIGHUP, signal.SIG_IGN)
+        threading.Thread(target=_end_group_when_gone, args=(parent,), daemon=True).start()
     result = function(**json.loads(Path(spec_file).read_text()))
     with atomic_file(Path(result_file)) as f:
         f.write(json.dumps(result, ensure_ascii=False))
+
+
+def _end_group_when_gone(parent: int, grace_s: float = 10) -> None:
+    """Once ``parent`` has ended: SIGTERM to this process's group, then SIGKILL after ``grace_s``, as
+    ``terminate_group`` does from the parent's side."""
+    while os.getppid() == parent:
+        time.sleep(0.5)
+    os.killpg(0, signal.SIGTERM)
+    time.sleep(grace_s)
+    os.killpg(0, signal.SIGKILL)
 
 
 if __name__ == "__main__":  # tied_to_this_process's launcher (Linux): PARENT_PID SIGNAL COMMAND...
