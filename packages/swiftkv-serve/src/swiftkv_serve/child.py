@@ -133,8 +133,8 @@ def child_main(function: Callable[..., object], spec_file: str, result_file: str
     if os.getpgrp() == os.getpid():  # the leader of its own group, as run_module_in_child starts it
         # Until here the parent's end (tied_to_this_process's SIGHUP) ends this process, which has started nothing
         # yet. From here a thread watches for it and ends the group, the engine processes included: a signal
-        # handler would wait for the main thread to come back from native code (an engine's start, a forward),
-        # which took more than 30 s under load.
+        # handler runs only once the main thread comes back from native code (an engine's start, a forward), which
+        # may be long after.
         parent = os.getppid()
         signal.signal(signal.SIGHUP, signal.SIG_IGN)
         threading.Thread(target=_end_group_when_gone, args=(parent,), daemon=True).start()
