@@ -319,11 +319,18 @@ def load_export(export: Path) -> str:
     )
 
 
+def mounted_folder(work: Path, name: str) -> Path:
+    """An empty folder ``work/name`` for a container to write in: the images run as uid 1000, so it is made
+    writable by every user (the README's `chmod a+rwx runs`)."""
+    folder = work / name
+    subprocess.run(["rm", "-rf", str(folder)], check=True)
+    folder.mkdir(parents=True)
+    folder.chmod(0o777)
+    return folder
+
+
 def run_job(work: Path, label: str, job: list[str], extra: list[str] = (), env: list[str] = ()) -> Path:
-    outputs = work / f"train-{label}"
-    subprocess.run(["rm", "-rf", str(outputs)], check=True)
-    outputs.mkdir(parents=True)
-    outputs.chmod(0o777)  # the image's user (uid 1000) writes here
+    outputs = mounted_folder(work, f"train-{label}")
     root = f"outputs/{label}"
     command = [
         "run", "--rm", "--network", "host", "--shm-size", "1g",
@@ -370,10 +377,7 @@ def check_quickstart_offline(work: Path) -> None:
     image. The first container is killed when the distillation stage starts; a second one, with the same command,
     reuses the stages the first recorded in the mounted folder and writes the report, readable by every user of
     the host. Short settings; the chat answers (a teacher's generation) are left out."""
-    runs = work / "train-quickstart-runs"
-    subprocess.run(["rm", "-rf", str(runs)], check=True)
-    runs.mkdir(parents=True)
-    runs.chmod(0o777)  # the README's `chmod a+rwx runs`: the image's user is uid 1000
+    runs = mounted_folder(work, "train-quickstart-runs")
     name = "swiftkv-docker-test-quickstart"  # the first container, killed
     docker("rm", "-f", name, check=False)
     options = ["--network", "none", "-v", f"{runs}:/workspace/runs", "-v", "swiftkv-docker-test-cache:/cache"]
@@ -418,10 +422,7 @@ def check_quickstart_offline(work: Path) -> None:
 def check_benchmark(work: Path) -> None:
     """``benchmarks/gpu.py`` inside the training image with no network, as a GPU user runs it (there with
     ``--gpus all`` and without ``--tiny``: the Llama-3.1-8B shape), its results written to a mounted folder."""
-    out = work / "train-benchmark"
-    subprocess.run(["rm", "-rf", str(out)], check=True)
-    out.mkdir(parents=True)
-    out.chmod(0o777)
+    out = mounted_folder(work, "train-benchmark")
     command = ["run", "--rm", "--network", "none", "-v", f"{out}:/workspace/runs",
                "-v", "swiftkv-docker-test-cache:/cache", TRAIN_IMAGE,
                "python", "benchmarks/gpu.py", "--tiny", "true", "--out", "runs/gpu-tiny"]  # fmt: skip
