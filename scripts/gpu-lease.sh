@@ -8,8 +8,8 @@
 #                                                  batches and the quickstart's held-out figures read
 #   there:  bash scripts/gpu-lease.sh run STEP...  (the run tool with carry [".gpu"]) runs each STEP under its own
 #                                                  time limit, its whole log in $OUT/STEP.log, one summary line each
-# Steps (minutes on an H100 / H200 on 2026-11-26; pick steps to fit a call's 10 minutes and the lease, whose start
-# takes about half a minute and whose idle machine goes back after 30 s):
+# Steps (minutes on an H100 / H200 on 2026-11-26; pick steps to fit a call's 10 minutes and the lease's 15, whose
+# start counts too (a minute or two for a fresh machine) and whose idle machine goes back after 30 s):
 #   attention   the flex_attention gpu tests, compiled layers (flex_attention and sdpa) among them (1.3)
 #   tests       the other gpu tests of swiftkv-core and swiftkv-distill, real compiled fits among them (2.5)
 #   prefill     benchmarks/gpu.py: the 2k and 8k prefills, eager and compiled with CUDA graphs, against the FLOPs bound,
@@ -20,8 +20,9 @@
 #   profile     benchmarks/gpu_profile.py: the 2k prefill's CUDA profile, off and on, then each decoder layer compiled
 #               (regional); its row in gpu-prefill-profile.md is to be measured again (not yet run with enough
 #               recompiles: up to 2 x 32 layer graphs, a few seconds each; about 5)
-#   distill     benchmarks/gpu.py: the 8B distillation step, eager, compiled layers, activation checkpointing (2 on
-#               an H200); GPU_LEASE_DISTILL_FLAGS replaces the last two (e.g. '--compile_layers true' alone; empty: eager alone)
+#   distill     benchmarks/gpu.py: the 8B distillation step, bf16 frozen weights, eager, compiled layers, activation
+#               checkpointing (2 on an H200, about 3.4 on an H100); GPU_LEASE_DISTILL_FLAGS replaces the last two
+#               (e.g. '--compile_layers true' alone; empty: eager alone)
 #   quickstart  the main job on the GPU (`--accelerator gpu`, short settings, no serving: vLLM cannot run there)
 #               with RANDOM weights of the default model's shape (the real weights exceed what a call carries):
 #               it checks that every stage runs on the GPU, not the quality figures (5.3, of which 1.8 compile the
@@ -36,6 +37,7 @@
 #   bash scripts/gpu-lease.sh run tests >$OUT/correctness.txt 2>&1 & bash scripts/gpu-lease.sh run quickstart; \
 #   wait; cat $OUT/correctness.txt
 # A 15-minute lease as spent on 2026-11-27 (H100): bash scripts/gpu-lease.sh run attention tests distill (7.2 min).
+# Never run yet, for the next lease: bash scripts/gpu-lease.sh run profile, then run prefill-dynamic (about 5 + 4 min).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
@@ -56,9 +58,12 @@ prepare() {
     # the default model's tokenizer and config, and the Brown text, from this machine's cache (made if missing)
     local files
     files=$($py -c "
+import contextlib, sys
 from swiftkv_core.default_model import default_model_path
 from swiftkv_distill.corpora import prepare
-print(default_model_path(), prepare('brown_train'), prepare('brown_heldout'))")
+with contextlib.redirect_stdout(sys.stderr):  # what making them prints is the user's, not read's
+    paths = default_model_path(), prepare('brown_train'), prepare('brown_heldout')
+print(*paths)")
     read -r model brown heldout <<<"$files"
     local target=.gpu/cache/models/SmolLM2-135M-Instruct
     mkdir -p "$target" .gpu/cache/data/distill
