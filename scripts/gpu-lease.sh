@@ -12,8 +12,9 @@
 # start counts too (a minute or two for a fresh machine) and whose idle machine goes back after 30 s):
 #   attention   the flex_attention gpu tests, compiled layers (flex_attention and sdpa) among them (1.3)
 #   tests       the other gpu tests of swiftkv-core and swiftkv-distill, real compiled fits among them (2.5)
-#   prefill     benchmarks/gpu.py: the 2k and 8k prefills, eager and compiled with CUDA graphs, against the FLOPs bound,
-#               and the decode TPOT after 2k, off vs on (4; the same with 2k alone, benchmarks/gpu.py run by hand: 3.8)
+#   prefill     benchmarks/gpu.py: the 2k, 8k and 8 x 2k packed prefills, eager and compiled with CUDA graphs, against
+#               the FLOPs bound and the memory-aware one, and the decode TPOT after 2k, off vs on (4; the same with 2k
+#               alone, benchmarks/gpu.py run by hand: 3.8)
 #   prefill-dynamic  the main job's compiled prefill at 512 and 2048 tokens, compiled per length (as now) and once
 #               with dynamic shapes: compile times and timed forwards (benchmarks/results/prefill-compile-dynamic.py;
 #               not yet run on a GPU: about 4 by the H100's 55 s per static length)
