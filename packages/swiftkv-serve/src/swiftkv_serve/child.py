@@ -144,13 +144,30 @@ def child_main(function: Callable[..., object], spec_file: str, result_file: str
 
 
 def _end_group_when_gone(parent: int, grace_s: float = 10) -> None:
-    """Once ``parent`` has ended: SIGTERM to this process's group, then SIGKILL after ``grace_s``, as
-    ``terminate_group`` does from the parent's side."""
+    """Once ``parent`` has ended: SIGTERM to the rest of this process's group, then SIGKILL to the whole group
+    after ``grace_s`` (or once the rest has ended), as ``terminate_group`` does from the parent's side. Not
+    ``killpg(SIGTERM)``: it would end this process first, and with it the SIGKILL for an engine process that
+    does not stop on SIGTERM (one stuck in native code)."""
     while os.getppid() == parent:
         time.sleep(0.5)
-    os.killpg(0, signal.SIGTERM)
-    time.sleep(grace_s)
+    for pid in _rest_of_group():
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    while _rest_of_group() and time.monotonic() < deadline:
+        time.sleep(0.2)
     os.killpg(0, signal.SIGKILL)
+
+
+def _rest_of_group() -> list[int]:
+    """The running processes of this process's group but this one, from Linux's /proc (zombies left out)."""
+    me, group, rest = os.getpid(), os.getpgrp(), []
+    for entry in Path("/proc").glob("[0-9]*"):
+        with contextlib.suppress(OSError, IndexError, ValueError):
+            state, _, its_group = entry.joinpath("stat").read_text().rsplit(")", 1)[1].split()[:3]
+            if int(its_group) == group and int(entry.name) != me and state != "Z":
+                rest.append(int(entry.name))
+    return rest
 
 
 if __name__ == "__main__":  # tied_to_this_process's launcher (Linux): PARENT_PID SIGNAL COMMAND...
