@@ -58,15 +58,24 @@ def test_swiftkv_serve_checks_the_checkpoint_from_its_config_alone(tiny_swiftkv,
     assert out.strip() == "[]"
 
 
-def test_fast_prefill_is_on_for_generation_and_off_for_a_pooling_runner(tiny_swiftkv):
+def test_fast_prefill_is_on_for_generation_and_off_for_a_pooling_runner_or_when_turned_off(tiny_swiftkv):
     """vLLM's real engine configuration of a SwiftKV checkpoint: generating, prompt tokens skip layers >= l (fast
     prefill); converted to an embedding model, every position's hidden state is pooled, so those layers run for every
-    token."""
+    token; with swiftkv_fast_prefill false, every layer runs for every prompt token. vLLM's own
+    --kv-sharing-fast-prefill changes none of it."""
     from vllm.engine.arg_utils import EngineArgs
 
-    for runner, convert, fast_prefill in (("generate", "auto", True), ("pooling", "embed", False)):
+    from swiftkv_serve.engine_config import FAST_PREFILL_OPTION
+
+    cases = (
+        ("generate", "auto", None, True),
+        ("pooling", "embed", None, False),
+        ("generate", "auto", False, False),
+    )
+    for runner, convert, option, fast_prefill in cases:
+        additional = {} if option is None else {FAST_PREFILL_OPTION: option}
         for asked in (False, True):  # vLLM's own --kv-sharing-fast-prefill
             engine_args = EngineArgs(model=str(tiny_swiftkv), runner=runner, convert=convert, enforce_eager=True,
-                                     kv_sharing_fast_prefill=asked)  # fmt: skip
+                                     kv_sharing_fast_prefill=asked, additional_config=additional)  # fmt: skip
             config = engine_args.create_engine_config()
-            assert config.cache_config.kv_sharing_fast_prefill is fast_prefill, (runner, asked)
+            assert config.cache_config.kv_sharing_fast_prefill is fast_prefill, (runner, option, asked)

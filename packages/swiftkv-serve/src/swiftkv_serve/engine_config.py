@@ -120,6 +120,7 @@ def update_engine_config(vllm_config) -> None:
             FAST_PREFILL_OPTION,
             hf_config.num_key_value_layers,
         )
+        vllm_config.cache_config.kv_sharing_fast_prefill = False  # also where --kv-sharing-fast-prefill asked
         return
     vllm_config.cache_config.kv_sharing_fast_prefill = True
 
