@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 import swiftkv_serve
@@ -52,6 +54,15 @@ def test_swiftkv_serve_checks_the_checkpoint_from_its_config_alone(tiny_swiftkv,
         describe(tiny_llama)
     with pytest.raises(ValueError, match="no config.json"):
         describe(tmp_path)
+    config = json.loads((tiny_swiftkv / "config.json").read_text())
+    for change, refusal in (
+        ({"lora_rank": 16}, "keeps low-rank adapters apart"),
+        ({"num_hidden_layers": None}, "no num_hidden_layers"),
+    ):
+        changed = {k: v for k, v in {**config, **change}.items() if v is not None}
+        (tmp_path / "config.json").write_text(json.dumps(changed))
+        with pytest.raises(ValueError, match=refusal):
+            describe(tmp_path)
     # the check runs before vLLM (or torch) is imported: a server start pays only for reading a JSON file
     code = f"import sys; from swiftkv_serve.cli import describe; describe({str(tiny_swiftkv)!r}); print(sorted(m for m in ('torch', 'transformers', 'vllm') if m in sys.modules))"
     out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True).stdout

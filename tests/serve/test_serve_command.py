@@ -108,6 +108,8 @@ def test_api_key_options(tmp_path):
         ({"SWIFTKV_API_KEY": "a", "SWIFTKV_API_KEY_FILE": str(tmp_path / "key")}, "both"),
         ({"SWIFTKV_API_KEY_FILE": str(tmp_path / "missing")}, "cannot read it"),
         ({"SWIFTKV_API_KEY_FILE": str(tmp_path / "empty")}, "is empty"),
+        ({"SWIFTKV_API_KEY": "a\nb"}, "line break"),
+        ({"SWIFTKV_API_KEY": "pässwört"}, "outside printable ASCII"),
     ):
         with pytest.raises(ValueError, match=message):
             cli.server_environment([], environ)
@@ -201,11 +203,25 @@ def test_available_memory_is_the_control_groups_where_it_has_a_limit(tmp_path):
     assert cli.available_memory(unlimited) > 2**30  # the host's MemAvailable (this machine has far more)
 
 
-def test_the_middleware_refuses_to_start_without_a_key(monkeypatch):
-    """A server meant to be closed never runs open: without keys the middleware fails vLLM's start."""
+def test_the_middleware_refuses_to_start_without_a_key_or_with_one_clients_send_differently(monkeypatch):
+    """A server meant to be closed never runs open: without keys the middleware fails vLLM's start. A non-ASCII
+    key is refused too: some clients send it as UTF-8, others as latin-1, and only one of them would match."""
     monkeypatch.delenv(auth.KEYS_VARIABLE, raising=False)
     with pytest.raises(ValueError, match=auth.KEYS_VARIABLE):
         auth.ApiKeyOnEveryRoute(app=None)
+    monkeypatch.setenv(auth.KEYS_VARIABLE, "pässwört")
+    with pytest.raises(ValueError, match="outside printable ASCII"):
+        auth.ApiKeyOnEveryRoute(app=None)
+
+
+def test_options_before_the_checkpoint_are_refused_without_their_values(tmp_path, capsys):
+    """``swiftkv-serve --api-key=KEY CKPT`` (the order of ``docker run IMAGE OPTIONS``): argparse would have said
+    "unrecognized arguments: --api-key=KEY" into the container's log; the refusal names the option only."""
+    for argv in (["--api-key=s3cret", str(tmp_path)], ["--api-key", "s3cret", str(tmp_path)]):
+        with pytest.raises(SystemExit) as refused:
+            cli.main(argv)
+        message = str(refused.value.code) + capsys.readouterr().err
+        assert "the checkpoint comes first" in message and "--api-key" in message and "s3cret" not in message
 
 
 @pytest.mark.vllm

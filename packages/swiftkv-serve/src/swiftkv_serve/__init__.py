@@ -22,6 +22,13 @@ ARCHITECTURES = {
     "Qwen2SwiftKVForCausalLM": "swiftkv_serve.model:Qwen2SwiftKVForCausalLM",
 }
 
+# a full distillation checkpoint (swiftkv_core's adapters kept apart) refused by the command's check and the model
+ADAPTERS_KEPT_APART = (
+    "{checkpoint} keeps low-rank adapters apart (lora_rank={lora_rank}: a full distillation checkpoint). Serve its "
+    "serving export, which merges them into ordinary weights: the quickstart's distilled-serving/, or "
+    "swiftkv_core.convert.export_for_serving(model, out_dir)."
+)
+
 
 def plugin_logger(module: str) -> logging.Logger:
     """The logger of one of this package's modules, inside vLLM's logger tree (``vllm.swiftkv_serve...``): its
@@ -92,6 +99,7 @@ def register() -> None:
 
 
 __all__ = [
+    "ADAPTERS_KEPT_APART",
     "ARCHITECTURES",
     "SUPPORTED_VLLM_VERSION",
     "UnsupportedVLLMVersion",

@@ -21,6 +21,16 @@ MIDDLEWARE = f"{__name__}.ApiKeyOnEveryRoute"
 _UNAUTHORISED = b'{"error": "Unauthorized: give Authorization: Bearer <API key>"}'
 
 
+def check_keys(keys: list[str]) -> None:
+    """Refuse a key an HTTP client could not send as it is: clients encode a header's non-ASCII characters
+    differently (UTF-8 or latin-1), so such a key would match for some clients and lock the others out."""
+    if any(not key.isascii() or not key.isprintable() for key in keys):
+        raise ValueError(
+            "an API key holds a line break or a character outside printable ASCII, which HTTP clients do not send "
+            "alike: give each key on one line, in ASCII letters, digits and punctuation (`openssl rand -hex 32`)."
+        )
+
+
 def _digest(key: str) -> bytes:
     return hashlib.sha256(key.encode()).digest()
 
@@ -42,6 +52,7 @@ class ApiKeyOnEveryRoute:
             raise ValueError(
                 f"{MIDDLEWARE} needs the API keys in {KEYS_VARIABLE} (one per line); it is unset or empty."
             )
+        check_keys(keys)
         self.app = app
         self._digests = [_digest(key) for key in keys]
 

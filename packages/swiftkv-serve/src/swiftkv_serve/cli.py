@@ -34,7 +34,7 @@ def describe(checkpoint: str | os.PathLike) -> str:
     start, before vLLM imports them again in the process this one becomes. vLLM validates the config fully when
     it loads it (``swiftkv_core.configuration``).
     """
-    from . import ARCHITECTURES
+    from . import ADAPTERS_KEPT_APART, ARCHITECTURES
 
     path = Path(checkpoint) / "config.json"
     if not path.is_file():
@@ -46,6 +46,10 @@ def describe(checkpoint: str | os.PathLike) -> str:
             f"{checkpoint} has architectures={config.get('architectures')}, not a SwiftKV checkpoint "
             f"({sorted(ARCHITECTURES)}); serve it with `vllm serve` directly, or convert it first (`swiftkv convert`)."
         )
+    if config.get("lora_rank"):
+        raise ValueError(ADAPTERS_KEPT_APART.format(checkpoint=checkpoint, lora_rank=config["lora_rank"]))
+    if "num_hidden_layers" not in config:
+        raise ValueError(f"{path} has no num_hidden_layers: not a whole HF config; convert the model again.")
     L = config["num_hidden_layers"]
     l, g = config.get("num_key_value_layers") or L, config.get("key_value_group_size") or 1
     kv_layers = l + (L - l) // g  # as swiftkv_core.configuration.num_kv_cache_layers
@@ -77,7 +81,15 @@ _ELEMENT_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "half": 2, "float":
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = parser().parse_args(sys.argv[1:] if argv is None else argv)
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0].startswith("-") and argv[0] not in ("-h", "--help"):
+        # argparse would echo the options it cannot place, an --api-key's key with them: name the first one only
+        raise SystemExit(
+            f"swiftkv-serve: the checkpoint comes first, then vLLM's options (`swiftkv-serve CHECKPOINT "
+            f"[vllm serve options]`; in the serving image `docker run ... IMAGE /model [vllm serve options]`); got "
+            f"{argv[0].partition('=')[0]} before it."
+        )
+    args = parser().parse_args(argv)
     try:
         print(describe(args.checkpoint), flush=True)
         options = list(args.vllm_options)
@@ -366,8 +378,7 @@ def server_environment(options: list[str], environ) -> tuple[list[str], dict, st
     environment_keys = (key, environ.get("VLLM_API_KEY"), *environ.get(auth.KEYS_VARIABLE, "").splitlines())
     everything = given or environment_keys
     keys = list(dict.fromkeys(k.strip() for k in everything if k and k.strip()))
-    if any("\n" in k or "\r" in k for k in keys):
-        raise ValueError("an API key holds a line break: give each key on one line.")
+    auth.check_keys(keys)
     if not keys:
         warning = (
             "WARNING: no API key: anyone who can reach this server's port can use the model. Set SWIFTKV_API_KEY, "

@@ -56,7 +56,7 @@ from vllm.transformers_utils.config import set_default_rope_theta
 
 from swiftkv_core.weights import is_teacher_projection, match_swiftkv_kv
 
-from . import plugin_logger
+from . import ADAPTERS_KEPT_APART, plugin_logger
 from .engine_config import fast_prefill_requested
 from .vllm_internals import (
     attend,
@@ -290,9 +290,7 @@ class SwiftKVModel(nn.Module):
         config.validate_swiftkv()
         if config.lora_rank:
             raise ValueError(
-                f"This checkpoint keeps low-rank adapters apart (lora_rank={config.lora_rank}: a full distillation "
-                "checkpoint). Serve its serving export, which merges them into ordinary weights: the quickstart's "
-                "distilled-serving/, or swiftkv_core.convert.export_for_serving(model, out_dir)."
+                ADAPTERS_KEPT_APART.format(checkpoint="This checkpoint", lora_rank=config.lora_rank)
             )
         self.config = config
         num_groups = config.num_kv_groups
