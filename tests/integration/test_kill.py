@@ -116,8 +116,10 @@ def test_distill_fit_killed_at_every_awkward_point_resumes_to_the_uninterrupted_
 
     run(command, pause="training-step", after=7)  # mid-step 7: checkpoints of steps 2, 4, 6 written
     assert last_step(checkpoints / "last.ckpt") == 6
-    out = run(command, pause="checkpoint-save", after=2)  # resumed at 6; killed inside step 10's save
+    # resumed at 6; killed with step 10's file staged beside step 8's
+    out = run(command, pause="checkpoint-staged", after=2)
     assert "resuming from" in out and last_step(checkpoints / "last.ckpt") == 8  # step 8's, whole
+    assert last_step(checkpoints / ".last.ckpt.staging") == 10  # staged, never read
     run(command)  # resumed at 8: trained to 12, the export written
 
     assert_same_trained_weights(full_out / "export" / "hf-serving", export)

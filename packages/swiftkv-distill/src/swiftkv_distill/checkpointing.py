@@ -1,14 +1,17 @@
 """Lightning checkpoints that a killed save never spoils, and the one a rerun resumes from.
 
-A one-file checkpoint is written atomically by Lightning (a temporary file, then a rename). A sharded one (FSDP2
-through ``ModelParallelStrategy``: a folder, each rank writing its own shards) is not: Lightning writes the shards
-into the existing folder, over the previous checkpoint, for as long as the save takes (minutes at 70B). A process
-killed then leaves a folder of old and new shards, which the next run would resume from. ``ModelCheckpoint`` here
-stages a sharded checkpoint beside its target and moves it into place whole (``atomic.replace_directory``).
+Lightning writes a checkpoint over the previous one. A sharded one (FSDP2 through ``ModelParallelStrategy``: a
+folder, each rank writing its own shards) goes into the existing folder for as long as the save takes (minutes at
+70B); a one-file one goes through a temporary file in ``$TMPDIR``, moved into place, which is a rename on the same
+file system only: elsewhere (a container's /tmp and a mounted output folder, a node-local /tmp) the move copies into
+the checkpoint's own file. A process killed then leaves a checkpoint of old and new shards, or a truncated file,
+which the next run would resume from. ``ModelCheckpoint`` here stages either beside its target and moves it into
+place whole (a rename; ``atomic.replace_directory`` for a folder).
 """
 
 from __future__ import annotations
 
+import os
 import shutil
 from pathlib import Path
 from weakref import proxy
@@ -20,37 +23,39 @@ from swiftkv_core.faults import pause_point
 
 
 class ModelCheckpoint(LightningModelCheckpoint):
-    """Lightning's ``ModelCheckpoint`` (same arguments) whose sharded checkpoints replace the previous one whole:
-    every rank writes into ``.NAME.staging`` beside the target, and once all have, rank 0 moves it into place. A
-    process killed during the save leaves the previous checkpoint as it was; killed between the two moves of the
-    swap, it leaves that checkpoint set aside, where ``last_checkpoint`` and ``ckpt_path="last"`` find it. While a
-    checkpoint is saved, the disk holds it and the previous one: twice a checkpoint's size at the peak."""
+    """Lightning's ``ModelCheckpoint`` (same arguments) whose checkpoints replace the previous one whole: every rank
+    writes into ``.NAME.staging`` beside the target (a file, or a folder of shards), and once all have, rank 0 moves
+    it into place. A process killed during the save leaves the previous checkpoint as it was; killed between the two
+    moves of a folder's swap, it leaves that checkpoint set aside, where ``last_checkpoint`` and
+    ``ckpt_path="last"`` find it. While a checkpoint is saved, the disk holds it and the previous one: twice a
+    checkpoint's size at the peak."""
 
     def setup(self, trainer, pl_module, stage: str) -> None:
-        """Lightning's, then the staging folders a killed run left removed: they are never read, and one of a name
-        saved again is removed then, but one of a name that does not come back (a metric in it) would stay."""
+        """Lightning's, then what killed saves staged removed: it is never read, and one of a name saved again is
+        removed then, but one of a name that does not come back (a metric in it) would stay."""
         super().setup(trainer, pl_module, stage)
         if stage == "fit" and trainer.is_global_zero and self.dirpath:
             for staging in Path(self.dirpath).glob(f".*{self.FILE_EXTENSION}.staging"):
-                shutil.rmtree(staging, ignore_errors=True)
+                _remove(staging)
 
     def _save_checkpoint(self, trainer, filepath: str) -> None:
-        if not getattr(trainer.strategy, "_save_distributed_checkpoint", False):
-            return super()._save_checkpoint(trainer, filepath)
         target = Path(filepath)
         staging = target.with_name(f".{target.name}.staging")
         if trainer.is_global_zero:
             target.parent.mkdir(parents=True, exist_ok=True)
-            restore_set_aside(target)  # a swap a killed run left half done
-            shutil.rmtree(staging, ignore_errors=True)  # a save a killed run left half written
+            restore_set_aside(target)  # a folder's swap a killed run left half done
+            _remove(staging)  # a save a killed run left half written
         trainer.strategy.barrier("swiftkv-checkpoint-staging")
         trainer.save_checkpoint(str(staging), self.save_weights_only)
-        # every rank's shards and rank 0's meta.pt written
+        # every rank's shards and rank 0's meta.pt written, or rank 0's file
         trainer.strategy.barrier("swiftkv-checkpoint-staged")
         if trainer.is_global_zero:
             # the new checkpoint whole beside the target, the old one in place
             pause_point("checkpoint-staged")
-            replace_directory(staging, target)
+            if staging.is_dir():
+                replace_directory(staging, target)
+            else:
+                os.replace(staging, target)
         trainer.strategy.barrier("swiftkv-checkpoint-in-place")
         # Lightning's bookkeeping after a save, the loggers told once the checkpoint is where it says
         self._last_global_step_saved = trainer.global_step
@@ -65,6 +70,13 @@ class ModelCheckpoint(LightningModelCheckpoint):
         if self.dirpath:
             found |= {str(p) for p in Path(self.dirpath).glob(f".{self.CHECKPOINT_NAME_LAST}*.old.*")}
         return found
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        path.unlink(missing_ok=True)
 
 
 def last_checkpoint(trainer) -> str | None:

@@ -423,7 +423,6 @@ class SwiftKVDistillation(L.LightningModule):
 
     # --- checkpoints -------------------------------------------------------------------------------------------
     def on_save_checkpoint(self, checkpoint: dict) -> None:
-        pause_point("checkpoint-save")  # inside Trainer.save_checkpoint: the file is not written yet
         # The frozen base weights are the pretrained checkpoint (hparams.model): keep only what training changed;
         # under FSDP2 all (a distributed checkpoint, each rank's shards: the loader wants every key).
         if self.device_mesh is None:
