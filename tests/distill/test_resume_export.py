@@ -343,3 +343,39 @@ def test_an_export_folder_the_export_would_lose_is_refused_before_training(
     with pytest.raises(ValueError, match=f"ExportHF's hf/ folder .*{message}"):
         trainer.fit(module, data)
     assert trainer.global_step == 0 and sorted(p.name for p in folder.iterdir()) == before
+
+
+def test_a_resumed_budgeted_fit_keeps_the_metrics_logged_before_it(tmp_path, tiny_model, text_file):
+    """``budgeted_fit`` (the main job's distillation) resumes into the same log folder: the rows logged before the
+    resume stay in ``metrics.csv`` (Lightning's CSVLogger deleted them, with a warning, so the report's curves
+    started at the resume), and the rows the resumed run logs again are not there twice."""
+    import csv
+    import warnings
+
+    from swiftkv_distill.recipe import budgeted_fit
+
+    overrides = {
+        "model.model": str(tiny_model), "model.num_key_value_layers": 2, "model.kv_init": "published",
+        "data.train_files": [str(text_file)], "data.val_files": [str(text_file)], "data.max_length": 16,
+        "data.batch_size": 2, "trainer.precision": "32-true", "trainer.log_every_n_steps": 1,
+    }  # fmt: skip
+    metrics = tmp_path / "logs" / "version_0" / "metrics.csv"
+
+    def train_rows() -> dict[int, str]:
+        with metrics.open(newline="") as file:
+            rows = [row for row in csv.DictReader(file) if row.get("train/kl")]
+        steps = [int(row["step"]) for row in rows]
+        assert len(steps) == len(set(steps)), steps  # no step twice
+        return {int(row["step"]): row["train/kl"] for row in rows}
+
+    budgeted_fit("smollm2-135m-cpu", tmp_path, steps=3, overrides=overrides, checkpoint_seconds=0)
+    first = train_rows()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _, summary = budgeted_fit(
+            "smollm2-135m-cpu", tmp_path, steps=5, overrides=overrides, checkpoint_seconds=0
+        )
+    assert summary["resumed"] and summary["global_step"] == 5
+    assert not [w for w in caught if "will be deleted" in str(w.message)]
+    both = train_rows()
+    assert len(first) == 3 and len(both) == 5 and {s: both[s] for s in first} == first

@@ -1,5 +1,5 @@
 """Callbacks: a JSON summary and a PNG of the metrics at the end of fit, the HF export, and a live progress bar for a
-run budgeted in training time."""
+run budgeted in training time; a CSV logger whose metrics go on across a resume."""
 
 from __future__ import annotations
 
@@ -9,9 +9,11 @@ import math
 from pathlib import Path
 
 import lightning as L
+from lightning.fabric.loggers.logger import rank_zero_experiment
 from lightning.pytorch.loggers import CSVLogger
+from lightning.pytorch.loggers.csv_logs import ExperimentWriter
 
-from swiftkv_core.atomic import atomic_write_text
+from swiftkv_core.atomic import atomic_file, atomic_write_text
 from swiftkv_core.runtime import Stopwatch
 
 
@@ -20,6 +22,47 @@ def _log_dir(trainer: L.Trainer) -> Path:
         if isinstance(logger, CSVLogger):
             return Path(logger.log_dir)
     return Path(trainer.default_root_dir)
+
+
+class ResumableCSVLogger(CSVLogger):
+    """Lightning's ``CSVLogger`` (same arguments) for a run that resumes into the same version folder (a fixed
+    ``version``, as ``budgeted_fit`` gives): Lightning's deletes the folder's ``metrics.csv`` (with a warning), so
+    the curves and ``metrics.png`` of a resumed run started at the resume. Here the earlier rows stay, but those
+    from the step the resumed run logs first on, which it logs again."""
+
+    @property
+    @rank_zero_experiment
+    def experiment(self) -> ExperimentWriter:
+        if self._experiment is None:
+            self._fs.makedirs(self.root_dir, exist_ok=True)
+            self._experiment = _ContinuedWriter(log_dir=self.log_dir)
+        return self._experiment
+
+
+class _ContinuedWriter(ExperimentWriter):
+    _trimmed = False
+
+    def _check_log_dir_exists(self) -> None:
+        """Lightning's deletes ``metrics.csv``: kept here, trimmed at the first row logged."""
+
+    def log_metrics(self, metrics_dict: dict, step: int | None = None) -> None:
+        if not self._trimmed and step is not None:
+            self._trimmed = True
+            self._keep_rows_before(step)
+        super().log_metrics(metrics_dict, step)
+
+    def _keep_rows_before(self, step: int) -> None:
+        path = Path(self.metrics_file_path)
+        if not path.is_file():
+            return
+        with path.open(newline="") as file:
+            reader = csv.DictReader(file)
+            rows = [row for row in reader if row.get("step") and int(float(row["step"])) < step]
+            self.metrics_keys = list(reader.fieldnames or [])  # sorted, as Lightning writes them
+        with atomic_file(path) as file:  # a kill here leaves the earlier rows whole
+            writer = csv.DictWriter(file, fieldnames=self.metrics_keys)
+            writer.writeheader()
+            writer.writerows(rows)
 
 
 class RunReport(L.Callback):

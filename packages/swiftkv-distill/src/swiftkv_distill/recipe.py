@@ -297,7 +297,7 @@ def budgeted_fit(
 ) -> tuple[Built, dict]:
     """Distil with ``recipe`` for ``seconds`` of training (warm-up + cosine over that time; a live bar that stops
     the run when the time is spent), or for ``steps`` optimizer steps (the schedule over the steps), with logs in
-    ``folder/logs/version_0`` and no export. With ``checkpoint_seconds``, the trainable weights are checkpointed in
+    ``folder/logs/version_0`` (a resumed run's rows after the earlier ones: ``ResumableCSVLogger``) and no export. With ``checkpoint_seconds``, the trainable weights are checkpointed in
     ``folder/checkpoints`` at the first step end that many seconds after the last checkpoint (0: every step), and a
     run that finds ``last.ckpt`` there resumes from it. Returns what was built and the run's summary (``RunReport``,
     rank 0's on every process).
@@ -334,7 +334,7 @@ def budgeted_fit(
         "trainer.max_time": None,
         "trainer.max_epochs": None,
         "trainer.default_root_dir": str(folder),
-        "trainer.logger": {"class_path": "lightning.pytorch.loggers.CSVLogger",
+        "trainer.logger": {"class_path": "swiftkv_distill.callbacks.ResumableCSVLogger",
                            "init_args": {"save_dir": str(folder), "name": "logs", "version": 0}},
         "trainer.callbacks": callbacks,
         "trainer.enable_checkpointing": checkpointing,
