@@ -379,3 +379,39 @@ def test_a_resumed_budgeted_fit_keeps_the_metrics_logged_before_it(tmp_path, tin
     assert not [w for w in caught if "will be deleted" in str(w.message)]
     both = train_rows()
     assert len(first) == 3 and len(both) == 5 and {s: both[s] for s in first} == first
+
+
+def test_a_checkpoint_by_time_is_never_saved_inside_an_accumulation_window(tmp_path, tiny_model, text_file):
+    """Saved by time, a checkpoint may fall on any batch; inside a window of accumulated batches it would count them
+    as done, and the resumed run would skip them untrained. Ours waits for the window's optimizer step. The hour
+    of its interval is made to have passed at the 3rd batch, the middle of the 2nd window of 2."""
+    import time
+    from datetime import timedelta
+
+    from swiftkv_distill.checkpointing import ModelCheckpoint as OurCheckpoint
+
+    saved_after = []  # the batches done at each save
+
+    class Recording(OurCheckpoint):
+        def _save_checkpoint(self, trainer, filepath):
+            saved_after.append(trainer.fit_loop.epoch_loop.batch_progress.current.processed)
+            super()._save_checkpoint(trainer, filepath)
+
+    hourly = Recording(
+        dirpath=tmp_path / "ckpt", save_last=True, save_top_k=0, train_time_interval=timedelta(hours=1)
+    )
+
+    class AnHourPasses(L.Callback):
+        def on_train_batch_end(self, trainer, *args):
+            if trainer.fit_loop.epoch_loop.batch_progress.current.processed == 3:
+                hourly._last_time_checked = time.monotonic() - 7200
+
+    _run(
+        tiny_model,
+        text_file,
+        tmp_path,
+        max_steps=3,
+        extra_callbacks=[AnHourPasses(), hourly],
+        accumulate_grad_batches=2,
+    )
+    assert saved_after == [4], saved_after  # at the 2nd window's end (Lightning's: [3], mid-window)

@@ -38,6 +38,12 @@ class ModelCheckpoint(LightningModelCheckpoint):
             for staging in Path(self.dirpath).glob(f".*{self.FILE_EXTENSION}.staging"):
                 _remove(staging)
 
+    def on_train_batch_end(self, trainer, *args, **kwargs) -> None:
+        """Lightning's, but never inside a gradient-accumulation window (a save by time may come at any batch):
+        the checkpoint counts the window's batches as done, and a run resumed from it would skip them untrained."""
+        if not trainer.fit_loop.epoch_loop._should_accumulate():
+            super().on_train_batch_end(trainer, *args, **kwargs)
+
     def _save_checkpoint(self, trainer, filepath: str) -> None:
         target = Path(filepath)
         staging = target.with_name(f".{target.name}.staging")
