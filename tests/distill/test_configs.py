@@ -24,8 +24,8 @@ class ParseOnly(DistillCLI):
 
 
 def test_configs_distill_is_the_shipped_recipes(tmp_path, monkeypatch):
-    """``configs/distill/NAME.yaml`` (the paths the docs use) are the package's files, and ``--config NAME`` or that
-    path resolves to them from a folder that has no configs/."""
+    """``configs/distill/NAME.yaml`` (the paths the docs use) are the package's files, and ``--config NAME`` (``-c``)
+    or that path resolves to them from a folder that has no configs/."""
     from swiftkv_distill.recipe import recipe_path
 
     linked = Path(__file__).parents[2] / "configs" / "distill"
@@ -33,8 +33,13 @@ def test_configs_distill_is_the_shipped_recipes(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     for name in ("smollm2-135m-cpu", "smollm2-135m-cpu.yaml", "configs/distill/smollm2-135m-cpu.yaml"):
         assert recipe_path(name) == RECIPES_DIR / "smollm2-135m-cpu.yaml"
-    cli = make_cli(["--config", "smollm2-135m-cpu"], run=False, cli_class=ParseOnly)
-    assert cli.config.model.num_key_value_layers == 20
+    for given in (
+        ["--config", "smollm2-135m-cpu"],
+        ["-c", "smollm2-135m-cpu"],
+        ["--config=smollm2-135m-cpu"],
+    ):
+        cli = make_cli(given, run=False, cli_class=ParseOnly)
+        assert cli.config.model.num_key_value_layers == 20, given
     with pytest.raises(ValueError, match="not a shipped recipe"):
         recipe_path("smollm3")
 

@@ -109,6 +109,7 @@ CASES = [  # (arguments, what the error must say)
     ([*FIT, "--model.model", "TRUNCATED"], "not whole"),
     ([*FIT, "--model.model_dtype", "float8"], "model_dtype must be one of"),
     ([*FIT, "--model.kv_init_weighting", "attn"], "kv_init_weighting must be one of"),
+    ([*FIT, "--model.hidden_loss_weight", "-1"], "hidden_loss_weight must be a number >= 0"),
     (
         [*FIT, "--model.min_lr_ratio", "-0.5", "--model.learning_rate", "-1"],
         "learning_rate must be >= 0.*min_lr",

@@ -214,7 +214,7 @@ def check_kv_init(kv_init: str, tokens: int, ridge: float, weighting: str) -> No
         raise ValueError(f"kv_init must be one of {KV_INITS}, got {kv_init!r}.")
     if weighting not in KV_INIT_WEIGHTINGS:
         raise ValueError(f"kv_init_weighting must be one of {KV_INIT_WEIGHTINGS}, got {weighting!r}.")
-    if tokens < 1 or ridge < 0:
+    if tokens < 1 or not ridge >= 0:  # (not NaN either)
         raise ValueError(f"kv_init_tokens must be >= 1 and kv_init_ridge >= 0, got {tokens} and {ridge}.")
 
 

@@ -119,19 +119,19 @@ def check_world_size(trainer) -> None:
 
 
 def with_recipe_paths(args: list[str]) -> list[str]:
-    """``args`` with each ``--config NAME`` of a shipped recipe replaced by its file (paths that exist stay)."""
+    """``args`` with each ``--config NAME`` (or ``-c NAME``) of a shipped recipe replaced by its file (paths that
+    exist stay)."""
     out = list(args)
     for i, arg in enumerate(out):
-        name, value = (
-            (arg, out[i + 1] if i + 1 < len(out) else None) if arg == "--config" else arg.partition("=")[::2]
-        )
-        if name != "--config" or not value:
+        apart = arg in ("--config", "-c")
+        name, value = (arg, out[i + 1] if i + 1 < len(out) else None) if apart else arg.partition("=")[::2]
+        if name not in ("--config", "-c") or not value:
             continue
         try:
             resolved = str(recipe_path(value))
         except RecipeError:
             continue  # LightningCLI says that the file does not exist
-        if arg == "--config":
+        if apart:
             out[i + 1] = resolved
         else:
             out[i] = f"--config={resolved}"

@@ -15,6 +15,7 @@ and without autograd (nothing before layer l is trainable, so nothing there need
 from __future__ import annotations
 
 import contextlib
+import math
 from dataclasses import dataclass, fields
 
 import torch
@@ -104,7 +105,7 @@ class AccumulationWindow:
         """This process's share of each of a step's means (``mean_loss``, ``mean_metric``): the loss, and the metrics
         the step's ``out`` has."""
         shares = {"loss": self.mean_loss(out["loss"].detach(), row_scale, positions)}
-        for name in ("kl", "agreement", "hidden_mse", "early_exit_kl"):
+        for name in ("kl", "agreement", "hidden_mse", "early_exit_kl", "early_exit_agreement"):
             if name in out:
                 shares[name] = self.mean_metric(name, out[name], positions)
         return shares
@@ -157,10 +158,12 @@ class LossSettings:
     """Positions per chunk of full-vocabulary logits (memory vs speed)."""
 
     def __post_init__(self) -> None:
-        if self.temperature <= 0:
-            raise ValueError(f"temperature must be > 0, got {self.temperature}.")
-        if self.hard_label_weight < 0:
-            raise ValueError(f"hard_label_weight must be >= 0, got {self.hard_label_weight}.")
+        if not (math.isfinite(self.temperature) and self.temperature > 0):
+            raise ValueError(f"temperature must be a number > 0, got {self.temperature}.")
+        for name in ("hidden_loss_weight", "early_exit_weight", "hard_label_weight"):
+            weight = getattr(self, name)
+            if not (math.isfinite(weight) and weight >= 0):  # a negative weight would maximise its term
+                raise ValueError(f"{name} must be a number >= 0 (0: off), got {weight}.")
         if self.chunk_size < 1:
             raise ValueError(f"chunk_size must be >= 1, got {self.chunk_size}.")
 
