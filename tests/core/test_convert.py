@@ -141,6 +141,24 @@ def test_failed_save_leaves_the_earlier_checkpoint_intact(tmp_path):
     assert [p.name for p in tmp_path.iterdir()] == ["ckpt"]  # no temporary folder left behind
 
 
+def test_a_save_never_replaces_a_folder_of_other_files(tmp_path):
+    """The checkpoint replaces its whole folder: an earlier checkpoint is overwritten, but a folder of other files
+    (a run's logs beside the weights) or a file is refused before anything is written, and stays as it was."""
+    model = convert(tiny_base("llama"), 2)
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "train_log.csv").write_text("step,kl\n")
+    (tmp_path / "file").write_text("x")
+    for folder, refusal in (("run", "not a checkpoint folder"), ("file", "is a file")):
+        for save in (save_checkpoint, export_for_serving):
+            with pytest.raises((ValueError, NotADirectoryError), match=refusal):
+                save(model, tmp_path / folder)
+    assert (tmp_path / "run" / "train_log.csv").read_text() == "step,kl\n" and (
+        tmp_path / "file"
+    ).read_text() == "x"
+    save_checkpoint(model, tmp_path / "ckpt")
+    save_checkpoint(model, tmp_path / "ckpt")  # an earlier checkpoint: replaced
+
+
 def test_convert_from_a_path(tmp_path):
     tiny_base("qwen2").save_pretrained(tmp_path)
     model = convert(tmp_path, 3)

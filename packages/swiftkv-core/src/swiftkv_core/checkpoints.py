@@ -11,7 +11,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from .configuration import validate_layers
-from .convert import FAMILIES, SWIFTKV_FAMILIES
+from .convert import FAMILIES, SWIFTKV_FAMILIES, check_checkpoint_folder
 from .default_model import resolve_model_path
 
 KINDS = ("base", "swiftkv", "any")
@@ -226,10 +226,4 @@ def check_replaceable(folder: str | os.PathLike, model: str | os.PathLike, what:
             f"{what} {folder} is (or holds) the model being read, which writing there would replace: give "
             "another folder."
         )
-    if folder.exists() and not folder.is_dir():
-        raise NotADirectoryError(f"{what} {folder} is a file: give a folder path for the checkpoint.")
-    if folder.is_dir() and any(folder.iterdir()) and not (folder / "config.json").is_file():
-        raise ValueError(
-            f"{what} {folder} holds files and is not a checkpoint folder (no config.json); the checkpoint "
-            "replaces the whole folder: give a new folder, or a checkpoint folder to overwrite."
-        )
+    check_checkpoint_folder(folder, what)

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
-from .atomic import atomic_directory
+from .atomic import CLAIM, atomic_directory
 from .configuration import LlamaSwiftKVConfig, Qwen2SwiftKVConfig
 from .modeling import LORA_SUFFIX, LlamaSwiftKVForCausalLM, LowRankAdapter, Qwen2SwiftKVForCausalLM
 from .weights import is_teacher_projection, swiftkv_parameter_names, train_only_swiftkv
@@ -124,19 +124,35 @@ def convert(
     return swift
 
 
+def check_checkpoint_folder(folder: str | os.PathLike, what: str = "out_dir") -> None:
+    """Refuse a ``folder`` that writing a checkpoint there would lose (``what``: how the user named it): the
+    checkpoint replaces the whole folder, so it must be new, empty or an earlier checkpoint (a ``config.json``)."""
+    folder = Path(folder)
+    if folder.exists() and not folder.is_dir():
+        raise NotADirectoryError(f"{what} {folder} is a file: give a folder path for the checkpoint.")
+    others = folder.is_dir() and any(p.name != CLAIM for p in folder.iterdir())  # (a staging folder's claim)
+    if others and not (folder / "config.json").is_file():
+        raise ValueError(
+            f"{what} {folder} holds files and is not a checkpoint folder (no config.json); the checkpoint "
+            "replaces the whole folder: give a new folder, or a checkpoint folder to overwrite."
+        )
+
+
 def save_checkpoint(
     model: PreTrainedModel, out_dir: str | os.PathLike, tokenizer=None, serving: bool = False
 ) -> Path:
     """Write ``model`` (config + safetensors, and ``tokenizer`` if given) to ``out_dir`` atomically.
 
     Everything is written into a temporary folder beside ``out_dir`` and renamed into place at the end, so a
-    failure leaves an earlier checkpoint at ``out_dir`` intact. ``serving=True`` leaves out the teacher q/k/v of
+    failure leaves an earlier checkpoint at ``out_dir`` intact. The new folder replaces the whole of ``out_dir``:
+    one that holds other files is refused (``check_checkpoint_folder``). ``serving=True`` leaves out the teacher q/k/v of
     layers ``>= l``, merges the adapters of a ``lora_rank > 0`` model into the weights they adapt, and marks the
     config ``serving_only`` (see ``export_for_serving``).
     """
     config = model.config
     if serving and config.model_type not in SWIFTKV_FAMILIES:
         raise ValueError(f"export_for_serving needs a SwiftKV model, got model_type={config.model_type!r}.")
+    check_checkpoint_folder(out_dir)
     with atomic_directory(out_dir) as staging:
         if serving:  # SwiftKV on, no teacher q/k/v, and a config that says so
             state_dict = {
