@@ -41,14 +41,23 @@ def test_kv_cache_bytes():
 
 
 @torch.no_grad()
-@pytest.mark.parametrize(("l", "g", "seq_len"), [(None, 1, 32), (2, 1, 32), (1, 3, 17), (2, 2, 64)])
-def test_measured_prefill_flops_match_the_model(l, g, seq_len):
+@pytest.mark.parametrize(
+    ("l", "g", "seq_len", "keep"),  # keep 0: every position's logits, as the model reads it
+    [(None, 1, 32, 1), (2, 1, 32, 1), (1, 3, 17, 1), (2, 2, 64, 1), (2, 1, 16, 0), (2, 1, 16, 5)],
+)
+def test_measured_prefill_flops_match_the_model(l, g, seq_len, keep):
     base = tiny_base("llama")
     model = base if l is None else convert(tiny_base("llama"), l, g)
     ids = torch.randint(0, 128, (2, seq_len))
-    measured, _ = count_flops(model, ids, use_cache=True, logits_to_keep=1)
+    measured, _ = count_flops(model, ids, use_cache=True, logits_to_keep=keep)
     expected = prefill_flops_total(
-        ModelShape.from_config(model.config), seq_len, l, g, logits_to_keep=1, attention="dense", batch_size=2
+        ModelShape.from_config(model.config),
+        seq_len,
+        l,
+        g,
+        logits_to_keep=keep,
+        attention="dense",
+        batch_size=2,
     )
     assert measured == pytest.approx(expected, rel=1e-9)
 

@@ -103,6 +103,7 @@ CASES = [  # (arguments, what the error must say)
     (["flops", "--kv_cache_dtype", "fp4"], "fp4"),
     (["flops", "--seq_len", "0"], "positive"),
     (["flops", "--attention", "sparse"], "'causal' or 'dense'"),
+    (["flops", "--model", "TINY", "--num_key_value_layers", "0"], "out of range"),
     (["distill", "fit", "--config", "MISSING.yaml"], "missing.yaml"),
     (["distill", "fit", "--config", "RECIPE"], "recipe.yaml"),
     ([*FIT, "--model.num_key_value_layers", "9"], "out of range"),

@@ -208,6 +208,7 @@ def flops(
     """
     from transformers import AutoConfig
 
+    from .configuration import validate_layers
     from .default_model import resolve_model_path
     from .flops import ROWS, ModelShape, format_table1, kv_cache_bytes_per_token, prefill_flops
     from .kv_cache import storage_bytes
@@ -222,8 +223,12 @@ def flops(
     config = AutoConfig.from_pretrained(resolve_model_path(model))
     shape = ModelShape.from_config(config)
     L = shape.num_hidden_layers
-    l = num_key_value_layers or getattr(config, "num_key_value_layers", None) or L // 2
-    g = key_value_group_size or getattr(config, "key_value_group_size", 1)
+    if num_key_value_layers is None:  # the checkpoint's own, else half the layers
+        num_key_value_layers = getattr(config, "num_key_value_layers", None) or L // 2
+    if key_value_group_size is None:
+        key_value_group_size = getattr(config, "key_value_group_size", None) or 1
+    l, g = num_key_value_layers, key_value_group_size
+    validate_layers(L, l, g)  # 0 or out of range: refused, not replaced by a default
     base, swift = (
         prefill_flops(shape, seq_len, attention=attention),
         prefill_flops(shape, seq_len, l, g, attention),

@@ -152,7 +152,7 @@ def prefill_flops_phases(
     L = shape.num_hidden_layers
     l = L if num_key_value_layers is None else num_key_value_layers
     per_token_all = prefill_flops(shape, seq_len, l, key_value_group_size, attention)  # prompt tokens
-    kept = min(logits_to_keep, seq_len)
+    kept = seq_len if logits_to_keep <= 0 else min(logits_to_keep, seq_len)  # 0: every position, as the model
     phases = {
         "prompt": (per_token_all.total - per_token_all.vocab) * seq_len,
         "kept": 0.0,

@@ -345,9 +345,11 @@ class SwiftKVModelMixin:
         keep_positions=None,
         **kwargs,
     ):
-        """Embeddings and layers ``< l`` (identical in teacher and student): ``(hidden entering layer l, context)``.
+        """Embeddings and layers ``< l`` (identical in teacher and student, but with ``lora_prefix``: its adapters
+        on their MLPs run in the student only): ``(hidden entering layer l, context)``.
 
-        Distillation runs this once and ``forward_suffix`` twice (teacher and student) on its output.
+        Distillation runs this once and ``forward_suffix`` twice (teacher and student) on its output (with
+        ``lora_prefix``, this twice too).
         Packed sequences (``position_ids`` restarting at 0, no ``attention_mask``) are kept apart by the causal
         mask only without a cache: pass ``use_cache=False`` (transformers' mask ignores packing with a cache).
         With flash-attn, a caller that knows where the packed sequences start passes flash-attn's variable-length
@@ -766,7 +768,8 @@ class SwiftKVForCausalLMMixin:
         logits_to_keep: int | torch.Tensor = 0,
         **kwargs,
     ) -> CausalLMOutputWithPast:
-        """As the HF model; ``logits_to_keep`` also decides which positions run layers ``>= l`` under SwiftKV."""
+        """As the HF model; ``logits_to_keep`` also decides which positions run layers ``>= l`` under SwiftKV (so
+        with ``output_hidden_states``, the states of those layers are of the kept positions only)."""
         outputs = self.model(
             input_ids=input_ids,
             attention_mask=attention_mask,
