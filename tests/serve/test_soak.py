@@ -14,6 +14,7 @@ pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
 def test_a_short_soak_keeps_serving_right(tiny_swiftkv, tmp_path, monkeypatch):
     monkeypatch.delenv("VLLM_ENABLE_V1_MULTIPROCESSING", raising=False)  # the server as users run it
+    monkeypatch.setenv("SWIFTKV_API_KEY", "the user's own")  # not the soak's server's: its clients send none
     run = run_soak(tiny_swiftkv, minutes=0.5, clients=16, drop_fraction=0.25, kv_cache_mib=1, sample_s=5,
                    workdir=tmp_path)  # fmt: skip
     summary = run["summary"]

@@ -16,6 +16,8 @@ import os
 import secrets
 
 KEYS_VARIABLE = "SWIFTKV_SERVE_API_KEYS"
+# every variable a server started by swiftkv-serve takes a key from (cli.server_environment reads them)
+KEY_VARIABLES = ("SWIFTKV_API_KEY", "SWIFTKV_API_KEY_FILE", "VLLM_API_KEY", KEYS_VARIABLE)
 OPEN = ("/health", "/ping")  # liveness and readiness probes: Docker's HEALTHCHECK, SageMaker's /ping
 MIDDLEWARE = f"{__name__}.ApiKeyOnEveryRoute"
 _UNAUTHORISED = b'{"error": "Unauthorized: give Authorization: Bearer <API key>"}'

@@ -356,8 +356,7 @@ def server_environment(options: list[str], environ) -> tuple[list[str], dict, st
     ``SWIFTKV_API_KEY_FILE``, and ``VLLM_API_KEY``), go to ``auth.KEYS_VARIABLE`` for ``auth.ApiKeyOnEveryRoute``,
     which the options then load (vLLM's own check guards /v1/* only); ``--api-key`` leaves the command line, which
     ``ps`` shows to anyone on the machine. A key in a ``--config`` file is refused: vLLM would read it too."""
-    drop = ("SWIFTKV_API_KEY", "SWIFTKV_API_KEY_FILE", "VLLM_API_KEY", auth.KEYS_VARIABLE)
-    environment = {k: v for k, v in environ.items() if k not in drop}
+    environment = {k: v for k, v in environ.items() if k not in auth.KEY_VARIABLES}
     key, key_file = environ.get("SWIFTKV_API_KEY"), environ.get("SWIFTKV_API_KEY_FILE")
     if key and key_file:
         raise ValueError("both SWIFTKV_API_KEY and SWIFTKV_API_KEY_FILE are set: give one (the file keeps the key out "

@@ -7,8 +7,8 @@ budget small enough that the scheduler preempts, prefix caching on. It records w
 - the greedy answers to a few fixed prompts before the load (a quiet server) and after it, which must be equal;
 - KV-cache usage once the load is gone, which must be back to 0.
 
-A quarter of the clients (``drop_fraction``) hang up mid-stream, as browsers and timeouts do. Bounded in time and
-requests; stops by itself. ``soak_report.py`` writes the table and the plot; ``benchmarks/soak.py`` is the command.
+A quarter of the clients (``drop_fraction``) hang up mid-stream, as browsers and timeouts do. Bounded in time (each
+client starts no request after ``minutes``); stops by itself. ``soak_report.py`` writes the table and the plot; ``benchmarks/soak.py`` is the command.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ import time
 import urllib.request
 from pathlib import Path
 
+from . import auth
 from .server import free_port, process_tree_rss, running_server, swiftkv_serve_command
 
 QUIET_PROMPTS = [
@@ -122,7 +123,8 @@ async def _load(base: str, model: str, headers: dict, clients: int, drop_fractio
             for i in range(clients)
         ]
         while not all(task.done() for task in tasks):
-            sample(records)
+            # in a thread: the clients' token times are taken on this loop, which must not wait for /metrics
+            await asyncio.to_thread(sample, records)
             await asyncio.wait(tasks, timeout=sample_s)
         await asyncio.gather(*tasks)
     return records
@@ -148,16 +150,23 @@ def run_soak(checkpoint: Path, minutes: float = 5.0, clients: int = 64, drop_fra
     prompts = [f"{doc}\nQuestion {i}: which word comes third?" for i, doc in enumerate(shared * 4)]
     prompts += [f"Write a long story about a {word}." for word in _WORDS]
     samples: list[dict] = []
-    # vLLM's CPU backend lets VLLM_CPU_KVCACHE_SPACE override --kv-cache-memory-bytes: the soak's budget must hold
-    environment = {k: v for k, v in os.environ.items() if k != "VLLM_CPU_KVCACHE_SPACE"}
+    # vLLM's CPU backend lets VLLM_CPU_KVCACHE_SPACE override --kv-cache-memory-bytes: the soak's budget must hold;
+    # an API key of the user's environment would close the server to the soak's clients
+    dropped = ("VLLM_CPU_KVCACHE_SPACE", *auth.KEY_VARIABLES)
+    environment = {k: v for k, v in os.environ.items() if k not in dropped}
     with running_server(command, workdir / "server.log", environment) as (base, proc):
         quiet = greedy_answers(base, model, headers)
         started = time.monotonic()
 
         def sample(records: list[dict] | None = None) -> None:
-            samples.append(
-                {"t": time.monotonic() - started, "rss": process_tree_rss(proc.pid), **metrics(base)}
-            )
+            t = time.monotonic() - started
+            try:
+                samples.append({"t": t, "rss": process_tree_rss(proc.pid), **metrics(base)})
+            except OSError as error:  # /metrics slow to answer under load: the load goes on, the gap is said
+                if records is None:
+                    raise
+                print(f"   {t:4.0f} s: no sample ({error})", flush=True)
+                return
             if records is not None:  # live progress, one line per sample
                 s, errors = samples[-1], sum(1 for r in records if r["error"] or (r["status"] or 0) >= 400)
                 print(f"   {s['t']:4.0f} s of {60 * minutes:.0f}: {len(records)} requests done, {errors} errors, "

@@ -8,8 +8,6 @@ from pathlib import Path
 
 from swiftkv_core.atomic import atomic_write_text
 
-TARGETS = {"errors": 0, "server_errors_5xx": 0, "rss_growth": 0.10}
-
 
 def write_soak_report(runs: dict[str, dict], out: Path, command: str) -> None:
     """``out``.json (every figure but the per-request records), .md and .png of ``runs`` (label -> run_soak)."""
