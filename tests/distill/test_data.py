@@ -249,6 +249,13 @@ def test_teacher_answers_are_reproducible_chat_data(tiny_model, tmp_path, monkey
         prompts, str(tiny_model), max_new_tokens=6, batch_size=2, backend="hf", cache=False
     )
     assert first == teacher_answers(prompts, str(tiny_model), 6, batch_size=2, backend="hf", cache=False)
+    # temperature 0: greedy, as vLLM reads it (HF's sampling refused it after loading the model)
+    greedy = teacher_answers(
+        prompts, str(tiny_model), 6, batch_size=2, temperature=0, backend="hf", cache=False
+    )
+    assert greedy == teacher_answers(
+        prompts, str(tiny_model), 6, batch_size=1, temperature=0, backend="hf", cache=False
+    )
     assert [r["prompt"] for r in first] == ["What is rain?", "Name a colour."][: len(first)] and first
     tokenizer = AutoTokenizer.from_pretrained(tiny_model)
     for record in first:

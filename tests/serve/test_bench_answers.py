@@ -97,3 +97,23 @@ def test_failing_child_raises_with_its_errors(tmp_path, tiny_llama):
     with pytest.raises(ChildProcessFailed, match="benchmark of broken") as error:
         run_in_child(broken, "broken", {"8/2": (8, 2)}, 1, 1, False, kv_cache_gib=0.25, timeout_s=300)
     assert "Error" in str(error.value) or "ERROR" in str(error.value)
+
+
+def test_bad_settings_are_refused_before_a_child_starts(tmp_path):
+    """Settings the engine would refuse only after its start (tens of seconds, minutes on a GPU) are refused here,
+    before any child or engine: the paths below do not even exist."""
+    from swiftkv_serve.answers import generate_answers
+    from swiftkv_serve.comparison import compare_serving
+
+    for settings, refusal in (
+        ({"max_new_tokens": 0}, "max_new_tokens must be an integer >= 1"),
+        ({"temperature": -1.0}, "temperature must be a number >= 0"),
+        ({"top_p": 1.5}, r"top_p must be in \(0, 1\]"),
+    ):
+        with pytest.raises(ValueError, match=refusal):
+            generate_answers(tmp_path / "missing", PROMPTS, **settings)
+    for workloads, requests in (({"rag": (512, 8)}, 0), ({"rag": (512, 0)}, 4)):
+        with pytest.raises(ValueError, match="each must be >= 1"):
+            compare_serving(
+                tmp_path / "a", tmp_path / "b", workloads, requests, max_num_seqs=4, compile=False
+            )

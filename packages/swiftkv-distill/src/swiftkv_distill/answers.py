@@ -19,6 +19,7 @@ from importlib.metadata import entry_points
 from pathlib import Path
 
 from swiftkv_core.atomic import atomic_file
+from swiftkv_core.chat import check_sampling
 from swiftkv_core.checkpoints import model_identity
 
 BACKEND_GROUP = "swiftkv_distill.answer_backends"
@@ -52,14 +53,21 @@ def hf_answers(path: Path, prompts: list[str], max_new_tokens: int, temperature:
     check_weights_fit(str(path), device, (stored_dtype(path) or torch.float32) if dtype == "auto" else dtype)
     # straight onto the GPU where there is one: no whole copy of the teacher in host memory first
     lm = load_weights(path, dtype, device).eval()
+    # temperature 0: greedy, as vLLM reads it (HF's sampling refuses it)
+    sampling = (
+        dict(do_sample=True, temperature=temperature, top_p=top_p)
+        if temperature > 0
+        else dict(do_sample=False)
+    )
     answers = []
     batches = range(0, len(prompts), batch_size)
     for index, start in enumerate(tqdm(batches, desc="teacher answers (HF)", unit="batch")):
         inputs = chat_prompt_batch(tokenizer, prompts[start : start + batch_size]).to(lm.device)
         torch.manual_seed(seed + index)
         with torch.no_grad():
-            generated = lm.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=True, temperature=temperature,
-                                    top_p=top_p, pad_token_id=tokenizer.pad_token_id)  # fmt: skip
+            generated = lm.generate(
+                **inputs, max_new_tokens=max_new_tokens, pad_token_id=tokenizer.pad_token_id, **sampling
+            )
         answers += tokenizer.batch_decode(
             generated[:, inputs["input_ids"].shape[1] :], skip_special_tokens=True
         )
@@ -180,6 +188,7 @@ def teacher_answers(
     ``answers_dir()`` (``teacher_answers_cache_file``; a ``.meta.json`` beside each file says what it holds), and
     later calls with the same key read them instead of generating.
     """
+    check_sampling(max_new_tokens, temperature, top_p)
     records = _answerable(prompts)
     texts = [r["prompt"] for r in records]
     entry, metadata = teacher_answers_cache_file(

@@ -142,8 +142,11 @@ def generate_answers(
     """
     from tqdm.auto import tqdm
 
+    from swiftkv_core.chat import check_sampling
+
     from .child import run_module_in_child
 
+    check_sampling(max_new_tokens, temperature, top_p)  # here, not after the child's engine start
     prompts = list(prompts)
     if not prompts:
         return []

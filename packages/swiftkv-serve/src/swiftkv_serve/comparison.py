@@ -100,6 +100,12 @@ def compare_serving(
     progress = progress or (lambda message: None)
     base, swiftkv = Path(base), Path(swiftkv)
     workloads = {name: (int(p), int(o)) for name, (p, o) in workloads.items()}
+    bad = {name: w for name, w in workloads.items() if min(w) < 1}
+    if bad or num_requests < 1 or max_num_seqs < 1:
+        raise ValueError(
+            f"workloads {bad or workloads}, num_requests {num_requests}, max_num_seqs {max_num_seqs}: each must be "
+            ">= 1 (a workload: prompt and output tokens)."
+        )
     max_model_len = max_model_len or default_max_model_len(workloads)
     too_long = [name for name, (p, o) in workloads.items() if p + o > max_model_len]
     if too_long:
