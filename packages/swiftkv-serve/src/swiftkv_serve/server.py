@@ -52,12 +52,14 @@ def running_server(
         )
     try:
         deadline = time.monotonic() + timeout_s
-        while not healthy(base):
-            if proc.poll() is not None:
-                raise ServerFailed(f"{' '.join(command)} exited with {proc.returncode}:\n{tail(log)}")
+        # ours exited first, then the port's /health: a server that took the port after free_port let it go
+        # answers there too, and an exited process's port is never taken for its server
+        while proc.poll() is None and not healthy(base):
             if time.monotonic() > deadline:
                 raise ServerFailed(f"{' '.join(command)}: no /health after {timeout_s:.0f} s:\n{tail(log)}")
             time.sleep(0.5)
+        if proc.poll() is not None:
+            raise ServerFailed(f"{' '.join(command)} exited with {proc.returncode}:\n{tail(log)}")
         yield base, proc
     finally:
         terminate_group(proc, grace_s=30)
