@@ -1,5 +1,6 @@
 """Lightning checkpoints: resume == uninterrupted; HF export round trip (full and serving) with the early head."""
 
+import shutil
 from pathlib import Path
 
 import lightning as L
@@ -148,18 +149,22 @@ def test_resuming_with_other_settings_is_refused_naming_them(tiny_model, text_fi
         _run(tiny_model, text_file, tmp_path, max_steps=3, ckpt_path=ckpt, learning_rate=1e-3)
 
 
-def test_resuming_with_other_batches_per_step_is_refused(tiny_model, text_file, tmp_path):
-    """The checkpoint's position in the data counts each process's batches and the schedule's length follows the
-    batches per step: another number of processes or of accumulated batches would train rows again and jump the
-    learning rate. Refused, naming the change (the number of processes is checked the same way)."""
-    _run(tiny_model, text_file, tmp_path, max_steps=3, interrupt_at=1)
+def test_resuming_with_other_batches_per_step_or_other_rows_is_refused(tiny_model, text_file, tmp_path):
+    """The checkpoint's position in the data counts each process's batches of a permutation of the training rows,
+    and the schedule's length follows the batches per step: another number of processes or of accumulated batches,
+    or data files that now make more rows, would train rows again (or never) and jump the learning rate. Refused,
+    naming the change (the number of processes is checked the same way)."""
+    data = tmp_path / "data.jsonl"
+    shutil.copy(text_file, data)
+    _run(tiny_model, data, tmp_path, max_steps=3, interrupt_at=1)
     ckpt = tmp_path / "ckpt" / "last.ckpt"
-    assert torch.load(ckpt, weights_only=False)["DistillDataModule"] == {
-        "world_size": 1,
-        "accumulate_grad_batches": 1,
-    }
+    state = torch.load(ckpt, weights_only=False)["DistillDataModule"]
+    assert state == {"world_size": 1, "accumulate_grad_batches": 1, "training_rows": state["training_rows"]}
     with pytest.raises(ValueError, match=r"trainer\.accumulate_grad_batches 1 -> 2"):
-        _run(tiny_model, text_file, tmp_path, max_steps=3, ckpt_path=ckpt, accumulate_grad_batches=2)
+        _run(tiny_model, data, tmp_path, max_steps=3, ckpt_path=ckpt, accumulate_grad_batches=2)
+    data.write_text(data.read_text() * 2)  # the same file with its rows again after them
+    with pytest.raises(ValueError, match=rf"training_rows {state['training_rows']} -> \d+"):
+        _run(tiny_model, data, tmp_path, max_steps=3, ckpt_path=ckpt)
 
 
 def test_the_same_settings_written_another_way_resume(tmp_path, monkeypatch):

@@ -181,7 +181,8 @@ def check_same_run(checkpoint: dict, module_settings: dict, datamodule=None) -> 
     ):
         for key in sorted((saved.keys() & now.keys()) - RESUMABLE_CHANGES):
             if _comparable(saved[key]) != _comparable(now[key]):
-                changed.append(f"{prefix}.{key} {saved[key]!r} -> {now[key]!r}")
+                name = "the data files' training_rows" if key == "training_rows" else f"{prefix}.{key}"
+                changed.append(f"{name} {saved[key]!r} -> {now[key]!r}")
     if changed:
         raise ValueError(
             f"the checkpoint to resume from was written with other settings ({'; '.join(changed)}): run with its "

@@ -359,13 +359,15 @@ class DistillDataModule(L.LightningDataModule):
 
     def state_dict(self) -> dict:
         """What Lightning's checkpoints keep of the data (``build.check_same_run`` compares it on a resume): the
-        checkpoint's position in an epoch counts each process's batches, and the schedule's length follows the
-        processes and the batches accumulated per step. Another count on a resume would train rows again and jump
-        the learning rate."""
+        checkpoint's position in an epoch counts each process's batches of a permutation of the training rows, and
+        the schedule's length follows the processes and the batches accumulated per step. Another count of either
+        on a resume would train rows again (or never) and jump the learning rate; so would data files that now
+        make another number of rows (rows added to them)."""
         trainer = getattr(self, "trainer", None)
         if trainer is None:
             return {}
-        return {"world_size": trainer.world_size, "accumulate_grad_batches": trainer.accumulate_grad_batches}
+        state = {"world_size": trainer.world_size, "accumulate_grad_batches": trainer.accumulate_grad_batches}
+        return state | ({"training_rows": len(self.train_rows)} if self.train_rows is not None else {})
 
     def _batches_done(self) -> int:
         trainer = getattr(self, "trainer", None)
