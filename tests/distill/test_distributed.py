@@ -161,12 +161,8 @@ class LoadFails(L.Callback):
 @pytest.mark.distributed
 def test_two_process_fsdp2_matches_single_process(tmp_path, tiny_model, text_file):
     inductor = tmp_path / "inductor"  # where the compiled layers' generated code is written
-    env = {
-        **os.environ,
-        "OMP_NUM_THREADS": "1",
-        "PYTHONPATH": str(ROOT),
-        "TORCHINDUCTOR_CACHE_DIR": str(inductor),
-    }
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT),
+           "TORCHINDUCTOR_CACHE_DIR": str(inductor)}  # fmt: skip
     fsdp2 = _fsdp2()
     single_cfg, single_out = _config(tmp_path, tiny_model, text_file, "single", batch_size=4, strategy="auto")
     ckpt_dir = tmp_path / "ckpt"
@@ -198,11 +194,9 @@ def test_two_process_fsdp2_matches_single_process(tmp_path, tiny_model, text_fil
 
     # the step's metrics too: each process logs its share of the mean over both processes' distilled positions
     for name in ("train/loss", "train/kl", "train/agreement", "train/hidden_mse"):
-        single, sharded = _losses(single_out, name), _losses(sharded_out, name)
+        single, sharded = torch.tensor(_losses(single_out, name)), torch.tensor(_losses(sharded_out, name))
         assert len(single) == len(sharded) == 4, name
-        torch.testing.assert_close(
-            torch.tensor(sharded), torch.tensor(single), rtol=1e-4, atol=1e-6, msg=name
-        )
+        torch.testing.assert_close(sharded, single, rtol=1e-4, atol=1e-6, msg=name)
     expected, got = _trained(single_out), _trained(sharded_out)
     assert expected.keys() == got.keys() and expected
     for name in expected:
@@ -318,17 +312,26 @@ def test_when_rank_0_cannot_load_the_model_every_process_stops(tmp_path, tiny_mo
 
 
 @pytest.mark.distributed
-def test_a_tensor_parallel_mesh_is_refused_before_any_weight_is_read(tmp_path, tiny_model, text_file):
+@pytest.mark.parametrize("case", ["tensor-parallel", "too-few-rows"])
+def test_bad_runs_stop_every_process_before_a_weight_is_read(tmp_path, tiny_model, text_file, case):
     """ModelParallelStrategy with a tensor-parallel dimension (Lightning's ``auto`` sizes on one node give it every
-    GPU): each process would train its own unsharded replica on its own batches. Both processes stop at once, with
-    the sizes to set."""
-    strategy = _fsdp2(data_parallel=1, tensor_parallel=2, timeout="0:02:00")
-    config, out = _config(tmp_path, tiny_model, text_file, "tp", 2, strategy, model={"kv_init": "published"})
+    GPU: each process would train its own replica on its own batches), or training rows too few for a batch on each
+    process: both processes stop at once with the fix, before rank 0 reads a weight (here it would fail to)."""
+    tensor_parallel, rows = (2, 16) if case == "tensor-parallel" else (1, 3)
+    strategy = _fsdp2(data_parallel=2 // tensor_parallel, tensor_parallel=tensor_parallel, timeout="0:02:00")
+    callbacks = [{"class_path": "tests.distill.test_distributed.LoadFails", "init_args": {"rank0": True}}]
+    config, out = _config(
+        tmp_path, tiny_model, text_file, case, 2, strategy, callbacks=callbacks,
+        model={"kv_init": "published"}, data={"max_train_rows": rows},
+    )  # fmt: skip
     result = _launch(config, tmp_path, check=False)
     output = result.stdout + result.stderr
-    assert result.returncode != 0
-    fix = "--trainer.strategy.data_parallel_size 2 --trainer.strategy.tensor_parallel_size 1"
-    assert "ModelParallelStrategy has tensor_parallel_size 2" in output and fix in output, output
+    assert result.returncode != 0 and "may not load the model" not in output, output
+    if case == "tensor-parallel":
+        fix = "--trainer.strategy.data_parallel_size 2 --trainer.strategy.tensor_parallel_size 1"
+        assert "ModelParallelStrategy has tensor_parallel_size 2" in output and fix in output, output
+    else:
+        assert "3 training row(s) of up to 16 tokens make no batch of batch_size 2" in output, output
     assert not (out / "export").exists()
 
 

@@ -333,6 +333,9 @@ class DistillDataModule(L.LightningDataModule):
 
     def setup(self, stage: str | None = None) -> None:
         self.build()
+        trainer = getattr(self, "trainer", None)
+        if stage == "fit" and trainer is not None:  # before the model's weights are read (configure_model)
+            self.check_batches(trainer.world_size)
 
     @property
     def pad_id(self) -> int:
@@ -391,8 +394,6 @@ class DistillDataModule(L.LightningDataModule):
         return min(batches, limit) if isinstance(limit, int) else int(batches * limit)
 
     def train_dataloader(self) -> DataLoader:
-        trainer = getattr(self, "trainer", None)
-        self.check_batches(trainer.world_size if trainer is not None else 1)
         dataset = RowsDataset(self.train_rows)
         return ResumableDataLoader(
             dataset,
