@@ -200,6 +200,35 @@ def test_atomic_file(tmp_path):
     assert path.read_text() == "one\n" and [p.name for p in tmp_path.iterdir()] == ["data.jsonl"]
 
 
+def test_atomic_writes_reach_the_disk_before_their_rename_and_the_rename_after(tmp_path, monkeypatch):
+    """A crash of the machine (power loss) after a rename keeps the rename only with what it names flushed: each
+    file and folder of the new checkpoint is flushed before it goes in place, and its parent folder after."""
+    events = []
+    fsync, replace = os.fsync, os.replace
+
+    def recorded_fsync(fd):
+        events.append(("fsync", os.readlink(f"/proc/self/fd/{fd}")))
+        fsync(fd)
+
+    def recorded_replace(src, dst):
+        events.append(("replace", str(dst)))
+        replace(src, dst)
+
+    monkeypatch.setattr(os, "fsync", recorded_fsync)
+    monkeypatch.setattr(os, "replace", recorded_replace)
+    with atomic_directory(tmp_path / "out") as staging:
+        (staging / "sub").mkdir()
+        (staging / "sub" / "model.safetensors").write_bytes(b"weights")
+    with atomic_file(tmp_path / "state.json") as f:
+        f.write("{}")
+    into_place = [i for i, (kind, path) in enumerate(events) if kind == "replace"]
+    assert [events[i][1] for i in into_place] == [str(tmp_path / "out"), str(tmp_path / "state.json")], events
+    synced_before = {os.path.basename(path) for kind, path in events[: into_place[0]] if kind == "fsync"}
+    assert {"model.safetensors", "sub"} <= synced_before, events
+    assert events[into_place[0] + 1] == events[into_place[1] + 1] == ("fsync", str(tmp_path)), events
+    assert events[into_place[1] - 1][0] == "fsync" and ".state.json." in events[into_place[1] - 1][1], events
+
+
 @pytest.mark.parametrize("umask", [0o022, 0o077])
 def test_atomic_writes_get_the_permissions_of_a_plain_write(tmp_path, umask):
     """A folder or file written atomically has the mode mkdir/open would give it under the umask, not the private

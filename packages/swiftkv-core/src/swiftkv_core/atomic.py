@@ -1,7 +1,8 @@
 """Atomic writes: a folder or file appears complete at its path, or the earlier one stays there untouched.
 
 Used for every artefact SwiftKV writes (checkpoints, exports, the materialised default model, data files): a run
-that fails or is interrupted mid-write never leaves a half-written folder behind nor loses the previous one. What
+that fails or is interrupted mid-write never leaves a half-written folder behind nor loses the previous one, also
+across a power loss (``sync_to_disk``: the new one reaches the disk before its rename, the rename after). What
 appears has the permissions a plain ``mkdir`` or ``open`` would give it (the process's umask), not the private ones
 of temporary files: a checkpoint written in a container (uid 1000) stays readable for the host's user, a
 serving process or a colleague.
@@ -217,14 +218,52 @@ def made_once(
     return target
 
 
+def sync_to_disk(path: str | os.PathLike) -> None:
+    """Flush ``path`` to the disk: a file, or a folder with everything in it (their data and their folders'
+    entries). Before a rename puts it in place: after a power loss or a crash of the machine, the rename is there
+    only with what it names (without, the old checkpoint could be gone and the new one's data never written)."""
+    path = Path(path)
+    for item in [*path.rglob("*"), path] if path.is_dir() else [path]:
+        if not item.is_symlink():
+            _fsync(item)
+
+
+def _fsync(path: Path) -> None:
+    if not path.is_dir():
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        return
+    try:  # a folder's entries; some file systems cannot flush a folder (EINVAL): theirs are their own business
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    except OSError as error:
+        if error.errno not in (errno.EINVAL, errno.ENOTSUP, errno.EBADF, errno.EACCES):
+            raise
+
+
+def replace_file(src: Path, dst: Path) -> None:
+    """Move the complete file ``src`` (beside ``dst``) to ``dst`` by a rename, flushed to the disk first and after."""
+    sync_to_disk(src)
+    os.replace(src, dst)
+    _fsync(dst.parent)
+
+
 def replace_directory(src: Path, dst: Path) -> None:
-    """Move the complete folder ``src`` to ``dst``. An existing ``dst`` is set aside beside it (never inside a folder
-    that a failure deletes) and put back if the move fails; it is deleted only once ``src`` is in place. A process
-    killed between the two moves leaves ``dst`` set aside: ``atomic_directory`` puts it back before its next write
-    (``restore_set_aside``)."""
+    """Move the complete folder ``src`` to ``dst``, flushed to the disk first and after (``sync_to_disk``). An
+    existing ``dst`` is set aside beside it (never inside a folder that a failure deletes) and put back if the move
+    fails; it is deleted only once ``src`` is in place. A process killed between the two moves leaves ``dst`` set
+    aside: ``atomic_directory`` puts it back before its next write (``restore_set_aside``)."""
+    sync_to_disk(src)
     with _swapping(dst):
         if not dst.exists():
             os.replace(src, dst)
+            _fsync(dst.parent)
             return
         old = dst.with_name(f".{dst.name}.old.{uuid.uuid4().hex[:8]}")
         os.replace(dst, old)
@@ -234,6 +273,7 @@ def replace_directory(src: Path, dst: Path) -> None:
         except BaseException:
             os.replace(old, dst)
             raise
+        _fsync(dst.parent)
         trash = dst.with_name(f".{dst.name}.trash.{uuid.uuid4().hex[:8]}")
         os.replace(old, trash)  # a deletion cut short is never taken for a folder to put back
     shutil.rmtree(trash, ignore_errors=True)
@@ -278,7 +318,7 @@ def atomic_file(path: str | os.PathLike, mode: str = "w", encoding: str | None =
         with os.fdopen(fd, mode, encoding=None if "b" in mode else encoding) as f:
             yield f
         pause_point("atomic-file")  # the new file is written beside the old one, which is still in place
-        os.replace(tmp, path)
+        replace_file(Path(tmp), path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise

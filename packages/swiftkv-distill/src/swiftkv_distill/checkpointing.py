@@ -6,19 +6,18 @@ folder, each rank writing its own shards) goes into the existing folder for as l
 file system only: elsewhere (a container's /tmp and a mounted output folder, a node-local /tmp) the move copies into
 the checkpoint's own file. A process killed then leaves a checkpoint of old and new shards, or a truncated file,
 which the next run would resume from. ``ModelCheckpoint`` here stages either beside its target and moves it into
-place whole (a rename; ``atomic.replace_directory`` for a folder).
+place whole (a rename, flushed to the disk before and after: ``atomic.replace_file``, ``replace_directory``).
 """
 
 from __future__ import annotations
 
-import os
 import shutil
 from pathlib import Path
 from weakref import proxy
 
 from lightning.pytorch.callbacks import ModelCheckpoint as LightningModelCheckpoint
 
-from swiftkv_core.atomic import replace_directory, restore_set_aside
+from swiftkv_core.atomic import replace_directory, replace_file, restore_set_aside
 from swiftkv_core.faults import pause_point
 
 
@@ -61,7 +60,7 @@ class ModelCheckpoint(LightningModelCheckpoint):
             if staging.is_dir():
                 replace_directory(staging, target)
             else:
-                os.replace(staging, target)
+                replace_file(staging, target)
         trainer.strategy.barrier("swiftkv-checkpoint-in-place")
         # Lightning's bookkeeping after a save, the loggers told once the checkpoint is where it says
         self._last_global_step_saved = trainer.global_step
