@@ -145,9 +145,9 @@ def save_checkpoint(
 
     Everything is written into a temporary folder beside ``out_dir`` and renamed into place at the end, so a
     failure leaves an earlier checkpoint at ``out_dir`` intact. The new folder replaces the whole of ``out_dir``:
-    one that holds other files is refused (``check_checkpoint_folder``). ``serving=True`` leaves out the teacher q/k/v of
-    layers ``>= l``, merges the adapters of a ``lora_rank > 0`` model into the weights they adapt, and marks the
-    config ``serving_only`` (see ``export_for_serving``).
+    one that holds other files is refused (``check_checkpoint_folder``). ``serving=True`` leaves out the teacher
+    q/k/v of layers ``>= l``, merges the adapters of a ``lora_rank > 0`` model into the weights they adapt, and
+    marks the config ``serving_only`` (see ``export_for_serving``).
     """
     config = model.config
     if serving and config.model_type not in SWIFTKV_FAMILIES:
