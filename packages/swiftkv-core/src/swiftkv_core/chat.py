@@ -4,6 +4,8 @@ benchmarks and the images use."""
 
 from __future__ import annotations
 
+import math
+
 
 def require_chat_template(tokenizer, what: str = "prompts") -> None:
     """Raise ``ValueError`` (with the fix) when ``tokenizer`` has no chat template, so ``what`` cannot be posed."""
@@ -19,7 +21,7 @@ def check_sampling(max_new_tokens: int, temperature: float, top_p: float) -> Non
     model is loaded or an engine started, where the generator would refuse them only after."""
     if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}.")
-    if not temperature >= 0 or temperature == float("inf"):
+    if not (math.isfinite(temperature) and temperature >= 0):
         raise ValueError(f"temperature must be a number >= 0 (0: greedy), got {temperature!r}.")
     if not 0 < top_p <= 1:
         raise ValueError(f"top_p must be in (0, 1], got {top_p!r}.")

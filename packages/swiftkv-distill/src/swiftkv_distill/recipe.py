@@ -297,9 +297,10 @@ def budgeted_fit(
 ) -> tuple[Built, dict]:
     """Distil with ``recipe`` for ``seconds`` of training (warm-up + cosine over that time; a live bar that stops
     the run when the time is spent), or for ``steps`` optimizer steps (the schedule over the steps), with logs in
-    ``folder/logs/version_0`` (a resumed run's rows after the earlier ones: ``ResumableCSVLogger``) and no export. With ``checkpoint_seconds``, the trainable weights are checkpointed in
-    ``folder/checkpoints`` at the first step end that many seconds after the last checkpoint (0: every step), and a
-    run that finds ``last.ckpt`` there resumes from it. Returns what was built and the run's summary (``RunReport``,
+    ``folder/logs/version_0`` (a resumed run's rows after the earlier ones: ``ResumableCSVLogger``) and no export.
+    With ``checkpoint_seconds``, the trainable weights are checkpointed in ``folder/checkpoints`` at the first step
+    end that many seconds after the last checkpoint (0: every step), and a run that finds ``last.ckpt`` there
+    resumes from it. Returns what was built and the run's summary (``RunReport``,
     rank 0's on every process).
 
     The recipe's numerics (accelerator, precision, clipping, validation cadence) stay; its length, loggers,

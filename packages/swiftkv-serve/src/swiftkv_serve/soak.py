@@ -8,7 +8,8 @@ budget small enough that the scheduler preempts, prefix caching on. It records w
 - KV-cache usage once the load is gone, which must be back to 0.
 
 A quarter of the clients (``drop_fraction``) hang up mid-stream, as browsers and timeouts do. Bounded in time (each
-client starts no request after ``minutes``); stops by itself. ``soak_report.py`` writes the table and the plot; ``benchmarks/soak.py`` is the command.
+client starts no request after ``minutes``); stops by itself. ``soak_report.py`` writes the table and the plot;
+``benchmarks/soak.py`` is the command.
 """
 
 from __future__ import annotations
