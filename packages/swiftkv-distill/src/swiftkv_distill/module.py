@@ -30,7 +30,7 @@ from .build import (
     warn_if_bf16_emulated,
 )
 from .parallelize import check_data_parallel_only, shard_from_rank0, sum_over_processes
-from .schedule import FIRST_STEP_FLOOR, check_optimizer_settings, lr_factor, run_progress, total_steps
+from .schedule import StepSchedule, check_optimizer_settings, total_steps
 from .step import (
     AccumulationWindow,
     DistillationStep,
@@ -276,14 +276,13 @@ class SwiftKVDistillation(L.LightningModule):
         optimizer = torch.optim.AdamW(self.trainable_parameters(), lr=hp.learning_rate, betas=tuple(hp.betas),
                                       weight_decay=hp.weight_decay)  # fmt: skip
         total = max(1, int(total_steps(self._trainer))) if self._trainer is not None else 1
-        floor = max(1.0 / (total + 1), FIRST_STEP_FLOOR)
 
-        def factor(step: int) -> float:
-            elapsed = self.train_seconds if hp.schedule_seconds and self._fit_started is not None else None
-            progress = run_progress(step, total, elapsed, hp.schedule_seconds)
-            return lr_factor(progress, hp.warmup_fraction, hp.min_lr_ratio, floor)
+        def elapsed() -> float | None:
+            return self.train_seconds if hp.schedule_seconds and self._fit_started is not None else None
 
-        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+        scheduler = StepSchedule(
+            optimizer, total, hp.warmup_fraction, hp.min_lr_ratio, hp.schedule_seconds, elapsed
+        )
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
     # --- validation --------------------------------------------------------------------------------------------

@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+
+import torch
+from lightning.fabric.utilities import rank_zero_warn
 
 FIRST_STEP_FLOOR = 0.01  # the smallest warm-up factor: never a zero learning rate at the first step
 
@@ -75,3 +79,42 @@ def total_steps(trainer) -> float:
     per_epoch = math.ceil(datamodule.train_batches_per_epoch() / trainer.accumulate_grad_batches)
     steps = per_epoch * trainer.max_epochs
     return steps if trainer.max_steps == -1 else min(steps, trainer.max_steps)
+
+
+class StepSchedule(torch.optim.lr_scheduler.LambdaLR):
+    """The run's learning rate per optimizer step: ``lr_factor`` of its progress through ``total_steps`` (or through
+    ``schedule_seconds`` of training, ``elapsed()`` of them spent, whichever is further), the warm-up's first step
+    at least ``1 / (total_steps + 1)``. Its checkpoint keeps the length: a run resumed with another one
+    (``trainer.max_steps`` or ``max_epochs`` changed, to train for longer) goes on with the new length, and is told
+    where the learning rate jumps."""
+
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        total_steps: int,
+        warmup_fraction: float,
+        min_lr_ratio: float,
+        schedule_seconds: float | None = None,
+        elapsed: Callable[[], float | None] = lambda: None,
+    ) -> None:
+        self.total_steps = total_steps
+        floor = max(1.0 / (total_steps + 1), FIRST_STEP_FLOOR)
+
+        def factor(step: int) -> float:
+            progress = run_progress(step, total_steps, elapsed(), schedule_seconds)
+            return lr_factor(progress, warmup_fraction, min_lr_ratio, floor)
+
+        super().__init__(optimizer, factor)
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        total = self.total_steps
+        super().load_state_dict(state_dict)
+        saved, self.total_steps = self.total_steps, total
+        if saved != total:
+            now = self.base_lrs[0] * self.lr_lambdas[0](self.last_epoch)
+            rank_zero_warn(
+                f"the run resumed at step {self.last_epoch} now spans {total} optimizer steps, the checkpoint's "
+                f"{saved}: the learning-rate schedule is stretched to the new length, and the learning rate goes "
+                f"from {self._last_lr[0]:.3g} to {now:.3g}. Resume with the checkpoint's trainer.max_steps / "
+                "max_epochs to keep its schedule."
+            )
