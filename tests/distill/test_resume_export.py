@@ -1,5 +1,6 @@
 """Lightning checkpoints: resume == uninterrupted; HF export round trip (full and serving) with the early head."""
 
+import re
 import shutil
 from pathlib import Path
 
@@ -167,6 +168,27 @@ def test_resuming_with_other_batches_per_step_or_other_rows_is_refused(tiny_mode
         _run(tiny_model, data, tmp_path, max_steps=3, ckpt_path=ckpt)
 
 
+def test_a_resume_with_other_settings_is_refused_before_any_weight_is_read(tmp_path, tiny_model, text_file):
+    """The refusal comes before the model is built (an 8B's weights read for nothing): here the resumed run's model
+    has lost its weights file, and the refusal is still the one that names the change. A checkpoint to resume from
+    that is not there is named too."""
+    from swiftkv_distill.recipe import budgeted_fit, check_resume
+
+    model = shutil.copytree(tiny_model, tmp_path / "model")
+    overrides = {
+        "model.model": str(model), "model.num_key_value_layers": 2, "model.kv_init": "published",
+        "data.train_files": [str(text_file)], "data.val_files": [str(text_file)], "data.max_length": 16,
+        "data.batch_size": 2, "trainer.precision": "32-true",
+    }  # fmt: skip
+    budgeted_fit("smollm2-135m-cpu", tmp_path / "run", steps=2, overrides=overrides, checkpoint_seconds=0)
+    (model / "model.safetensors").unlink()
+    with pytest.raises(ValueError, match=r"other settings \(trainer\.accumulate_grad_batches 1 -> 2\)"):
+        budgeted_fit("smollm2-135m-cpu", tmp_path / "run", steps=2, checkpoint_seconds=0,
+                     overrides={**overrides, "trainer.accumulate_grad_batches": 2})  # fmt: skip
+    with pytest.raises(FileNotFoundError, match="--ckpt_path .*nothing: no checkpoint there"):
+        check_resume(tmp_path / "nothing", None, None, None)
+
+
 def test_the_same_settings_written_another_way_resume(tmp_path, monkeypatch):
     """A relative and an absolute path to one folder, a tuple and its list: the same run."""
     from swiftkv_distill.build import check_same_run
@@ -329,8 +351,6 @@ def test_an_export_folder_the_export_would_lose_is_refused_before_training(
 ):
     """``ExportHF`` replaces ``dirpath/hf`` whole at the end: a folder of other files there, or the model being
     distilled (continuing from an earlier export into the same folder), is refused before any step, untouched."""
-    import shutil
-
     from swiftkv_distill.callbacks import ExportHF
     from tests.distill.conftest import quiet_trainer
 
@@ -382,6 +402,9 @@ def test_a_resumed_budgeted_fit_keeps_the_metrics_logged_before_it(tmp_path, tin
         )
     assert summary["resumed"] and summary["global_step"] == 5
     assert not [w for w in caught if "will be deleted" in str(w.message)]
+    # 5 steps now, 3 in the checkpoint: the schedule is stretched, and the jump in the learning rate is told
+    told = [m for w in caught if "now spans 5 optimizer steps, the checkpoint's 3" in (m := str(w.message))]
+    assert len(told) == 1 and len(set(re.search(r"goes from (\S+) to (\S+)\.", told[0]).groups())) == 2
     both = train_rows()
     assert len(first) == 3 and len(both) == 5 and {s: both[s] for s in first} == first
 

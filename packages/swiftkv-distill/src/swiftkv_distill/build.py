@@ -167,17 +167,18 @@ RESUMABLE_CHANGES = {"evaluate_before_training", "reshard_after_forward", "attn_
                      "max_val_rows"}  # fmt: skip
 
 
-def check_same_run(checkpoint: dict, module_settings: dict, datamodule=None) -> None:
+def check_same_run(checkpoint: dict, module_settings: dict, datamodule=None, trainer=None) -> None:
     """Refuse to resume from ``checkpoint`` with settings that change the training: the restored optimizer and
     schedule would go on with the old ones while the run reported the new ones. Names each change and the way out.
     ``datamodule``: the run's ``DistillDataModule`` (or None), its settings and its ``state_dict`` (the processes and
-    accumulated batches, which the checkpoint's position in the data and the schedule's length count in)."""
+    accumulated batches, which the checkpoint's position in the data and the schedule's length count in), for
+    ``trainer`` where it is not yet attached to it (``recipe.check_resume``)."""
     changed = []
     data_state = checkpoint.get(type(datamodule).__qualname__, {}) if datamodule is not None else {}
     for prefix, saved, now in (
         ("model", checkpoint.get("hyper_parameters", {}), module_settings),
         ("data", checkpoint.get("datamodule_hyper_parameters", {}), datamodule.hparams if datamodule else {}),
-        ("trainer", data_state, datamodule.state_dict() if datamodule else {}),
+        ("trainer", data_state, datamodule.state_dict(trainer) if datamodule else {}),
     ):
         for key in sorted((saved.keys() & now.keys()) - RESUMABLE_CHANGES):
             if _comparable(saved[key]) != _comparable(now[key]):

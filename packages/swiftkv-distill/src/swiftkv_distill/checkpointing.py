@@ -15,6 +15,8 @@ import shutil
 from pathlib import Path
 from weakref import proxy
 
+import torch
+from lightning.fabric.utilities.load import _METADATA_FILENAME
 from lightning.pytorch.callbacks import ModelCheckpoint as LightningModelCheckpoint
 
 from swiftkv_core.atomic import replace_directory, replace_file, restore_set_aside
@@ -95,3 +97,13 @@ def last_checkpoint(trainer) -> str | None:
         if last.exists() or set_aside:
             return str(last if last.exists() else set_aside[0])
     return None
+
+
+def saved_run(path: str | Path) -> dict:
+    """What a checkpoint holds besides its tensors (the settings and state of the run that wrote it), read without
+    loading its weights: a file memory-mapped, or a distributed checkpoint's ``meta.pt`` (Lightning's; the shards
+    beside it hold the tensors)."""
+    path = Path(path)
+    if path.is_dir():
+        path = path / _METADATA_FILENAME
+    return torch.load(path, map_location="cpu", mmap=True, weights_only=False)

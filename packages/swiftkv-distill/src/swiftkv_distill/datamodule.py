@@ -360,13 +360,13 @@ class DistillDataModule(L.LightningDataModule):
             drop_last=shuffle,
         )
 
-    def state_dict(self) -> dict:
+    def state_dict(self, trainer=None) -> dict:
         """What Lightning's checkpoints keep of the data (``build.check_same_run`` compares it on a resume): the
         checkpoint's position in an epoch counts each process's batches of a permutation of the training rows, and
         the schedule's length follows the processes and the batches accumulated per step. Another count of either
         on a resume would train rows again (or never) and jump the learning rate; so would data files that now
-        make another number of rows (rows added to them)."""
-        trainer = getattr(self, "trainer", None)
+        make another number of rows (rows added to them). ``trainer``: the one to fit, before it is attached."""
+        trainer = trainer or getattr(self, "trainer", None)
         if trainer is None:
             return {}
         state = {"world_size": trainer.world_size, "accumulate_grad_batches": trainer.accumulate_grad_batches}

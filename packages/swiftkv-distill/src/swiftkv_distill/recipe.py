@@ -19,7 +19,8 @@ from pathlib import Path
 from jsonargparse import set_parsing_settings
 from lightning.pytorch.cli import LightningCLI
 
-from .checkpointing import last_checkpoint
+from .build import check_same_run
+from .checkpointing import last_checkpoint, saved_run
 from .console import quiet_lightning, told_out_of_memory
 from .datamodule import DistillDataModule
 from .module import SwiftKVDistillation
@@ -66,9 +67,32 @@ class DistillCLI(LightningCLI):
             print(
                 f"resuming from {ckpt_path} (another --trainer.default_root_dir starts a new run)", flush=True
             )
+        check_resume(ckpt_path, self.trainer, model, datamodule or self.datamodule)
         model.resume_from = ckpt_path  # under FSDP2 no process then reads the pretrained weights
         with told_out_of_memory(self.trainer, model, datamodule or self.datamodule):
             self.trainer.fit(model, datamodule=datamodule, ckpt_path=ckpt_path, **kwargs)
+
+
+# the checkpoints Lightning's ``ckpt_path`` names rather than gives a path to
+LIGHTNING_CHECKPOINT_NAMES = ("last", "best", "hpc", "registry")
+
+
+def check_resume(ckpt_path, trainer, module, datamodule) -> None:
+    """Before the model is built or any weight read: refuse a checkpoint to resume from that is not there, or that
+    a run with other settings wrote (``build.check_same_run``, checked again as Lightning restores it: a data module
+    on several processes is set up only then, and the data files' row count with it)."""
+    if (
+        not ckpt_path
+        or str(ckpt_path) in LIGHTNING_CHECKPOINT_NAMES
+        or str(ckpt_path).startswith("registry:")
+    ):
+        return
+    if not Path(ckpt_path).exists():
+        raise FileNotFoundError(
+            f"--ckpt_path {ckpt_path}: no checkpoint there. Give the last.ckpt (file or folder) of an earlier run, "
+            "or leave --ckpt_path out: a run resumes from its own folder's last checkpoint by itself."
+        )
+    check_same_run(saved_run(ckpt_path), module.hparams, datamodule, trainer)
 
 
 # what a launcher on several nodes sets: torchrun / fabric run, SLURM, Open MPI, LSF, or by hand (Lightning's own
@@ -347,6 +371,7 @@ def budgeted_fit(
     resume = last_checkpoint(built.trainer) if checkpointing else None
     if resume:
         print(f"   resuming from {resume}", flush=True)
+    check_resume(resume, built.trainer, built.module, built.datamodule)
     built.module.resume_from = resume
     with told_out_of_memory(built.trainer, built.module, built.datamodule):
         built.trainer.fit(built.module, built.datamodule, ckpt_path=resume)
