@@ -33,6 +33,7 @@ def files(tmp_path_factory):
     (root / "recipe.yaml").write_text("trainer: [accelerator: cpu\nmodel: {\n")
     (root / "bad-values.yaml").write_text("model:\n  lora_rank: -1\n")
     (root / "few-rows.yaml").write_text("data:\n  max_train_rows: 2\n")
+    (root / "no-eval.yaml").write_text("trainer:\n  limit_val_batches: 0\n")
     write_jsonl(root / "no-prompts.jsonl", [{"text": "no prompt here"}])
     write_jsonl(root / "text.jsonl", [{"text": "Rain fell on the harbour all night."}] * 8)
     write_jsonl(root / "long.jsonl", [{"text": "Rain fell on the harbour all night. " * 60}] * 8)
@@ -46,6 +47,7 @@ def files(tmp_path_factory):
         "NOPROMPTS": str(root / "no-prompts.jsonl"), "TEXT": str(root / "text.jsonl"), "OUT": str(root / "out"),
         "BADVALUES": str(root / "bad-values.yaml"), "LONG": str(root / "long.jsonl"),
         "UNANSWERED": str(root / "unanswered.jsonl"), "FEWROWS": str(root / "few-rows.yaml"),
+        "NOEVAL": str(root / "no-eval.yaml"),
     }  # fmt: skip
 
 
@@ -173,6 +175,16 @@ CASES = [  # (arguments, what the error must say)
         r"--tasks: \['capitols'\] name no",
     ),
     (["quickstart", "--model", "TINY", "--out", "OUT", "--serve_workloads", '["2000"]'], "PROMPT/OUTPUT"),
+    (["quickstart", "--model", "TINY", "--out", "OUT", "--serve_workloads", '["100/0"]'], "each >= 1"),
+    ([*QUICK, "--heldout_chat_prompts", "NOPROMPTS"], r"no-prompts.jsonl: no \{'prompt': ...\} record"),
+    (
+        [*QUICK, "--heldout_chat_prompts", "dataset:brown_heldout"],
+        r"brown_heldout: no \{'prompt': ...\} record",
+    ),
+    (
+        [*QUICK, "--recipe", "NOEVAL", "--train_files", "[TEXT]", "--heldout_text", "TEXT"],
+        "limit_val_batches 0 turns off the held-out evaluation",
+    ),
     (["quickstart", "--model", "SWIFTKV", "--out", "OUT"], "give its base model"),
     (["serve", "TINY"], "not a SwiftKV checkpoint"),
     (["serve", "MISSING"], "no config.json"),

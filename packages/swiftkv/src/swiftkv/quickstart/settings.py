@@ -179,12 +179,27 @@ def check(
         records = {name: load_records([name]) for name in dict.fromkeys(local)}
     except DataError as error:
         raise QuickstartError(str(error)) from None
+    # the teacher answers the held-out chat prompts: a named set of chat prompts, or a file with prompt records
+    named, prompts = dataset_name(heldout_chat_prompts or ""), records.get(heldout_chat_prompts)
+    if (named and not named.startswith("chat_")) or (
+        prompts is not None and not any(r.get("prompt") for r in prompts)
+    ):
+        raise QuickstartError(
+            f"--heldout_chat_prompts {heldout_chat_prompts}: no {{'prompt': ...}} record for the teacher to answer; "
+            "give a jsonl of prompt records, or '' to skip the chat evaluation."
+        )
     data_settings = {
         "train_files": train_files,
         "val_files": {"text": heldout_text},
         "max_val_rows": max_eval_rows,
     }
     _check_recipe_values(recipe, recipe_settings, path, *layers, data_settings)
+    if not recipe_settings.model.evaluate_before_training or recipe_settings.trainer.limit_val_batches == 0:
+        raise QuickstartError(
+            f"--recipe {recipe}: model.evaluate_before_training false or trainer.limit_val_batches 0 turns off the "
+            "held-out evaluation before or after training, which the main job's report compares: remove them from "
+            "the recipe (swiftkv distill fit trains without the evaluation)."
+        )
     if 0 < data.max_train_rows < data.batch_size:
         raise QuickstartError(
             f"--recipe {recipe}: data.max_train_rows {data.max_train_rows} makes no batch of data.batch_size "
@@ -204,13 +219,17 @@ def check(
             f"--prompt_lengths {too_long}: beyond the model's context ({context} tokens); give shorter prompts."
         )
     lengths = sorted(n for n in (prompt_lengths or DEFAULT_PROMPT_LENGTHS) if n <= context)
-    workloads = list(serve_workloads or DEFAULT_WORKLOADS)
+    workloads = list(serve_workloads or [w for w in DEFAULT_WORKLOADS if _workload_tokens(w) <= context])
     for workload in workloads if serve is not False else []:
         prompt, _, output = workload.partition("/")
-        if not (prompt.isdigit() and output.isdigit()) or int(prompt) + int(output) > context:
+        if not (prompt.isdigit() and output.isdigit()) or min(int(prompt), int(output)) < 1:
             raise QuickstartError(
-                f"--serve_workloads {workload}: write PROMPT/OUTPUT token counts whose sum fits the model's context "
-                f"({context})."
+                f"--serve_workloads {workload}: write PROMPT/OUTPUT token counts, each >= 1 (e.g. 2000/200)."
+            )
+        if _workload_tokens(workload) > context:
+            raise QuickstartError(
+                f"--serve_workloads {workload}: {_workload_tokens(workload)} tokens, beyond the model's context "
+                f"({context}); give a shorter workload."
             )
     if eval_tasks and importlib.util.find_spec("lm_eval") is None:
         raise QuickstartError("--eval_tasks needs lm-evaluation-harness: pip install 'swiftkv[eval]'.")
@@ -241,9 +260,17 @@ def check(
         model_identity=model_identity(path),
         input_files=_digests([recipe_path(recipe), *local]),
     )  # fmt: skip
-    name = (path.name if model in ("default", None) else Path(model).name.removesuffix(".gguf")).lower()
+    name = (
+        path.name if model in ("default", None) else Path(model).resolve().name.removesuffix(".gguf")
+    ).lower()
     default_out = Path("runs") / (f"{name}-l{l}" + ("" if g == 1 else f"-g{g}"))
     return settings, Path(out) if out is not None else default_out
+
+
+def _workload_tokens(workload: str) -> int:
+    """The tokens of a serving workload ``PROMPT/OUTPUT`` whose counts are numbers (else 0: checked apart)."""
+    prompt, _, output = workload.partition("/")
+    return int(prompt) + int(output) if prompt.isdigit() and output.isdigit() else 0
 
 
 def _digests(files) -> dict:
