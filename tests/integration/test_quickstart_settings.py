@@ -132,3 +132,28 @@ def test_an_earlier_run_opens_read_only_with_its_finished_stages(tmp_path):
         Run.open(tmp_path, needs=("frontier", "distill"))
     with pytest.raises(QuickstartError, match="no state.json"):
         Run.open(tmp_path / "elsewhere")
+
+
+def test_a_second_run_in_a_folder_a_run_is_writing_is_refused(inputs, tmp_path):
+    """Two quickstarts in one folder would redo the same stages into the same files (and a --force would delete
+    them under the other): while a real other process holds the folder's run, a second one is refused, untouched."""
+    import subprocess
+    import sys
+
+    from swiftkv.quickstart import QuickstartError
+
+    out = tmp_path / "run"
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import sys, time; from swiftkv_core.atomic import exclusive\n"
+         "with exclusive(sys.argv[1]):\n    print('held', flush=True); time.sleep(120)", str(out)],
+        stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        for force in (False, True):
+            with pytest.raises(QuickstartError, match="another swiftkv quickstart is running in this folder"):
+                run_quickstart(inputs, out, serve=False, force=force)
+        assert not out.exists()
+    finally:
+        holder.kill()
+        holder.wait()

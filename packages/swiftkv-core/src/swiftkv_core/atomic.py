@@ -167,9 +167,12 @@ def _readable_as_plain_writes(root: Path) -> None:
 
 
 @contextmanager
-def exclusive(target: str | os.PathLike, waiting: str | None = None) -> Iterator[None]:
+def exclusive(
+    target: str | os.PathLike, waiting: str | None = None, busy: Exception | None = None
+) -> Iterator[None]:
     """Hold an exclusive lock on ``target`` for the block (``fcntl.flock`` on ``.NAME.lock`` beside it): processes
-    that write the same folder take turns. ``waiting`` is printed if another process holds the lock. The lock goes
+    that write the same folder take turns. ``waiting`` is printed if another process holds the lock; with ``busy``,
+    that is raised instead of waiting. The lock goes
     with its process: a killed holder leaves nothing to clear. Where the file system has no locks (Lustre mounted
     without flock, for one), or the lock file is another user's and read-only for this one (a shared cache),
     processes do not take turns: each writes its own staging folder (``atomic_directory``), and what is in place is
@@ -182,6 +185,8 @@ def exclusive(target: str | os.PathLike, waiting: str | None = None) -> Iterator
         fd = -1  # another user's, read-only for this one (their umask): no turns, as without locks
     try:
         if fd >= 0 and not _lock(fd, wait=False):
+            if busy is not None:
+                raise busy
             if waiting:
                 print(waiting, flush=True)
             _lock(fd)

@@ -89,6 +89,8 @@ def main(
             [swiftkv_capitals, swiftkv_arithmetic] (local) or [arc_challenge, hellaswag] (downloaded); default none.
         force: Delete an earlier run in the output folder and start over.
     """
+    from swiftkv_core.atomic import exclusive
+
     from .report import docker_serve_command
     from .run import Run, quiet
     from .settings import check
@@ -101,6 +103,13 @@ def main(
             heldout_text, heldout_chat_prompts, max_eval_rows, prompt_lengths, serve, serve_workloads,
             serve_requests, serve_compile, threshold, eval_tasks, min_agreement,
         )  # fmt: skip
+    # one run at a time in a folder: a second one (another terminal, a job scheduled twice) would redo the same
+    # stages into the same files, and its --force would delete them under the first
+    busy = QuickstartError(
+        f"--out {run_dir}: another swiftkv quickstart is running in this folder; let it end (running the command "
+        "again then continues from its last stage), or choose another --out."
+    )
+    with quiet(), exclusive(run_dir, busy=busy):
         run = Run(run_dir, settings, force)
         chosen = f"{accelerator} -> {settings.accelerator}" if accelerator == "auto" else accelerator
         print(f"swiftkv quickstart: {settings.model} -> SwiftKV l={settings.num_key_value_layers}, "
