@@ -392,3 +392,18 @@ def test_quiet_silences_only_while_it_runs():
         warnings.simplefilter("always")
         warnings.warn(harmless, UserWarning, stacklevel=1)
     assert [str(w.message) for w in caught] == [harmless]
+
+
+def test_a_slow_down_is_reported_as_one(tmp_path):
+    """A SwiftKV time that is worse (an eager GPU prefill bound by kernel launches, a busy machine) reads as a
+    slow-down in the report's words, and the speed-up plot shows it rather than clipping it at 1x."""
+    import matplotlib.image
+
+    from swiftkv.quickstart.report import _plot_prefill, in_words
+
+    assert (in_words(1.25), in_words(0.8), in_words(0.8, "faster", "slower")) == (
+        "1.25x lower", "1.25x higher", "1.25x slower",
+    )  # fmt: skip
+    rows = [{"prompt_tokens": n, "off_s": 0.1, "on_s": 0.1 / x, "speedup_x": x, "flops_bound_x": 1.4}
+            for n, x in ((256, 0.8), (1024, 1.2))]  # fmt: skip
+    assert matplotlib.image.imread(_plot_prefill(rows, tmp_path / "prefill.png")).shape[2] in (3, 4)

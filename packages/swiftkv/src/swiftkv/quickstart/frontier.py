@@ -177,8 +177,9 @@ def markdown(result: dict, metrics: dict, plot: str) -> list[str]:
         "",
         "Per l, SwiftKV with the least-squares K/V init alone (no gradient step), on the held-out sets, beside the "
         f"prefill FLOPs bound at {result['rows'][0]['prompt_tokens']} tokens and the KV cache per token (bf16). "
-        f"Predicted distilled: the init plus {GAP_CLOSED:.0%} of what it leaves, the share this recipe's "
-        "distillation closed in our runs (`benchmarks/results/frontier.md`).",
+        f"Predicted distilled: the init plus {GAP_CLOSED:.0%} of what it leaves, the share the CPU recipe's 12 "
+        "minutes of distillation closed on SmolLM2 (`benchmarks/results/frontier.md`); another model, recipe or "
+        "budget closes more or less.",
         "",
         f"| l | layers skipped | FLOPs bound | KV bytes / token | {header} |",
         "|---|---|---|---|" + "---|---|" * len(sets),

@@ -110,7 +110,7 @@ def _markdown(root: Path, settings: dict, results: dict, versions: dict, head: d
     if "prefill" in head:
         p = head["prefill"]
         lines.append(
-            f"- **Prefill (HF, {p['prompt_tokens']} tokens, {p['forward']}): {p['speedup_x']:.2f}x faster** with "
+            f"- **Prefill (HF, {p['prompt_tokens']} tokens, {p['forward']}): {in_words(p['speedup_x'], 'faster', 'slower')}** with "
             "SwiftKV on than off "
             f"(same weights; FLOPs bound {p['flops_bound_x']:.2f}x{DISTURBED if p.get('above_bound') else ''})."
         )
@@ -124,7 +124,7 @@ def _markdown(root: Path, settings: dict, results: dict, versions: dict, head: d
     for workload, r in head.get("serving", {}).items():
         lines.append(
             f"- **vLLM serving {workload} (prompt/output tokens): {r['combined_throughput_x']:.2f}x throughput, "
-            f"TTFT {_lower(r['ttft_lower_x'])}**, TPOT {_lower(r['tpot_lower_x'])} (the distilled serving export vs "
+            f"TTFT {in_words(r['ttft_lower_x'])}**, TPOT {in_words(r['tpot_lower_x'])} (the distilled serving export vs "
             f"the base model in stock vLLM{elsewhere})."
         )
     if "kv_capacity_x" in head:
@@ -248,9 +248,10 @@ def _markdown(root: Path, settings: dict, results: dict, versions: dict, head: d
     return "\n".join(lines)
 
 
-def _lower(ratio: float) -> str:
-    """``stock / swiftkv`` of a time, in words."""
-    return f"{ratio:.2f}x lower" if ratio >= 1 else f"{1 / ratio:.2f}x higher"
+def in_words(ratio: float, better: str = "lower", worse: str = "higher") -> str:
+    """A ratio that is a gain above 1 (``stock / swiftkv`` of a time), in words: ``1.25x lower``, or ``1.25x
+    higher`` for 0.8."""
+    return f"{ratio:.2f}x {better}" if ratio >= 1 else f"{1 / ratio:.2f}x {worse}"
 
 
 def _one_line(text: str) -> str:
@@ -282,7 +283,10 @@ def _plot_prefill(rows: list[dict], path: Path) -> Path:
     ax2.set(xscale="log", xlabel="prompt tokens", ylabel="x faster", title="SwiftKV speed-up")
     ax2.set_xticks(lengths, [str(n) for n in lengths])
     ax2.minorticks_off()
-    ax2.set_ylim(bottom=1.0)
+    lowest = min(r["speedup_x"] for r in rows)
+    ax2.set_ylim(bottom=1.0 if lowest >= 1 else 0.95 * lowest)  # a slow-down shown, not clipped away
+    if lowest < 1:
+        ax2.axhline(1.0, color="grey", linewidth=0.8)
     ax2.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=110)

@@ -33,12 +33,14 @@ def analyze(run: Run) -> dict:
         write_similarity_report,
     )
     from swiftkv_core.generation import load
-    from swiftkv_distill.data import load_records, record_kind
+    from swiftkv_distill.data import encode_record, load_records, record_kind
 
+    base, tokenizer = load(run.settings.model_identity["path"], dtype=run.dtype, device=run.device)
     records = load_records(run.results["teacher_answers"]["train_files"])
     texts = [r["text"] for r in records if record_kind(r) == "text"][:400]
-    texts = ["\n\n".join(texts[i : i + 25]) for i in range(0, len(texts), 25)][:8] or [str(records[0])]
-    base, tokenizer = load(run.settings.model_identity["path"], dtype=run.dtype, device=run.device)
+    # training data of chat records only: as the model reads them (its chat template)
+    texts = texts or [tokenizer.decode(encode_record(r, tokenizer)[0]) for r in records[:400]]
+    texts = ["\n\n".join(texts[i : i + 25]) for i in range(0, len(texts), 25)][:8]
     similarity = layer_input_similarity(base, tokenizer, texts, max_length=512)
     result = write_similarity_report(
         similarity,
@@ -276,9 +278,11 @@ def serve(run: Run) -> dict:
         compile=s.serve_compile,
         progress=lambda line: print(f"   {line}", flush=True),
     )
+    from .report import in_words
+
     for w, r in results["ratios_swiftkv_over_stock"].items():
-        print(f"   {w}: throughput {r['combined_throughput_x']:.2f}x, TTFT {r['ttft_lower_x']:.2f}x lower, "
-              f"TPOT {r['tpot_lower_x']:.2f}x lower")  # fmt: skip
+        print(f"   {w}: throughput {r['combined_throughput_x']:.2f}x, TTFT {in_words(r['ttft_lower_x'])}, "
+              f"TPOT {in_words(r['tpot_lower_x'])}")  # fmt: skip
     return results
 
 
