@@ -35,6 +35,20 @@ def test_table_commands_run_through_their_own_parsers(capsys):
     assert "--num_key_value_layers" in capsys.readouterr().out
 
 
+def test_a_command_whose_extra_is_not_installed_says_which_to_install(monkeypatch):
+    """``swiftkv eval`` imports lm-eval only as it runs: without it, one line naming the extra, before any work."""
+    import sys
+
+    from swiftkv.cli import main
+
+    monkeypatch.setitem(sys.modules, "lm_eval", None)  # as where swiftkv[eval] is not installed
+    for command in (["eval", "--model", "runs/x/distilled"], ["lm-eval", "--tasks", "list"]):
+        with pytest.raises(
+            SystemExit, match=r"needs lm_eval, not installed here \(pip install 'swiftkv\[eval\]'\)"
+        ):
+            main(command)
+
+
 def test_a_list_option_takes_bare_values_and_jsonargparse_forms_pass_unchanged():
     from swiftkv.cli import bare_lists
     from swiftkv.quickstart import main as quickstart

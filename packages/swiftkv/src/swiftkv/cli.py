@@ -14,7 +14,7 @@ instant, and a command whose package is not installed says which one to install.
 from __future__ import annotations
 
 import argparse
-import importlib
+import importlib.util
 import json
 import os
 import sys
@@ -38,6 +38,7 @@ class Command:
     help: str  # one line for ``swiftkv --help``
     typed: bool = True  # True: jsonargparse builds the options from the function's signature and docstring;
     # False: the function parses its own arguments (LightningCLI, or a pass-through to vLLM)
+    needs: tuple[str, ...] = ()  # modules the command imports only as it runs (an extra's): checked first
 
 
 COMMANDS: dict[str, Command] = {
@@ -64,10 +65,17 @@ COMMANDS: dict[str, Command] = {
     ),
     "quickstart": Command("swiftkv.quickstart:main", "swiftkv", "the main job, end to end"),
     "eval": Command(
-        "swiftkv.evaluate:main", "swiftkv[eval]", "task accuracy (lm-eval), SwiftKV vs its teacher"
+        "swiftkv.evaluate:main",
+        "swiftkv[eval]",
+        "task accuracy (lm-eval), SwiftKV vs its teacher",
+        needs=("lm_eval",),
     ),
     "lm-eval": Command(
-        "swiftkv.evaluate:lm_eval_cli", "swiftkv[eval]", "lm-eval's own CLI, SwiftKV configs known", False
+        "swiftkv.evaluate:lm_eval_cli",
+        "swiftkv[eval]",
+        "lm-eval's own CLI, SwiftKV configs known",
+        False,
+        needs=("lm_eval",),
     ),
     "serve": Command(
         "swiftkv_serve.cli:main", "swiftkv-serve", "OpenAI-compatible vLLM server for a checkpoint", False
@@ -98,6 +106,10 @@ def main(args: list[str] | None = None) -> None:
                 f"swiftkv {name}: needs the {command.package} package (pip install {command.package})."
             ) from None
         raise
+    if missing := [m for m in command.needs if importlib.util.find_spec(m) is None]:
+        raise SystemExit(
+            f"swiftkv {name}: needs {missing[0]}, not installed here (pip install '{command.package}')."
+        )
     function = getattr(module, function_name)
     try:
         if command.typed:

@@ -97,7 +97,8 @@ def main(
         backend: 'hf' (lm-eval's HFLM) or 'vllm' (lm-eval's vLLM model; needs --teacher).
         log_samples: Also write each request of both models, its arguments and their responses (loglikelihoods,
             generated text) and its metrics, to OUT.samples.jsonl: where the two differ, example by example.
-        out: Output prefix (default: MODEL/../eval): .md and .json (and .samples.jsonl).
+        out: Output prefix (default: MODEL/../eval-NAME, NAME the model's folder): .md and .json (and
+            .samples.jsonl).
     """
 
     from swiftkv_core.checkpoints import CheckpointError, check_checkpoint
@@ -131,7 +132,10 @@ def main(
             "SwiftKV": evaluate(model, True, *settings),
         }
     table = side_by_side({side: output["results"] for side, output in outputs.items()})
-    out = Path(out) if out is not None else Path(model).parent / "eval"
+    # not MODEL/../eval: the quickstart's own task accuracy is there, which its report cites
+    out = (
+        Path(out) if out is not None else Path(model).resolve().parent / f"eval-{Path(model).resolve().name}"
+    )
     if log_samples:
         write_samples(out.with_suffix(".samples.jsonl"), outputs)
     else:  # an earlier run's, beside this run's table, would pass for this run's
