@@ -157,3 +157,32 @@ def test_a_second_run_in_a_folder_a_run_is_writing_is_refused(inputs, tmp_path):
     finally:
         holder.kill()
         holder.wait()
+
+
+def test_a_setting_one_stage_alone_reads_reruns_that_stage_and_keeps_the_rest(inputs, tmp_path):
+    """A serving workload too long for the machine, found at the serving stage 40 minutes in: the rerun with another
+    one runs the serving stage and the report again and keeps every other finished stage. A setting earlier stages
+    read is still refused, and a run written before a setting existed continues with its default."""
+    from swiftkv.quickstart.run import Run
+    from swiftkv.quickstart.settings import QuickstartError, check
+    from swiftkv.quickstart.stages import STAGES
+
+    arguments = dict(
+        model=inputs["model"], out=tmp_path / "run", accelerator="cpu", num_key_value_layers=4, key_value_group_size=2,
+        budget_minutes=0.05, recipe=None, train_files=[inputs["train"]], heldout_text=[inputs["heldout"]],
+        heldout_chat_prompts="", max_eval_rows=4, prompt_lengths=[64], serve=False, serve_workloads=["96/8"],
+        serve_requests=2, serve_compile=False, threshold=0.9,
+    )  # fmt: skip
+    settings, out = check(**arguments)
+    run = Run(out, settings, force=False)
+    run.results = {stage.name: {"seconds": 1.0} for stage in STAGES}  # as a finished run
+    run._save()
+    rerun = Run(out, check(**arguments | {"serve_workloads": ["40/2"]})[0], force=False)
+    assert set(rerun.results) == {s.name for s in STAGES} - {"serve", "report"}
+    assert json.loads((out / "state.json").read_text())["settings"]["serve_workloads"] == ["40/2"]
+    with pytest.raises(QuickstartError, match=r"other settings \(budget_minutes: 0.05 -> 0.1\)"):
+        Run(out, check(**arguments | {"serve_workloads": ["40/2"], "budget_minutes": 0.1})[0], force=False)
+    state = json.loads((out / "state.json").read_text())
+    del state["settings"]["min_agreement"]  # as a version before it wrote the run
+    (out / "state.json").write_text(json.dumps(state))
+    assert "frontier" in Run(out, check(**arguments | {"serve_workloads": ["40/2"]})[0], force=False).results

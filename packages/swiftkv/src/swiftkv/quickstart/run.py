@@ -11,7 +11,7 @@ import time
 import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass
+from dataclasses import MISSING, asdict, dataclass, fields
 from pathlib import Path
 
 from .settings import QuickstartError, Settings
@@ -40,8 +40,8 @@ class Run:
             shutil.rmtree(root)
         if state_file.is_file():
             earlier = json.loads(state_file.read_text())
-            self._check_same_run(earlier)
-            self.results = earlier["results"]
+            again = self._check_same_run(earlier)
+            self.results = {name: r for name, r in earlier["results"].items() if name not in again}
         elif root.exists() and any(root.iterdir()):
             raise QuickstartError(
                 f"--out {root} exists and is not a quickstart run (no state.json): choose another --out, or --force "
@@ -70,7 +70,9 @@ class Run:
         run.root, run.settings, run.results = Path(root), Settings(**state["settings"]), state["results"]
         return run
 
-    def _check_same_run(self, earlier: dict) -> None:
+    def _check_same_run(self, earlier: dict) -> set[str]:
+        """Refuse to continue a run with other settings, but those one stage alone reads (``STAGE_SETTINGS``):
+        returns the finished stages to run again for them (and the report)."""
         before, now = _written_now(earlier["settings"], asdict(self.settings)), asdict(self.settings)
         if before.get("model_identity") != now["model_identity"]:
             path = before.get("model_identity", {}).get("path")
@@ -83,12 +85,17 @@ class Run:
                 f"--out {self.root} holds the run {which}: choose another --out, or --force to replace it."
             )
         changed = sorted(k for k in now if before.get(k) != now[k])
-        if changed:
-            changes = ", ".join(f"{k}: {before.get(k)!r} -> {now[k]!r}" for k in changed)
+        changes = ", ".join(f"{k}: {before.get(k)!r} -> {now[k]!r}" for k in changed)
+        if any(k not in STAGE_SETTINGS for k in changed):
             raise QuickstartError(
                 f"--out {self.root} holds a run with other settings ({changes}): run with the same settings to "
                 "continue it, choose another --out, or --force to start over."
             )
+        again = {STAGE_SETTINGS[k] for k in changed} & earlier["results"].keys()
+        if again:
+            stages = ", ".join(sorted(s.replace("_", " ") for s in again))
+            print(f"note: {changes}: the {stages} stage and the report run again, every other one is kept")
+        return again | ({"report"} if again else set())
 
     def path(self, name: str) -> Path:
         return self.root / name
@@ -222,10 +229,19 @@ _HARMLESS_WARNINGS = (
 )
 
 
+# settings one stage alone reads (and the report): changed on a rerun, that stage and the report run again, and
+# every other finished stage is kept (a serving workload too long for the machine costs the serving stage only)
+STAGE_SETTINGS = {
+    "threshold": "analyze", "prompt_lengths": "prefill", "serve": "serve", "serve_workloads": "serve",
+    "serve_requests": "serve", "serve_compile": "serve", "eval_tasks": "task_accuracy",
+}  # fmt: skip
+
+
 def _written_now(before: dict, now: dict) -> dict:
     """The settings of a run an earlier version wrote, in today's terms where they say the same: its model identity
-    without the weights' digests (sizes, config and path equal), no input files' digests (not recorded then). So a
-    run interrupted before an upgrade continues."""
+    without the weights' digests (sizes, config and path equal), no input files' digests (not recorded then), and
+    the defaults of settings added since (``min_agreement``, ``eval_tasks``). So a run interrupted before an upgrade
+    continues."""
     before = dict(before)
     old, current = before.get("model_identity") or {}, now["model_identity"]
     sizes = {name: file["bytes"] for name, file in current["weight_files"].items()}
@@ -236,4 +252,9 @@ def _written_now(before: dict, now: dict) -> dict:
         before["model_identity"] = current
     if "input_files" not in before:
         before["input_files"] = now["input_files"]
+    for setting in fields(Settings):
+        if setting.name not in before and setting.default is not MISSING:
+            before[setting.name] = setting.default
+        elif setting.name not in before and setting.default_factory is not MISSING:
+            before[setting.name] = setting.default_factory()
     return before

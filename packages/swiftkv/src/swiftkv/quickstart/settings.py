@@ -28,7 +28,8 @@ class QuickstartError(ValueError):
 
 @dataclass
 class Settings:
-    """Everything that decides a run's results (a re-run with other settings needs --force or another --out)."""
+    """Everything that decides a run's results (a rerun with other settings needs --force or another --out, but for
+    those one stage alone reads: ``run.STAGE_SETTINGS``)."""
 
     model: str
     accelerator: str  # "cpu" or "gpu": every stage runs there
