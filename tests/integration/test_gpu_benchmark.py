@@ -95,13 +95,14 @@ def test_distillation_step_rows_compare_against_the_whole_teacher_and_student(ti
     setups = (OURS, OURS + AC, WHOLE, WHOLE + AC)  # CPU: no flex_attention backward
     assert set(rows) == {(s, f) for s in setups for f in ("fp32", "bf16")}  # teacher weights in fp32, in bf16
     for frozen in ("fp32", "bf16"):
-        assert rows[WHOLE, frozen]["speed_vs_whole_x"] == 1
+        assert rows[WHOLE, frozen]["speed_vs_whole_x"] == rows[WHOLE + AC, frozen]["speed_vs_whole_x"] == 1
     for r in rows.values():
         assert r["tokens_per_s"] == pytest.approx(256 / r["step_s"])  # 2 rows x 128 tokens per step
         assert r["step_tflop"] > 0 and r["mfu"] == pytest.approx(
             r["step_tflop"] / r["step_s"]
         )  # of 1 TFLOP/s
-        assert r["memory_vs_whole_x"] == pytest.approx(r["peak_gib"] / rows[WHOLE, r["frozen"]]["peak_gib"])
+        like = WHOLE + AC if r["setup"].endswith(AC) else WHOLE  # the whole of the same checkpointing
+        assert r["memory_vs_whole_x"] == pytest.approx(r["peak_gib"] / rows[like, r["frozen"]]["peak_gib"])
     for frozen in ("fp32", "bf16"):
         # both hold the weights, the optimizer state and at least the student's logits (49k vocabulary, fp32)
         whole, ours = rows[WHOLE, frozen]["peak_gib"], rows[OURS, frozen]["peak_gib"]
@@ -140,9 +141,10 @@ def test_a_setup_out_of_device_memory_is_a_row_and_the_others_still_run(monkeypa
     )
 
 
-def test_each_part_is_written_as_it_ends(monkeypatch, tmp_path):
-    """A part that fails (here the distillation's data, by a stand-in) leaves the parts before it on disk; so does a
-    compiled prefill, after the eager rows and decode."""
+def test_each_row_is_written_as_it_is_measured(monkeypatch, tmp_path):
+    """Missing distillation data fails before any model is built; a setup that fails (a call killed at its time
+    limit, by a stand-in) leaves the parts and the rows before it on disk; so does a compiled prefill, after the eager
+    rows and decode."""
     import swiftkv_distill.bench
 
     def no_data(*args, **kwargs):
@@ -152,9 +154,22 @@ def test_each_part_is_written_as_it_ends(monkeypatch, tmp_path):
     out = tmp_path / "gpu-parts"
     with pytest.raises(RuntimeError, match="went away"):
         load_benchmark().main(tiny=True, out=out, parts=["kv_cache", "distill"])
+    assert not (tmp_path / "gpu-parts.json").exists()  # the KV cache part, first, never ran
+    monkeypatch.undo()
+    timed, real = [], swiftkv_distill.bench._time_and_peak
+
+    def killed_at_the_second(*args, **kwargs):
+        timed.append(1)
+        if len(timed) == 2:
+            raise RuntimeError("killed at the call's time limit")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(swiftkv_distill.bench, "_time_and_peak", killed_at_the_second)
+    with pytest.raises(RuntimeError, match="killed"):
+        load_benchmark().main(tiny=True, out=out, parts=["kv_cache", "distill"], frozen=["bf16"])
     written = json.loads((tmp_path / "gpu-parts.json").read_text())
-    assert written["kv_cache"] and "distill" not in written
-    assert "## KV cache" in (tmp_path / "gpu-parts.md").read_text()
+    assert written["kv_cache"] and [row["setup"] for row in written["distill"]] == [OURS]
+    assert f"| {OURS} | bf16 |" in (tmp_path / "gpu-parts.md").read_text()
     # a compiled prefill refused (its logits off the eager ones, by a stand-in) comes after the eager rows and decode
     import swiftkv_core.generation
 
@@ -181,3 +196,11 @@ def test_bad_sizes_are_refused_and_a_partial_run_keeps_the_full_results(monkeypa
         "gpu-tiny-kv_cache-cpu.json",
         "gpu-tiny-kv_cache-cpu.md",
     ]
+    # the full results of each device, and beside them a shallower model's or other prompt lengths'
+    name = benchmark._name_parts
+    assert name("llama-3.1-8b", list(benchmark.PARTS), 32, [2048, 8192, 32768], "cuda", "NVIDIA H100 80GB HBM3") == [
+        "llama-3.1-8b", "h100-80gb-hbm3",
+    ]  # fmt: skip
+    assert name("llama-3.1-8b", ["prefill"], 4, [2048], "cuda", "NVIDIA H200") == [
+        "llama-3.1-8b", "prefill", "4layers", "2048", "h200",
+    ]  # fmt: skip

@@ -7,6 +7,7 @@ runs it at the public models' shapes, on a GPU or a CPU.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 
 import torch
 
@@ -54,6 +55,9 @@ def per_sequence(batch: dict) -> dict:
     return {k: v.reshape(-1, length) for k, v in row_wise(batch).items()}
 
 
+WHOLE = "whole teacher + whole student"  # the published trainer's structure: two whole forwards, full logits
+
+
 def step_rows(
     model,
     batches: list[dict],
@@ -64,13 +68,16 @@ def step_rows(
     chunk_size: int,
     checkpointing: bool = False,
     compiled: bool = False,
+    on_row: Callable[[dict], None] = lambda row: None,
 ) -> list[dict]:
-    """Tokens/s, peak memory and MFU of a distillation step: ours (dense-mask sdpa, and the device's packed
-    attention) and a whole teacher + a whole student forward on the same weights (``frozen``: their dtype); a setup
+    """Tokens/s, peak memory and MFU of a distillation step: ours and a whole teacher + a whole student forward on
+    the same weights (``frozen``: their dtype), each with dense-mask sdpa and the device's packed attention, and
+    compared with the whole of the same attention, checkpointing and compiling (the gain of ours alone); a setup
     that runs out of device memory gives a row saying so (``out_of_memory``: the error's first line);
     ``checkpointing``: also both with activation checkpointing of every layer (``build.checkpoint_activations``);
     ``compiled``: then both with every decoder layer compiled (``build.compile_layers``, once; the last rows, as a
-    compiled layer stays compiled)."""
+    compiled layer stays compiled). ``on_row``: told each row as it is measured (before the ratios: a run killed
+    at its time limit keeps them)."""
     import torch.nn.functional as F
 
     from swiftkv_core.flops import count_flops
@@ -94,23 +101,20 @@ def step_rows(
                         reduction="batchmean") * temperature**2  # fmt: skip
 
     packed = attention_for(device)  # sdpa on a CPU (PyTorch's flex_attention has no CPU backward)
-    setups = [("ours, dense mask", ours, "sdpa", 0, False)]
-    if packed != "sdpa":
-        setups.append(("ours, packed", ours, packed, 0, False))
-    setups.append(("whole teacher + whole student", whole, "sdpa", 0, False))
-    base = setups[-2:]  # ours with its fastest attention, and the whole
+    setups = [("ours, dense mask", ours, "sdpa", 0, False), (WHOLE, whole, "sdpa", 0, False)]
+    if packed != "sdpa":  # both again, each packed sequence attending to itself alone
+        setups += [("ours, packed", ours, packed, 0, False), (WHOLE, whole, packed, 0, False)]
+    base = setups[-2:]  # ours and the whole with the fastest attention
     if checkpointing:  # both again, every layer recomputed
         setups += [(label, fn, attention, 1, False) for label, fn, attention, *_ in base]
     if compiled:  # both again, every layer compiled
         setups += [(label, fn, attention, 0, True) for label, fn, attention, *_ in base]
     trainable = [p for p in model.parameters() if p.requires_grad]
-    rows, model_flops = [], {}
+    rows, model_flops, like_whole = [], {}, {}
     for label, loss_fn, attention, every, compile_now in setups:
-        name = (
-            f"{label} ({attention})"
-            + " + activation checkpointing" * every
-            + " + compiled layers" * compile_now
-        )
+        variant = " + activation checkpointing" * every + " + compiled layers" * compile_now
+        name = f"{label} ({attention}){variant}"
+        like_whole[name] = f"{WHOLE} ({attention}){variant}"
         model.config._attn_implementation = attention
         checkpoint_activations(model, every)
         compile_layers(model, compile_now)
@@ -133,6 +137,7 @@ def step_rows(
         if seconds is None:  # out of the except block, the error's frames and their tensors are gone
             rows.append({"setup": name, "frozen": frozen, "out_of_memory": out_of_memory})
             print(json.dumps(rows[-1]), flush=True)
+            on_row(rows[-1])
             del optimizer, one_step  # its state (one_step holds the optimizer)
             model.zero_grad(set_to_none=True)
             torch.cuda.empty_cache()
@@ -158,11 +163,13 @@ def step_rows(
             "mfu": flops / seconds / (peak_tflops * 1e12) if peak_tflops else None,
         })  # fmt: skip
         print(json.dumps(rows[-1]), flush=True)
+        on_row(rows[-1])
         del optimizer
     model.config._attn_implementation = "sdpa"
-    whole = next(r for r in rows if r["setup"] == "whole teacher + whole student (sdpa)")
+    by_name = {r["setup"]: r for r in rows}
 
     def vs_whole(row: dict, key: str) -> float | None:  # none where either ran out of memory
+        whole = by_name[like_whole[row["setup"]]]
         return row[key] / whole[key] if key in row and key in whole else None
 
     return [{**r, "speed_vs_whole_x": vs_whole(r, "tokens_per_s"), "memory_vs_whole_x": vs_whole(r, "peak_gib")}
