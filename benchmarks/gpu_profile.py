@@ -50,17 +50,23 @@ def profile_prefill(model, length: int = 2048) -> None:
                 prof.key_averages().table(sort_by="cuda_time_total", row_limit=18, max_name_column_width=60)
             )
     # a graph per layer and side (the cache's update is keyed on the layer's index), more than dynamo's default
-    # of 8 recompiles of the one layer code: below, all but the first 8 layers would run eagerly
+    # of 8 recompiles of the one layer code: below, all but the first 8 layers would run eagerly. Past the limit
+    # the run fails rather than time a mix of eager and compiled layers as compiled (the row once published so)
+    from torch._dynamo.utils import counters
+
     recompiles = 2 * len(model.model.layers) + 8
     for compiled in (False, True):
         if compiled:
             for layer in model.model.layers:
                 layer.compile()
         with torch._dynamo.config.patch(
-            recompile_limit=max(torch._dynamo.config.recompile_limit, recompiles)
+            recompile_limit=max(torch._dynamo.config.recompile_limit, recompiles),
+            fail_on_recompile_limit_hit=True,
         ):
             if compiled:
+                graphs = counters["stats"]["unique_graphs"]
                 time_prefill_off_on(model, ids, 1)  # compiles
+                print(f"compiled: {counters['stats']['unique_graphs'] - graphs} graphs", flush=True)
             t = {on: statistics.median(v) for on, v in time_prefill_off_on(model, ids, 7).items()}
         print(f"{length} {'compiled layers' if compiled else 'as is'}: off {1e3 * t[False]:.1f} ms, on "
               f"{1e3 * t[True]:.1f} ms, speed-up {t[False] / t[True]:.3f}", flush=True)  # fmt: skip

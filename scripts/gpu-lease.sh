@@ -39,6 +39,7 @@
 #   wait; cat $OUT/correctness.txt
 # A 15-minute lease as spent on 2026-11-27 (H100): bash scripts/gpu-lease.sh run attention tests distill (7.2 min).
 # Never run yet, for the next lease: bash scripts/gpu-lease.sh run profile, then run prefill-dynamic (about 5 + 4 min).
+# The steps of one call share its 570 s (GPU_LEASE_CALL_SECONDS): a step gets at most what the ones before it left.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
@@ -132,6 +133,15 @@ python3 benchmarks/results/prefill-compile-dynamic.py \$kind cuda || exit \$?; d
 $OUT/quickstart-report.md" ;;
     esac
     [[ $dry_run == 1 ]] && limit=$((4 * limit))
+    # the call's own limit (the run tool's 600 s) bounds the steps together: a step gets what is left of it, and
+    # one with under a minute left is not started (rerun it in the next call); benchmarks/gpu.py writes each row
+    # as it is measured, so a step cut short keeps its rows
+    local left=$((call_seconds - (SECONDS - call_started)))
+    if ((left < 60)); then
+        echo "[gpu-lease] $step: not started, ${left} s left of the call's ${call_seconds} s (GPU_LEASE_CALL_SECONDS)"
+        return 1
+    fi
+    ((limit > left)) && limit=$left
     local started=$SECONDS rc
     echo "[gpu-lease] $step: $command"
     # each step under its own limit, so a hung step leaves the others, and the call, their time: SIGKILL to the
@@ -145,6 +155,7 @@ last lines of $step.log:"
 }
 
 run() {
+    call_started=$SECONDS
     [[ $# -gt 0 ]] || { echo "usage: bash scripts/gpu-lease.sh run STEP... (attention tests prefill prefill-dynamic profile distill quickstart)" >&2; exit 2; }
     [[ -d .gpu/whl ]] || { echo "gpu-lease: no .gpu/ here: run scripts/gpu-lease.sh prepare first, carry [\".gpu\"]" >&2; exit 2; }
     local step
@@ -183,6 +194,8 @@ run() {
 }
 
 dry_run=${GPU_LEASE_DRY_RUN:-0}
+call_seconds=${GPU_LEASE_CALL_SECONDS:-570} # under the run tool's 600 s a call, its summary lines included
+[[ $dry_run == 1 ]] && call_seconds=${GPU_LEASE_CALL_SECONDS:-100000}
 case ${1:-} in
 prepare) prepare ;;
 run) shift; run "$@" ;;
