@@ -17,7 +17,7 @@ pytestmark = pytest.mark.slow  # the module's fixture runs every measurement (mi
 
 ROOT = Path(__file__).parents[2]
 OURS, WHOLE = "ours, dense mask (sdpa)", "whole teacher + whole student (sdpa)"
-AC = " + activation checkpointing"
+AC, CL = " + activation checkpointing", " + compiled layers"
 
 
 def load_benchmark():
@@ -35,6 +35,7 @@ def tiny_result(tmp_path_factory):
         tiny=True,
         out=out,
         activation_checkpointing=True,
+        compile_layers=True,
         prefill_compile="default",
         hbm_tbps=0.05,
         peak_tflops=1.0,
@@ -92,16 +93,18 @@ def test_kv_bytes_are_what_a_real_cache_holds(tiny_result):
 def test_distillation_step_rows_compare_against_the_whole_teacher_and_student(tiny_result):
     result, markdown = tiny_result
     rows = {(r["setup"], r["frozen"]): r for r in result["distill"]}
-    setups = (OURS, OURS + AC, WHOLE, WHOLE + AC)  # CPU: no flex_attention backward
+    setups = (OURS, OURS + AC, OURS + CL, WHOLE, WHOLE + AC, WHOLE + CL)  # CPU: no flex_attention backward
     assert set(rows) == {(s, f) for s in setups for f in ("fp32", "bf16")}  # teacher weights in fp32, in bf16
     for frozen in ("fp32", "bf16"):
-        assert rows[WHOLE, frozen]["speed_vs_whole_x"] == rows[WHOLE + AC, frozen]["speed_vs_whole_x"] == 1
+        assert {rows[WHOLE + v, frozen]["speed_vs_whole_x"] for v in ("", AC, CL)} == {1}
     for r in rows.values():
         assert r["tokens_per_s"] == pytest.approx(256 / r["step_s"])  # 2 rows x 128 tokens per step
         assert r["step_tflop"] > 0 and r["mfu"] == pytest.approx(
             r["step_tflop"] / r["step_s"]
         )  # of 1 TFLOP/s
-        like = WHOLE + AC if r["setup"].endswith(AC) else WHOLE  # the whole of the same checkpointing
+        like = WHOLE + next(
+            (v for v in (AC, CL) if r["setup"].endswith(v)), ""
+        )  # the same checkpointing, compiling
         assert r["memory_vs_whole_x"] == pytest.approx(r["peak_gib"] / rows[like, r["frozen"]]["peak_gib"])
     for frozen in ("fp32", "bf16"):
         # both hold the weights, the optimizer state and at least the student's logits (49k vocabulary, fp32)
@@ -111,6 +114,8 @@ def test_distillation_step_rows_compare_against_the_whole_teacher_and_student(ti
         for setup in (OURS, WHOLE):  # the recomputed layers keep less; the model FLOPs (MFU's) exclude them
             assert rows[setup + AC, frozen]["peak_gib"] < rows[setup, frozen]["peak_gib"]
             assert rows[setup + AC, frozen]["step_tflop"] == rows[setup, frozen]["step_tflop"]
+            # compiled layers: the same model FLOPs, counted on the eager forward (none seen inside a graph)
+            assert rows[setup + CL, frozen]["step_tflop"] == rows[setup, frozen]["step_tflop"]
     assert "## Distillation step" in markdown and result["command"].startswith("python3 benchmarks/gpu.py")
 
 
