@@ -114,7 +114,7 @@ class StepSchedule(torch.optim.lr_scheduler.LambdaLR):
             now = self.base_lrs[0] * self.lr_lambdas[0](self.last_epoch)
             rank_zero_warn(
                 f"the run resumed at step {self.last_epoch} now spans {total} optimizer steps, the checkpoint's "
-                f"{saved}: the learning-rate schedule is stretched to the new length, and the learning rate goes "
+                f"{saved}: the learning-rate schedule follows the new length, and the learning rate goes "
                 f"from {self._last_lr[0]:.3g} to {now:.3g}. Resume with the checkpoint's trainer.max_steps / "
                 "max_epochs to keep its schedule."
             )

