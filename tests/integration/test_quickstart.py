@@ -145,7 +145,8 @@ def test_quickstart_report_is_complete_and_consistent(inputs, tmp_path, capsys):
     # the Markdown says the same numbers, headline first, and every plot it shows exists
     markdown = report.read_text()
     first = markdown.split("## Quality")[0]
-    assert f"{head['prefill']['speedup_x']:.2f}x faster" in first
+    speedup = head["prefill"]["speedup_x"]  # a tiny model's prefill on a busy CPU may be slower with SwiftKV
+    assert (f"{speedup:.2f}x faster" if speedup >= 1 else f"{1 / speedup:.2f}x slower") in first
     assert ("above its bound: disturbed timings" in first) == longest["above_bound"]
     for workload, ratios in head["serving"].items():
         assert (
