@@ -66,6 +66,9 @@ def test_a_list_option_takes_bare_values_and_jsonargparse_forms_pass_unchanged()
         ("--heldout_text", "null"): ["--heldout_text", "null"],
         ("--train_files", "a.jsonl", "-h"): ["--train_files", '["a.jsonl"]', "-h"],
         ("--model", "a b", "--recipe", "r"): ["--model", "a b", "--recipe", "r"],  # not lists
+        ("--force",): ["--force", "true"],  # a yes/no option alone: on
+        ("--serve", "--force", "false"): ["--serve", "true", "--force", "false"],
+        ("--force=true",): ["--force=true"],
     }  # fmt: skip
     for given, expected in cases.items():
         assert bare_lists(quickstart, list(given)) == expected, given

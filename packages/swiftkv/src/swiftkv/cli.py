@@ -130,17 +130,21 @@ def bare_lists(function, args: list[str]) -> list[str]:
     most command lines take them) become jsonargparse's ``--train_files '["a.jsonl", "b.jsonl"]'``. Its own forms
     (``'[a.jsonl]'``, ``--train_files+ a.jsonl``, ``null``) pass unchanged; a lone ``''`` is refused (a ValueError:
     it names nothing). A typed command has no positional arguments, so the values run to the next option (``--name``,
-    ``-h``)."""
+    ``-h``). A yes/no option alone is on: ``--force`` is jsonargparse's ``--force true``."""
     try:
         hints = typing.get_type_hints(function)
     except (NameError, TypeError):  # a type imported for type checking only: jsonargparse's forms alone
         return args
     elements = {f"--{name}": _list_element(hint) for name, hint in hints.items()}
+    switches = {f"--{name}" for name, hint in hints.items() if bool in (hint, *typing.get_args(hint))}
     out: list[str] = []
     index = 0
     while index < len(args):
         option, equals, value = args[index].partition("=")
         index += 1
+        if option in switches and not equals and (index == len(args) or _is_option(args[index])):
+            out += [option, "true"]
+            continue
         element = elements.get(option)
         if element is None:
             out.append(args[index - 1])
