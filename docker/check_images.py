@@ -238,7 +238,13 @@ def check_api_key(work: Path, checkpoint: Path) -> list[str]:
     key = "sk-swiftkv-" + os.urandom(12).hex()
     secret = work / "api-key"
     secret.write_text(key + "\n")
-    secret.chmod(0o644)  # the image's user (uid 1000) reads it
+    try:  # as docker/README.md says: readable by its owner and the image's group (gid 1000) alone
+        os.chown(secret, -1, 1000)
+        secret.chmod(0o640)
+    except (
+        PermissionError
+    ):  # not root, nor in group 1000: readable by everyone, as the image's user must read it
+        secret.chmod(0o644)
     port, failures = free_port(), []
     name = f"swiftkv-serve-auth-{port}"
     command = [
