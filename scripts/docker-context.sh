@@ -37,7 +37,7 @@ if [ "$device" = cpu ]; then
     fi
     if [ -z "$wheel" ] || [ ! -f "$wheel" ]; then
         echo "docker-context: no torch-$version wheel found (pip find-links, /opt/wheels or TORCH_CPU_WHEEL)." >&2
-        echo "  Get it with: pip download --no-deps --dest /opt/wheels --index-url https://download.pytorch.org/whl/cpu torch==$version" >&2
+        echo "  Get it with: python3 -m pip download --no-deps --only-binary=:all: --python-version 3.11 --platform manylinux_2_28_x86_64 --dest /opt/wheels --index-url https://download.pytorch.org/whl/cpu torch==$version" >&2
         exit 1
     fi
     target="$context/$(basename "$wheel")"
