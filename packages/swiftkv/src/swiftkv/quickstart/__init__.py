@@ -58,7 +58,7 @@ def main(
 
     Args:
         model: The base model: 'default' (SmolLM2-135M-Instruct), a Llama / Qwen2 / Mistral HF folder, or a .gguf.
-        out: Output folder (default: runs/<model>-l<l>[-g<g>]). Re-running with the same folder continues.
+        out: Output folder (default: runs/<model>-l<l>[-g<g>], -lauto with auto). Re-running with it continues.
         accelerator: Where every stage runs: 'auto' (the GPU where one is visible, else the CPU), 'cpu' or 'gpu'.
             On a GPU: bf16, the GPU recipe's longer rows and bigger batches, flex_attention / flash-attn.
         num_key_value_layers: l: layers >= l take their K/V from layer l's input (default: the recipe's where
