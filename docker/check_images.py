@@ -16,6 +16,7 @@ Containers use --network host (our machines have no bridge); users publish the p
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -238,13 +239,10 @@ def check_api_key(work: Path, checkpoint: Path) -> list[str]:
     key = "sk-swiftkv-" + os.urandom(12).hex()
     secret = work / "api-key"
     secret.write_text(key + "\n")
-    try:  # as docker/README.md says: readable by its owner and the image's group (gid 1000) alone
+    # as docker/README.md: its owner and the image's group (gid 1000) read it; everyone where that is not ours to set
+    with contextlib.suppress(PermissionError):
         os.chown(secret, -1, 1000)
-        secret.chmod(0o640)
-    except (
-        PermissionError
-    ):  # not root, nor in group 1000: readable by everyone, as the image's user must read it
-        secret.chmod(0o644)
+    secret.chmod(0o640 if secret.stat().st_gid == 1000 else 0o644)
     port, failures = free_port(), []
     name = f"swiftkv-serve-auth-{port}"
     command = [
