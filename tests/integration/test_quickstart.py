@@ -268,6 +268,7 @@ def test_a_stage_out_of_gpu_memory_says_so_and_keeps_the_stages_before(inputs, t
 
 def test_default_l_is_the_recipes_for_its_own_model_else_half_the_layers():
     from swiftkv.quickstart.settings import DEVICE_DEFAULTS, default_num_key_value_layers
+    from swiftkv_core.default_model import default_model_path
     from swiftkv_distill.recipe import parse
 
     # SmolLM2's CPU recipe, measured at l=20 of 30 (benchmarks/results/recipe-notes.md)
@@ -275,6 +276,10 @@ def test_default_l_is_the_recipes_for_its_own_model_else_half_the_layers():
     assert recipe.model.model == "default" and recipe.model.num_key_value_layers == 20
     assert default_num_key_value_layers("default", 30, recipe) == 20
     assert default_num_key_value_layers("/models/qwen2-0.5b", 24, recipe) == 12  # another model: L/2
+    # the embedded model named by its folder (`--model .` inside it, or the path) is still the recipe's
+    embedded = str(default_model_path())
+    assert default_num_key_value_layers(embedded, 30, recipe) == 20
+    assert default_num_key_value_layers(f"{embedded}/../{Path(embedded).name}", 30, recipe) == 20
 
 
 def test_the_frontier_sweeps_l_and_auto_picks_the_smallest_predicted_to_clear_the_bar():

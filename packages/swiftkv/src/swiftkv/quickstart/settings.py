@@ -287,10 +287,26 @@ def _digests(files) -> dict:
 
 def default_num_key_value_layers(model: str, num_layers: int, recipe_settings) -> int:
     """l when none is given: the recipe's own where the recipe is for this model (its l was measured there), else
-    half the layers (the published choice: prefill compute halves)."""
-    if str(recipe_settings.model.model) == model:
+    half the layers (the published choice: prefill compute halves). The same model named two ways (``default``
+    and the embedded folder's path, or a path with ``..``) is the same model."""
+    if _same_model(model, str(recipe_settings.model.model)):
         return int(recipe_settings.model.num_key_value_layers)
     return num_layers // 2
+
+
+def _same_model(model: str, other: str) -> bool:
+    """Whether two model names lead to one checkpoint folder; a ``.gguf`` is compared by its own path (resolving
+    one would materialise it)."""
+    from swiftkv_core.default_model import resolve_model_path
+
+    if model == other:
+        return True
+    if model.endswith(".gguf") or other.endswith(".gguf"):
+        return Path(model).resolve() == Path(other).resolve()
+    try:
+        return resolve_model_path(model).resolve() == resolve_model_path(other).resolve()
+    except (OSError, ValueError):
+        return False
 
 
 def _check_local_data(
