@@ -28,6 +28,7 @@ Writes ``benchmarks/results/gpu-<shape>.{json,md}`` (or ``--out``). Where a 2k p
 
 from __future__ import annotations
 
+import inspect
 import json
 import re
 import shlex
@@ -167,6 +168,9 @@ def kv_bytes(
 
 DEFAULT_PREFILL_LENGTHS = [2048, 8192, 32768]
 PARTS = ("prefill", "decode", "kv_cache", "distill")
+# what --tiny sets itself (a tiny shape on the CPU, sizes a test can afford)
+TINY_SETS = ("shape", "device", "prefill_lengths", "packed_prefill", "repeats", "decode_tokens")
+TINY_SETS += ("distill_rows_per_step", "distill_row_tokens", "distill_segments", "distill_steps")
 
 
 def main(
@@ -198,7 +202,7 @@ def main(
     Args:
         shape: one of SHAPES (llama-3.1-8b, qwen2.5-7b; smollm2-135m, the quickstart's model, for CPU runs).
         num_key_value_layers: l (default L/2).
-        tiny: a tiny shape on the CPU with small sizes (what the test suite runs).
+        tiny: a tiny shape on the CPU with small sizes (what the test suite runs; TINY_SETS are its own).
         device: cuda, or cpu: the same measurements on the CPU (its memory figures count what a GPU's allocator
             would, without the kernels' workspaces; its times are the CPU's), e.g. of the distillation step with
             --num_hidden_layers 4 --distill_row_tokens 2048 --parts [distill].
@@ -237,6 +241,10 @@ def main(
     if prefill_compile not in (None, *COMPILE_MODES):
         raise SystemExit(f"--prefill_compile {prefill_compile!r}: choose one of {list(COMPILE_MODES)}.")
     if tiny:
+        # a size given beside --tiny would be silently replaced by the tiny one
+        given, defaults = locals(), inspect.signature(main).parameters
+        if clash := [f"--{k}" for k in TINY_SETS if given[k] != defaults[k].default]:
+            raise SystemExit(f"--tiny sets its own sizes: drop {' '.join(clash)}, or drop --tiny.")
         shape, device = "tiny", "cpu"
         prefill_lengths, packed_prefill, repeats, decode_tokens = [256], (2, 256), 1, 4
         distill_rows_per_step, distill_row_tokens, distill_segments, distill_steps = 2, 128, 2, 1

@@ -190,11 +190,13 @@ def test_each_row_is_written_as_it_is_measured(monkeypatch, tmp_path):
 
 def test_bad_sizes_are_refused_and_a_partial_run_keeps_the_full_results(monkeypatch, tmp_path):
     """A row that does not split into its documents is refused before any model is built (it failed after the
-    first setup's timings), and a run of some parts, or on a CPU, writes beside the full GPU results by default,
-    never over them."""
+    first setup's timings), as are sizes given beside --tiny (they were dropped). A run of some parts, or on a
+    CPU, writes beside the full GPU results by default, never over them."""
     benchmark = load_benchmark()
     with pytest.raises(SystemExit, match="does not split into --distill_segments 3"):
         benchmark.main(device="cpu", parts=["distill"], distill_row_tokens=4096, distill_segments=3)
+    with pytest.raises(SystemExit, match="--tiny sets its own sizes: drop --shape --prefill_lengths"):
+        benchmark.main(tiny=True, shape="qwen2.5-7b", prefill_lengths=[512])
     monkeypatch.setattr(benchmark, "RESULTS", tmp_path)
     benchmark.main(tiny=True, parts=["kv_cache"])
     assert [p.name for p in sorted(tmp_path.iterdir())] == [
