@@ -405,7 +405,7 @@ def test_a_slow_down_is_reported_as_one(tmp_path):
     slow-down in the report's words, and the speed-up plot shows it rather than clipping it at 1x."""
     import matplotlib.image
 
-    from swiftkv.quickstart.report import _plot_prefill, in_words
+    from swiftkv.quickstart.report import _plot_prefill, _prefill_figure, in_words
 
     assert (in_words(1.25), in_words(0.8), in_words(0.8, "faster", "slower")) == (
         "1.25x lower", "1.25x higher", "1.25x slower",
@@ -413,3 +413,9 @@ def test_a_slow_down_is_reported_as_one(tmp_path):
     rows = [{"prompt_tokens": n, "off_s": 0.1, "on_s": 0.1 / x, "speedup_x": x, "flops_bound_x": 1.4}
             for n, x in ((256, 0.8), (1024, 1.2))]  # fmt: skip
     assert matplotlib.image.imread(_plot_prefill(rows, tmp_path / "prefill.png")).shape[2] in (3, 4)
+    speed_up = _prefill_figure(rows).axes[1]
+    bottom, top = speed_up.get_ylim()
+    assert bottom <= 0.8 < 1.2 <= top  # the 0.8x point inside the axis (it once started at 1x)
+    assert [tuple(line.get_ydata()) for line in speed_up.lines][-1] == (1.0, 1.0)  # the 1x line drawn
+    faster = [{**r, "speedup_x": 1.3, "on_s": 0.1 / 1.3} for r in rows]
+    assert _prefill_figure(faster).axes[1].get_ylim()[0] == 1.0  # no slow-down: the axis starts at 1x

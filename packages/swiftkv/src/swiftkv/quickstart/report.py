@@ -259,6 +259,16 @@ def _one_line(text: str) -> str:
 
 
 def _plot_prefill(rows: list[dict], path: Path) -> Path:
+    import matplotlib.pyplot as plt
+
+    fig = _prefill_figure(rows)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def _prefill_figure(rows: list[dict]):
+    """Prefill latency off/on per prompt length (left) and the speed-up beside its FLOPs bound (right)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -289,6 +299,4 @@ def _plot_prefill(rows: list[dict], path: Path) -> Path:
         ax2.axhline(1.0, color="grey", linewidth=0.8)
     ax2.legend()
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return fig
