@@ -95,10 +95,23 @@ def test_prefix_adapters_change_layer_l_input_in_the_student_only_and_merge(tmp_
     with model.swiftkv_mode(False):
         assert_close(model(ids).logits, tiny_base("llama")(ids).logits)  # the teacher: no adapter anywhere
     student = model(ids).logits
+    below_l = (".layers.0.", ".layers.1.")
+    prefix = [p for n, p in model.named_parameters() if n.endswith("lora_b") and n.startswith(below_l, 5)]
+    kept = [p.clone() for p in prefix]
+    for p in prefix:  # the layers < l adapters off: the student's layer-l input (and so its logits) changes
+        p.zero_()
+    assert not torch.allclose(model(ids).logits, student, atol=1e-3)
+    for p, value in zip(prefix, kept, strict=True):
+        p.copy_(value)
     export_for_serving(model, tmp_path / "serving")
     serving = AutoModelForCausalLM.from_pretrained(tmp_path / "serving")
     assert not serving.config.lora_prefix and serving.config.lora_rank == 0
     assert_close(serving(ids).logits, student, rtol=1e-4, atol=1e-4)
+    up = model.model.layers[0].mlp  # merged into layer 0's own weights
+    assert_close(
+        serving.model.layers[0].mlp.up_proj.weight, up.up_proj.weight + up.up_proj_lora_swiftkv.delta()
+    )
+    assert not torch.allclose(serving.model.layers[0].mlp.up_proj.weight, up.up_proj.weight, atol=1e-3)
     config = model.config.to_dict() | {"lora_rank": 0, "lora_prefix": True}
     with pytest.raises(Exception, match="lora_prefix=True needs lora_rank > 0"):
         type(model.config)(**config)
