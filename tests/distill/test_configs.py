@@ -115,7 +115,8 @@ def test_several_nodes_without_a_launcher_are_refused_before_anything_starts(mon
     with pytest.raises(
         SystemExit,
         match=r"trainer.num_nodes is 2.*fabric run --num_nodes 2 --node_rank RANK.*"
-        r"--devices 8 .*--trainer.strategy.data_parallel_size 8.*accumulate_grad_batches 2",
+        r"--devices 8 .*--trainer.strategy.data_parallel_size 8 .*accumulate_grad_batches 2 "
+        r"--trainer.val_check_interval 1000 keep it",
     ):
         main(["fit", "--config", "llama-3.1-70b-instruct", "--model.model", "/models/Llama-3.1-70B-Instruct"])
     two_nodes = ["--config", "smollm2-135m-cpu", "--trainer.num_nodes", "2"]
@@ -125,9 +126,13 @@ def test_several_nodes_without_a_launcher_are_refused_before_anything_starts(mon
     assert make_cli(two_nodes, run=False).trainer.num_nodes == 2
 
 
-def test_a_sharding_that_is_not_the_processes_started_is_refused_before_they_start():
-    """The 8-GPU recipe's FSDP2 over 8 processes, run with one device: refused when parsed, naming the fix (Lightning
-    itself finds it only once the processes are up); matching sizes and Lightning's "auto" pass."""
+def test_a_sharding_that_is_not_the_processes_started_is_refused_before_they_start(monkeypatch):
+    """The 8-GPU recipe's FSDP2 over 8 processes, run with one device: refused when parsed, naming the fix with what
+    keeps the recipe's global batch and validations (Lightning itself finds it only once the processes are up);
+    matching sizes and Lightning's "auto" pass. Under `fabric run` without --devices (it starts 1 process a node,
+    which apps/distill.py passes on as trainer.devices) the fix is first fabric run's --devices."""
+    from apps.distill import job_arguments
+
     one_device = [
         "--config",
         "llama-3.1-8b-instruct",
@@ -138,12 +143,20 @@ def test_a_sharding_that_is_not_the_processes_started_is_refused_before_they_sta
     ]
     with pytest.raises(
         ValueError,
-        match=r"data_parallel_size 8 x tensor_parallel_size 1 = 8 processes, but "
-        r"trainer.devices 1 x num_nodes 1 start 1: set --trainer.strategy.data_parallel_size 1",
+        match=r"data_parallel_size 8 x tensor_parallel_size 1 = 8 processes, but trainer.devices 1 x num_nodes 1 "
+        r"start 1: set --trainer.strategy.data_parallel_size 1, or --trainer.strategy auto \(the global batch is "
+        r"then 8x smaller: --trainer.accumulate_grad_batches 8 --trainer.val_check_interval 4000 keep it",
     ):
         make_cli([*one_device, "--trainer.devices", "1"], run=False)
     for fix in (["--trainer.strategy.data_parallel_size", "1"], ["--trainer.strategy", "auto"]):
         assert make_cli([*one_device, "--trainer.devices", "1", *fix], run=False).trainer.world_size == 1
+    launched = {"LT_ACCELERATOR": "cpu", "LT_DEVICES": "1", "LT_NUM_NODES": "1"}  # what `fabric run` exports
+    for name, value in launched.items():
+        monkeypatch.setenv(name, value)
+    with pytest.raises(
+        ValueError, match=r"start 1: give `fabric run` --devices 8 \(it started 1 a node\); or set"
+    ):
+        make_cli(job_arguments(one_device, launched)[1:], run=False)
 
 
 def test_gpu_recipe_strategy_is_fsdp2():

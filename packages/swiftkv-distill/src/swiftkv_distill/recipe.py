@@ -46,8 +46,8 @@ class DistillCLI(LightningCLI):
 
     def instantiate_classes(self) -> None:
         trainer = self.config.get(self.subcommand, self.config).trainer
-        check_launch(trainer.num_nodes, trainer.devices, os.environ)
-        check_world_size(trainer)
+        check_launch(trainer, os.environ)
+        check_world_size(trainer, os.environ)
         super().instantiate_classes()
 
     def before_fit(self) -> None:
@@ -106,9 +106,10 @@ MULTI_NODE_LAUNCH = (
 )
 
 
-def check_launch(num_nodes: int, devices, environ) -> None:
+def check_launch(trainer, environ) -> None:
     """Refuse ``trainer.num_nodes`` > 1 started without a multi-node launcher: the command would start this node's
     processes only, and they would wait for the others' until the process group's timeout (30 min)."""
+    num_nodes, devices = trainer.num_nodes, trainer.devices
     if num_nodes <= 1 or any(environ.get(name) for name in MULTI_NODE_LAUNCH):
         return
     raise ValueError(
@@ -116,12 +117,21 @@ def check_launch(num_nodes: int, devices, environ) -> None:
         "node's processes only and wait for the others' for 30 minutes. On each node run `fabric run --num_nodes "
         f"{num_nodes} --node_rank RANK --main_address FIRST_NODE --accelerator cuda --devices {devices} "
         "apps/distill.py --config ...` (Lightning 2.6's name for `lightning run`; torchrun and SLURM's srun work "
-        f"too); on one node pass --trainer.num_nodes 1 --trainer.strategy.data_parallel_size {devices} (the "
-        f"global batch is then {num_nodes}x smaller: --trainer.accumulate_grad_batches {num_nodes} keeps it)."
+        f"too); on one node pass --trainer.num_nodes 1 --trainer.strategy.data_parallel_size {devices} "
+        f"{same_global_batch(trainer, num_nodes)}."
     )
 
 
-def check_world_size(trainer) -> None:
+def same_global_batch(trainer, times: int) -> str:
+    """What keeps a recipe's global batch, and its validations every so many steps, on ``times`` fewer processes:
+    Lightning counts ``val_check_interval`` in batches, and a step is then ``times`` of them."""
+    fix = f"--trainer.accumulate_grad_batches {times}"
+    if isinstance(trainer.val_check_interval, int):
+        fix += f" --trainer.val_check_interval {trainer.val_check_interval * times}"
+    return f"(the global batch is then {times}x smaller: {fix} keep it, and the recipe's validations)"
+
+
+def check_world_size(trainer, environ) -> None:
     """Refuse a ModelParallelStrategy whose data x tensor parallel size is not the processes the trainer starts
     (``devices`` x ``num_nodes``), before any process starts: Lightning finds it only once every process is up."""
     strategy = trainer.strategy
@@ -133,13 +143,22 @@ def check_world_size(trainer) -> None:
         return  # "auto" (Lightning's own choice) or a list of devices
     dp, tp, devices = map(int, sizes)
     processes = devices * trainer.num_nodes
-    if dp * tp != processes:
-        raise ValueError(
-            f"trainer.strategy's data_parallel_size {dp} x tensor_parallel_size {tp} = {dp * tp} processes, but "
-            f"trainer.devices {devices} x num_nodes {trainer.num_nodes} start {processes}: set "
-            f"--trainer.strategy.data_parallel_size {max(processes // tp, 1)}, or --trainer.strategy auto for one "
-            "process."
+    if dp * tp == processes:
+        return
+    fixes = [f"set --trainer.strategy.data_parallel_size {max(processes // tp, 1)}"]
+    if processes == 1:
+        fixes[0] += ", or --trainer.strategy auto"
+    if processes < dp * tp and (dp * tp) % processes == 0:
+        fixes[0] += f" {same_global_batch(trainer, dp * tp // processes)}"
+    if environ.get("LT_DEVICES") and (dp * tp) % trainer.num_nodes == 0:
+        # fabric run starts its --devices processes a node (1 when not given), which become trainer.devices
+        fixes.insert(
+            0, f"give `fabric run` --devices {dp * tp // trainer.num_nodes} (it started {devices} a node)"
         )
+    raise ValueError(
+        f"trainer.strategy's data_parallel_size {dp} x tensor_parallel_size {tp} = {dp * tp} processes, but "
+        f"trainer.devices {devices} x num_nodes {trainer.num_nodes} start {processes}: {'; or '.join(fixes)}."
+    )
 
 
 def with_recipe_paths(args: list[str]) -> list[str]:
