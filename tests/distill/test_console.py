@@ -43,9 +43,48 @@ def test_a_step_out_of_memory_ends_with_what_to_change(tmp_path, tiny_model, tex
     with pytest.raises(SystemExit) as exit_:
         main([*args, "--model.activation_checkpointing", "1", "--model.frozen_dtype", "bfloat16",
               "--trainer.precision", "bf16-mixed"])  # fmt: skip
-    message = str(exit_.value.code)
-    assert "activation_checkpointing" not in message and "frozen_dtype" not in message
-    assert message.count("; or ") == 1  # batch / length, more GPUs
+    advice = str(exit_.value.code).partition(". Checkpoints written")[0]
+    assert "activation_checkpointing" not in advice and "frozen_dtype" not in advice
+    assert advice.count("; or ") == 2  # the logits' chunks, batch / length, more GPUs
+
+
+class OutOfMemoryInFirstForward(Callback):
+    """The allocator's error (a CPU has none) in the first forward after the fit starts: before the first step,
+    in the phase the run's settings put first."""
+
+    def on_train_start(self, trainer, pl_module):
+        def raise_out_of_memory(*_):
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB.")
+
+        pl_module.swiftkv_model.model.layers[0].register_forward_pre_hook(raise_out_of_memory)
+
+
+@pytest.mark.parametrize(
+    ("settings", "phase", "advised", "not_advised"),
+    [
+        (["--model.kv_init", "least_squares", "--model.evaluate_before_training", "false"],
+         "fitting the least-squares K/V init", ["data.batch_size"],
+         ["activation_checkpointing", "logits_chunk_size", "val_batch_size"]),
+        (["--model.kv_init", "published", "--model.evaluate_before_training", "true"],
+         "evaluating the model before training", ["data.val_batch_size (8 rows", "logits_chunk_size (512 positions"],
+         ["activation_checkpointing", "data.batch_size"]),
+    ],
+)  # fmt: skip
+def test_out_of_memory_before_the_first_step_names_its_phase_and_what_lowers_it(
+    tmp_path, tiny_model, text_file, settings, phase, advised, not_advised
+):
+    """The K/V fit and the measurements before training run without gradients: activation checkpointing would not
+    help them, and the K/V fit computes no logits. Each is named, with the keys that lower its memory."""
+    args = ["fit", "--config", "smollm2-135m-cpu", "--model.model", str(tiny_model),
+            "--model.num_key_value_layers", "2", *settings, "--data.train_files", f"[{text_file}]",
+            "--data.val_files", f"[{text_file}]", "--data.max_length", "16", "--data.batch_size", "2",
+            "--trainer.max_steps", "2", "--trainer.precision", "32-true", "--trainer.default_root_dir", str(tmp_path),
+            "--trainer.callbacks+=tests.distill.test_console.OutOfMemoryInFirstForward"]  # fmt: skip
+    with pytest.raises(SystemExit) as exit_:
+        main(args)
+    advice = str(exit_.value.code).partition(". Checkpoints written")[0]
+    assert f"before the first step, {phase}. To fit: " in advice
+    assert all(key in advice for key in advised) and not any(key in advice for key in not_advised)
 
 
 def test_a_run_that_cannot_hold_its_weights_is_refused_before_reading_them(

@@ -52,26 +52,40 @@ def told_out_of_memory(trainer, module, datamodule) -> Iterator[None]:
 
 
 def out_of_memory_advice(trainer, module, datamodule) -> str:
-    """Where and when the memory ran out, and the recipe's keys that lower it, those not in use yet first."""
+    """Where, when and in what the memory ran out, and the recipe's keys that lower that phase's memory, those not
+    in use yet first."""
     hp, data = module.hparams, datamodule.hparams
     device = trainer.strategy.root_device
     where = device_description(device)
     if device.type == "cuda":
         total = torch.cuda.get_device_properties(device).total_memory / 2**30
         where += f" ({total:.0f} GiB, {torch.cuda.max_memory_allocated(device) / 2**30:.1f} GiB of tensors at the peak)"
-    step = trainer.global_step
-    when = "before the first step ended" if step == 0 else f"in step {step + 1} (the {step} before it fit)"
+    phase, step = running_phase(trainer, module), trainer.global_step
+    if phase == "training":
+        when = (
+            "before the first step ended" if step == 0 else f"in step {step + 1} (the {step} before it fit)"
+        )
+    else:
+        when = f"validating after step {step}" if phase == "validating" else f"before the first step, {phase}"
     changes = []
-    if not hp.activation_checkpointing:
+    if phase == "training" and not hp.activation_checkpointing:  # the phases before it keep no activations
         changes.append("model.activation_checkpointing: 1 (recomputes the layers >= l in the backward pass)")
+    if phase != "fitting the least-squares K/V init":  # the fit reads hidden states, no logits
+        changes.append(
+            f"a smaller model.logits_chunk_size ({hp.logits_chunk_size} positions of full-vocabulary logits now)"
+        )
     if hp.model_dtype == "float32" and hp.frozen_dtype in (None, "float32"):
         changes.append(
             "model.frozen_dtype: bfloat16 with trainer.precision: bf16-mixed (fp32 only where weights train)"
         )
-    changes.append(
-        f"a smaller data.batch_size or data.max_length ({data.batch_size} x {data.max_length} tokens per step and "
-        "process now)"
-    )
+    if phase.startswith("evaluating") or phase == "validating":
+        rows = data.val_batch_size or data.batch_size
+        changes.append(f"a smaller data.val_batch_size ({rows} rows per validation step now)")
+    else:
+        changes.append(
+            f"a smaller data.batch_size or data.max_length ({data.batch_size} x {data.max_length} tokens per step "
+            "and process now)"
+        )
     if trainer.world_size == 1:
         changes.append(
             "more GPUs: FSDP2 shards every weight over them (llama-3.1-8b-instruct.yaml's strategy)"
@@ -79,6 +93,27 @@ def out_of_memory_advice(trainer, module, datamodule) -> str:
     return (
         f"out of memory on {where} {when}. To fit: "
         + "; or ".join(changes)
-        + ". Checkpoints written so far are kept: a resume may turn on activation checkpointing, the other changes "
-        "train differently and start a new run (another --trainer.default_root_dir)."
+        + ". Checkpoints written so far are kept: a resume may change model.activation_checkpointing, "
+        "model.logits_chunk_size and data.val_batch_size; the other changes train differently and start a new run "
+        "(another --trainer.default_root_dir)."
     )
+
+
+def running_phase(trainer, module) -> str:
+    """What the run was doing: Lightning's validation, a training step, or one of the measurements and the K/V fit
+    that ``SwiftKVDistillation.on_train_start`` runs before the first step (known by which of them has its result)."""
+    from swiftkv_core.convert import SWIFTKV_FAMILIES
+
+    if trainer.validating or trainer.sanity_checking:
+        return "validating"
+    hp = module.hparams
+    evaluates = hp.evaluate_before_training and trainer.limit_val_batches != 0
+    fits = hp.kv_init == "least_squares" and module.model_config.model_type not in SWIFTKV_FAMILIES
+    if trainer.global_step == 0:
+        if evaluates and not module.before_metrics:
+            return "evaluating the model before training"
+        if fits and not module.kv_init_report:
+            return "fitting the least-squares K/V init"
+        if fits and evaluates and not module.init_metrics:
+            return "evaluating the K/V init"
+    return "training"
