@@ -49,6 +49,20 @@ def tiny_model(tmp_path_factory) -> Path:
     return tiny_llama(tmp_path_factory.mktemp("tiny") / "llama")
 
 
+def llama_70b_parameters(num_key_value_layers: int) -> tuple[int, int]:
+    """Llama-3.1-70B's parameters counted from its shape: the base model's (all frozen in a distillation) and the
+    trained ones, a query, a K and a V projection per layer >= l."""
+    from swiftkv_core.flops import LLAMA_3_1_70B as shape
+
+    H, L = shape.hidden_size, shape.num_hidden_layers
+    kv = H // shape.num_attention_heads * shape.num_key_value_heads
+    # embedding and LM head (untied), per layer q/k/v/o, the MLP's three and two norms, the final norm
+    base = (
+        2 * shape.vocab_size * H + L * (2 * H * H + 2 * H * kv + 3 * H * shape.intermediate_size + 2 * H) + H
+    )
+    return base, (L - num_key_value_layers) * (H * H + 2 * H * kv)
+
+
 @pytest.fixture(scope="session")
 def weightless_70b(tmp_path_factory, tiny_model) -> Path:
     """A Llama-3.1-70B checkpoint folder without its weights (the config and a tokenizer): what a run is sized by

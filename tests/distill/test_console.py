@@ -11,6 +11,7 @@ from swiftkv_core.runtime import storage_bytes
 from swiftkv_distill import SwiftKVDistillation
 from swiftkv_distill.build import resident_bytes
 from swiftkv_distill.cli import main
+from tests.distill.conftest import llama_70b_parameters
 
 
 class OutOfMemoryInStep2(Callback):
@@ -105,8 +106,11 @@ def test_a_run_that_cannot_hold_its_weights_is_refused_before_reading_them(
         message.startswith(f"swiftkv distill: {weightless_70b} does not fit the ")
         and " GiB of CPU (" in message
     )
-    # 70.6B parameters in fp32; the trained ones: a query, a K and a V per layer >= l (40 x 83.9M)
-    assert "(262.8 GiB in float32)" in message and "3,355M trained parameters" in message
+    frozen, trained = llama_70b_parameters(40)  # 70.6B in fp32; 40 x 83.9M
+    assert (
+        f"({frozen * 4 / 2**30:.1f} GiB in float32)" in message
+        and f"{trained / 1e6:,.0f}M trained" in message
+    )
     assert "model.frozen_dtype: bfloat16" in message and "a machine with more memory, or a GPU" in message
     assert not list(tmp_path.rglob("*.ckpt"))
 

@@ -10,7 +10,7 @@ from swiftkv_core.convert import swiftkv_parameter_names
 from swiftkv_distill import DistillDataModule, SwiftKVDistillation
 from swiftkv_distill.batches import collate, pack
 from swiftkv_distill.export import export
-from tests.distill.conftest import quiet_trainer
+from tests.distill.conftest import llama_70b_parameters, quiet_trainer
 
 pytestmark = pytest.mark.gpu
 
@@ -185,7 +185,7 @@ def test_a_run_that_cannot_hold_its_weights_on_the_gpu_is_refused_before_reading
     message = str(exit_.value.code)
     assert (
         message.startswith(f"swiftkv distill: {weightless_70b} does not fit the ")
-        and "(131.4 GiB in bfloat16)" in message
+        and f"({llama_70b_parameters(40)[0] * 2 / 2**30:.1f} GiB in bfloat16)" in message
     )
     assert "or more GPUs with FSDP2" in message and "frozen_dtype" not in message.split("To fit:")[1]
 

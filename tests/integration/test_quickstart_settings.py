@@ -87,9 +87,11 @@ def test_a_run_whose_inputs_changed_is_not_continued(inputs, tmp_path):
     )  # fmt: skip
     settings, out = check(**arguments)
     Run(out, settings, force=False)
+    written = json.loads((out / "state.json").read_text())
     for path in (train, model / "model.safetensors"):
         path.write_bytes(path.read_bytes())  # the same bytes written again: a new modification time
-    Run(out, check(**arguments)[0], force=False)  # the same inputs: the run continues
+    Run(out, check(**arguments)[0], force=False)  # the same inputs: the run continues, its state as it was
+    assert json.loads((out / "state.json").read_text()) == written
 
     state = json.loads((out / "state.json").read_text())  # as an earlier version wrote it
     identity = state["settings"]["model_identity"]
@@ -97,6 +99,7 @@ def test_a_run_whose_inputs_changed_is_not_continued(inputs, tmp_path):
     del state["settings"]["input_files"]
     (out / "state.json").write_text(json.dumps(state))
     Run(out, check(**arguments)[0], force=False)  # continued, and written in today's terms
+    assert json.loads((out / "state.json").read_text()) == written
 
     train.write_text(train.read_text().replace("the", "teh", 1))  # edited: the same size
     with pytest.raises(QuickstartError, match="other settings \\(input_files"):
