@@ -268,11 +268,11 @@ def test_a_time_budget_stops_every_process_at_the_same_step(tmp_path, tiny_model
 
 
 class SlowExport(L.Callback):
-    """Rank 0's export takes 40 s (a 70B export to slow storage: longer than the process group's timeout)."""
+    """Rank 0's export takes 60 s (a 70B export to slow storage: longer than the process group's timeout)."""
 
     def on_fit_end(self, trainer, pl_module):
         if trainer.global_rank == 0:
-            time.sleep(40)
+            time.sleep(60)
 
 
 @pytest.mark.distributed
@@ -280,9 +280,9 @@ def test_the_other_processes_wait_for_rank_0s_export_past_the_process_groups_tim
     tmp_path, tiny_model, text_file
 ):
     """Rank 0 writes the export alone, after the last collective; the others wait for it at the end of the job. A
-    wait bounded by the process group's timeout (here 20 s; Lightning's default is 30 min) ended them with an error,
+    wait bounded by the process group's timeout (here 40 s; Lightning's default is 30 min) ended them with an error,
     and the launcher then stopped rank 0 mid-write: no export, a failed job."""
-    strategy = _fsdp2(timeout="0:00:20")
+    strategy = _fsdp2(timeout="0:00:40")  # it bounds the rendezvous too: 20 s was too short on a busy machine
     config, out = _config(
         tmp_path, tiny_model, text_file, "slow-export", 2, strategy, trainer={"max_steps": 1},
         callbacks=[{"class_path": "tests.distill.test_distributed.SlowExport"}],
