@@ -109,13 +109,25 @@ def test_eval_writes_teacher_and_swiftkv_side_by_side(checkpoints, tmp_path):
     assert report.exists() and not report.with_suffix(".samples.jsonl").exists()
 
 
-def test_lm_evals_own_cli_runs_on_a_swiftkv_checkpoint(checkpoints):
+def test_lm_evals_own_cli_runs_on_a_swiftkv_checkpoint(checkpoints, tmp_path):
+    """lm-eval's CLI loads the SwiftKV checkpoint as the SwiftKV model: every choice's loglikelihood is the SwiftKV
+    side's of `swiftkv eval`, not its teacher's (a plain Llama read from the same weights would score those)."""
+    from swiftkv.evaluate import main
+
     _, full, _ = checkpoints
     command = [str(Path(sys.executable).parent / "swiftkv"), "lm-eval", "--model", "hf", "--model_args",
-               f"pretrained={full}", "--tasks", "swiftkv_capitals", "--limit", "4", "--device", "cpu"]  # fmt: skip
+               f"pretrained={full}", "--tasks", "swiftkv_capitals", "--limit", "4", "--device", "cpu",
+               "--log_samples", "--output_path", str(tmp_path / "lm-eval")]  # fmt: skip
     result = subprocess.run(command, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "swiftkv_capitals" in result.stdout and "acc" in result.stdout
+    (written,) = (tmp_path / "lm-eval").rglob("samples_swiftkv_capitals_*.jsonl")
+    docs = sorted(map(json.loads, written.read_text().splitlines()), key=lambda doc: doc["doc_id"])
+    theirs = [float(ll) for doc in docs for ll, _greedy in doc["filtered_resps"]]
+    ours = samples(main(model=full, tasks=["swiftkv_capitals"], limit=4, batch_size=4, device="cpu",
+                        log_samples=True, out=tmp_path / "eval"))  # fmt: skip
+    assert theirs == pytest.approx(loglikelihoods(ours, "SwiftKV"), rel=1e-5, abs=1e-4)
+    assert max(abs(a - b) for a, b in zip(theirs, loglikelihoods(ours, "teacher"), strict=True)) > 1e-2
 
 
 @pytest.mark.vllm
