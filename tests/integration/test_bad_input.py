@@ -1,5 +1,5 @@
 """Bad input, everywhere a user types: each case gets a non-zero exit, an error that names what is wrong (one line,
-no traceback), and nothing written. Every command of the ``swiftkv`` table that takes input, in one process."""
+or a parser's usage and one line; no traceback), and nothing written. Every command of the ``swiftkv`` table that takes input, in one process."""
 
 from __future__ import annotations
 
@@ -206,6 +206,8 @@ def test_bad_input_gets_one_line_with_the_fix_and_writes_nothing(
     assert _matches(message, error), f"{argv}: {error!r}"
     if not isinstance(exit_info.value.code, int):  # our own messages: one line
         assert "\n" not in error.strip(), error
+    else:  # a parser's: its usage, then one line with the error
+        assert _matches(message, error.splitlines()[-1]) and error.startswith("usage:"), error
     assert not os.path.exists(files["OUT"]), f"{argv} wrote {files['OUT']}"
 
 
