@@ -210,6 +210,8 @@ def test_quickstart_report_is_complete_and_consistent(inputs, tmp_path, capsys):
 
 @pytest.mark.slow
 def test_an_interrupted_run_resumes_without_redoing_finished_steps(inputs, tmp_path, monkeypatch):
+    import torch
+
     from swiftkv.quickstart import stages
     from swiftkv.quickstart.run import Stage
     from swiftkv_distill.callbacks import BudgetProgress
@@ -228,7 +230,9 @@ def test_an_interrupted_run_resumes_without_redoing_finished_steps(inputs, tmp_p
         run_quickstart(inputs, out, serve=False, budget_minutes=0.5)
     state = json.loads((out / "state.json").read_text())["results"]
     assert list(state) == ["teacher_answers", "frontier", "analyze", "convert"]
-    assert (out / "distill" / "checkpoints" / "last.ckpt").is_file()
+    last = out / "distill" / "checkpoints" / "last.ckpt"
+    saved_step = torch.load(last, map_location="cpu", weights_only=False)["global_step"]
+    assert saved_step >= 2
     mtimes = {p: p.stat().st_mtime_ns for p in (out / "converted").iterdir()}
 
     calls = []
@@ -236,12 +240,20 @@ def test_an_interrupted_run_resumes_without_redoing_finished_steps(inputs, tmp_p
     monkeypatch.setattr(stages, "STAGES", [
         Stage(s.name, lambda run, name=s.name: calls.append(name)) if s.name in finished else s for s in stages.STAGES
     ])  # fmt: skip
+    steps_ended = []
+
+    def count_steps(self, trainer, *args):
+        real(self, trainer, *args)
+        steps_ended.append(trainer.global_step)
+
+    monkeypatch.setattr(BudgetProgress, "on_train_batch_end", count_steps)
     run_quickstart(inputs, out, serve=False, budget_minutes=0.5)
     assert calls == []  # finished steps are reused, not run again
+    assert steps_ended[0] == saved_step + 1  # the distillation went on from its checkpoint's step
     results = json.loads((out / "report.json").read_text())["results"]
     assert results["analyze"] == state["analyze"] and results["convert"] == state["convert"]
     assert {p: p.stat().st_mtime_ns for p in (out / "converted").iterdir()} == mtimes
-    assert results["distill"]["resumed"] and results["distill"]["steps"] > 3  # on from step 2's checkpoint
+    assert results["distill"]["resumed"] and results["distill"]["steps"] == steps_ended[-1]
 
 
 def test_a_stage_out_of_gpu_memory_says_so_and_keeps_the_stages_before(inputs, tmp_path, monkeypatch):
