@@ -91,11 +91,14 @@ def test_out_of_memory_before_the_first_step_names_its_phase_and_what_lowers_it(
 def test_a_run_that_cannot_hold_its_weights_is_refused_before_reading_them(
     weightless_70b, text_file, tmp_path
 ):
-    """Llama-3.1-70B in fp32 (280 GB of weights) on this machine: refused when the run builds its model, sized on
-    the meta device from the config alone (the folder holds no weights: reading them would fail otherwise)."""
+    """Llama-3.1-70B in fp32 (280 GB of weights) on this machine: refused before the data is read and tokenised
+    (here it would be refused: no text in its records), sized on the meta device from the config alone (the folder
+    holds no weights: reading them would fail otherwise)."""
+    no_text = tmp_path / "no-text.jsonl"
+    no_text.write_text('{"x": 1}\n' * 4)
     args = ["fit", "--config", "smollm2-135m-cpu", "--model.model", str(weightless_70b),
             "--model.num_key_value_layers", "40", "--model.kv_init", "published", "--data.train_files",
-            f"[{text_file}]", "--data.val_files", f"[{text_file}]", "--data.max_length", "16",
+            f"[{no_text}]", "--data.val_files", f"[{text_file}]", "--data.max_length", "16",
             "--data.batch_size", "2", "--trainer.max_steps", "1", "--trainer.precision", "32-true",
             "--trainer.default_root_dir", str(tmp_path)]  # fmt: skip
     with pytest.raises(SystemExit) as exit_:

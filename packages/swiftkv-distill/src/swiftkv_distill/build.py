@@ -268,6 +268,22 @@ def build_swiftkv_model(
     return built
 
 
+def run_device(trainer) -> torch.device:
+    """The device a run computes on: its trainer's (none: ``load_from_checkpoint``'s CPU)."""
+    return trainer.strategy.root_device if trainer is not None else torch.device("cpu")
+
+
+def sized_step(run, trainer):
+    """``run``'s step (a ``SwiftKVDistillation``'s) on the meta device, refused where ``trainer``'s device cannot
+    compute or hold it: before a weight is read, and on one process before the data is tokenised
+    (``DistillCLI.before_fit``)."""
+    check_precision(device := run_device(trainer), trainer)
+    with torch.device("meta"):
+        sized = distillation_step(run.hparams, device, trainer, run.loss_settings, weights=False)
+    check_fits(device, sized, run, trainer)
+    return sized
+
+
 def distillation_step(hp, device: torch.device, trainer, settings, weights: bool = True):
     """A fresh, unsharded ``DistillationStep`` of a run's settings ``hp`` (``SwiftKVDistillation``'s hyperparameters)
     on ``device``, under ``trainer`` (or None), with the loss ``settings``: the frozen base weights in

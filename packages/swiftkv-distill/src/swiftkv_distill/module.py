@@ -20,13 +20,13 @@ from swiftkv_core.runtime import DTYPES, Stopwatch
 from .build import (
     attention_for,
     check_activation_checkpointing,
-    check_fits,
     check_kv_init,
     check_lora,
-    check_precision,
     check_same_run,
     compile_layers,
     distillation_step,
+    run_device,
+    sized_step,
     warn_if_bf16_emulated,
 )
 from .parallelize import check_data_parallel_only, shard_from_rank0, sum_over_processes
@@ -172,28 +172,21 @@ class SwiftKVDistillation(L.LightningModule):
         self._resumed_seconds = 0.0  # train_seconds when the resumed checkpoint was written
 
     # --- model -------------------------------------------------------------------------------------------------
-    def build_step(self, weights: bool = True) -> DistillationStep:
-        """A fresh, unsharded step (``build.distillation_step``; ``weights=False``: from the config alone)."""
-        return distillation_step(
-            self.hparams, self._root_device(), self._trainer, self.loss_settings, weights
-        )
-
-    def _root_device(self) -> torch.device:
-        return self._trainer.strategy.root_device if self._trainer is not None else torch.device("cpu")
+    def build_step(self, weights: bool = True, trainer=None) -> DistillationStep:
+        """A fresh, unsharded step on ``trainer``'s device (default: the module's; ``weights=False``: sized)."""
+        trainer = trainer or self._trainer
+        return distillation_step(self.hparams, run_device(trainer), trainer, self.loss_settings, weights)
 
     def configure_model(self) -> None:
         if self.step is not None:
             return
-        device = self._root_device()
-        check_precision(device, self._trainer)
+        sized = sized_step(self, self._trainer)
         check_data_parallel_only(self.device_mesh)
-        with torch.device("meta"):  # what the run holds throughout, sized before any weight is read
-            sized = self.build_step(weights=False)
-        check_fits(device, sized, self, self._trainer)
         if self.device_mesh is None:
             self.step = self.build_step()
         else:  # ModelParallelStrategy: shard with FSDP2; only rank 0 reads the weights (none on a resume)
             mesh, reshard = self.device_mesh["data_parallel"], self.hparams.reshard_after_forward
+            device = run_device(self._trainer)
             self.step = shard_from_rank0(sized, self.build_step, mesh, device, reshard, self.resume_from)
 
     @property
@@ -427,9 +420,8 @@ class SwiftKVDistillation(L.LightningModule):
         if self.device_mesh is None:
             state = checkpoint["state_dict"]
             checkpoint["state_dict"] = {k: v for k, v in state.items() if is_trained_name(k)}
-        checkpoint["before_metrics"] = self.before_metrics
-        checkpoint["init_metrics"] = self.init_metrics
-        checkpoint["kv_init_report"] = self.kv_init_report
+        for key in ("before_metrics", "init_metrics", "kv_init_report"):  # measured before the first step
+            checkpoint[key] = getattr(self, key)
         # a resumed run goes on with the wall-time schedule (schedule_seconds) and the token count from here
         checkpoint["train_seconds"] = self.train_seconds
         checkpoint["tokens_seen"] = self.tokens_seen
@@ -440,9 +432,8 @@ class SwiftKVDistillation(L.LightningModule):
         self.configure_model()  # load_from_checkpoint() does not call it; a no-op inside trainer.fit
         if "state_dict" in checkpoint:  # ours holds the trained weights only (FSDP2's shards load apart):
             checkpoint["state_dict"] = self.state_dict() | checkpoint["state_dict"]  # the rest as just built
-        self.before_metrics = checkpoint.get("before_metrics", {})
-        self.init_metrics = checkpoint.get("init_metrics", {})
-        self.kv_init_report = checkpoint.get("kv_init_report", {})
+        for key in ("before_metrics", "init_metrics", "kv_init_report"):
+            setattr(self, key, checkpoint.get(key, {}))
         self._resumed_seconds = checkpoint.get("train_seconds", 0.0)
         self._tokens = TokenCount(checkpoint.get("tokens_seen", 0))
         self._fit_started = self._fit_ended = None  # set at the next step, from _resumed_seconds; at the stop

@@ -19,7 +19,7 @@ from pathlib import Path
 from jsonargparse import set_parsing_settings
 from lightning.pytorch.cli import LightningCLI
 
-from .build import check_same_run
+from .build import check_same_run, sized_step
 from .checkpointing import last_checkpoint, saved_run
 from .console import quiet_lightning, told_out_of_memory
 from .datamodule import DistillDataModule
@@ -52,9 +52,15 @@ class DistillCLI(LightningCLI):
 
     def before_fit(self) -> None:
         """The data read, checked, tokenised and packed before the Trainer writes anything (its config, logs): bad
-        data is refused with nothing left in the output folder. (Several processes leave it to Lightning, which
-        prepares the data on one process first.)"""
+        data is refused with nothing left in the output folder. Before it, a run its device cannot compute or hold
+        is refused (``sized_step``; checked again as the model is built). (Several processes leave it to
+        Lightning, which prepares the data on one process first.)"""
         if self.trainer.world_size == 1:
+            given = self.config_init[self.subcommand].get("ckpt_path")
+            self.model.resume_from = given or last_checkpoint(
+                self.trainer
+            )  # a resume fits no K/V: less memory
+            sized_step(self.model, self.trainer)
             self.datamodule.prepare_data()
             self.datamodule.setup("fit")
             self.datamodule.check_batches(1)
