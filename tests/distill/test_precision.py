@@ -3,6 +3,7 @@ bf16-true's fp32 sums, and validation in the weights' dtype."""
 
 from types import SimpleNamespace
 
+import lightning as L
 import pytest
 import torch
 
@@ -43,24 +44,49 @@ def test_bf16_precision_only_where_the_cpu_has_bf16(monkeypatch, native):
     assert cpu_precision("32-true") == "32-true"
 
 
+class ComputedDtypes(L.Callback):
+    """The dtypes the last layer's MLP computes in during the training steps."""
+
+    def __init__(self):
+        self.seen, self.in_step = set(), False
+
+    def on_train_start(self, trainer, pl_module):
+        mlp = pl_module.swiftkv_model.model.layers[-1].mlp
+        mlp.register_forward_hook(lambda module, args, output: self.in_step and self.seen.add(output.dtype))
+
+    def on_train_batch_start(self, *args):
+        self.in_step = True
+
+    def on_train_batch_end(self, *args):
+        self.in_step = False
+
+
 def test_bf16_mixed_trains(tiny_model, text_file, tmp_path, monkeypatch):
+    """bf16-mixed: the steps compute in bf16 and update fp32 master weights."""
     monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)  # says how to run faster there
     monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False)
     module = SwiftKVDistillation(
-        str(tiny_model), num_key_value_layers=2, learning_rate=1e-2, evaluate_before_training=False
-    )
+        str(tiny_model), num_key_value_layers=2, learning_rate=1e-2, evaluate_before_training=False,
+        kv_init="published",
+    )  # fmt: skip
     dm = DistillDataModule(str(tiny_model), [str(text_file)], max_length=32, batch_size=2)
+    dtypes = ComputedDtypes()
     trainer = quiet_trainer(
         tmp_path,
         max_steps=2,
         precision="bf16-mixed",
         limit_val_batches=1,
         num_sanity_val_steps=0,
+        callbacks=[dtypes],
     )
     with pytest.warns(UserWarning, match="bf16 is emulated here.*--trainer.precision 32-true"):
         trainer.fit(module, dm)
     assert torch.isfinite(trainer.callback_metrics["train/loss"])
+    assert dtypes.seen == {torch.bfloat16}
     assert all(p.dtype == torch.float32 for p in module.trainable_parameters())  # fp32 master weights
+    start = dict(module.build_step().named_parameters())  # the published init, as the run started
+    trained = {name: p for name, p in module.step.named_parameters() if p.requires_grad}
+    assert trained and all(not torch.equal(p, start[name]) for name, p in trained.items())
 
 
 def test_bf16_true_keeps_the_position_weights_and_the_validation_sums_in_fp32(

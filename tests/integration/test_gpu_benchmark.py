@@ -86,8 +86,19 @@ def test_kv_bytes_are_what_a_real_cache_holds(tiny_result):
     assert {(r["g"], r["cache"]) for r in rows} >= {(None, "fp32"), (1, "fp32"), (2, "fp32"), (2, "fp8")}
     for r in rows:
         assert r["held_bytes_per_token"] == pytest.approx(r["bytes_per_token"])
-    g2 = next(r for r in rows if r["g"] == 2 and r["cache"] == "fp32")
-    assert g2["vs_original"] < 1  # AcrossKV shares one K/V per group
+    # l of L layers hold their own K/V, the L - l others one per group of g; fp8 the same share of fp32's bytes
+    # for every g (a quarter, and its scales)
+    L, l = result["num_hidden_layers"], result["num_key_value_layers"]
+    by = {(r["swiftkv"], r["g"], r["cache"]): r for r in rows}
+    for (_, g, cache), r in by.items():
+        if cache == "fp32":
+            assert r["vs_original"] == pytest.approx((L if g is None else l + (L - l) / g) / L)
+    fp8_shares = {
+        r["bytes_per_token"] / by[key[:2] + ("fp32",)]["bytes_per_token"]
+        for key, r in by.items()
+        if key[2] == "fp8"
+    }
+    assert len(fp8_shares) == 1 and 0.25 < fp8_shares.pop() < 0.5
 
 
 def test_distillation_step_rows_compare_against_the_whole_teacher_and_student(tiny_result):
