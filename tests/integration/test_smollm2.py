@@ -1,5 +1,6 @@
 """Integration: the real pretrained SmolLM2-135M-Instruct (30 layers), converted at l=15."""
 
+import json
 import os
 import shutil
 import subprocess
@@ -132,4 +133,10 @@ def test_cli_generate_and_analyze(tmp_path, capsys):
     main(["generate", "--num_key_value_layers", "15", "--max_new_tokens", "4"])
     assert "SwiftKV l=15/30" in capsys.readouterr().out
     main(["analyze", "--out_dir", str(tmp_path), "--max_length", "64"])
-    assert (tmp_path / "similarity.png").is_file() and (tmp_path / "similarity.json").is_file()
+    assert (tmp_path / "similarity.png").is_file()
+    report = json.loads((tmp_path / "similarity.json").read_text())
+    similarity, l = report["similarity"], report["recommended_num_key_value_layers"]
+    assert report["num_hidden_layers"] == 30 and len(similarity) == 29  # layer j's input vs layer j + 1's
+    assert all(-1 <= s <= 1 for s in similarity)
+    # the recommendation: the first l >= 1 whose input is as similar as the threshold (0.9, the paper's) asks
+    assert l == next(j for j, s in enumerate(similarity) if j >= 1 and s >= report["threshold"] == 0.9)
