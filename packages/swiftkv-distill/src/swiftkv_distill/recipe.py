@@ -56,10 +56,9 @@ class DistillCLI(LightningCLI):
         is refused (``sized_step``; checked again as the model is built). (Several processes leave it to
         Lightning, which prepares the data on one process first.)"""
         if self.trainer.world_size == 1:
-            given = self.config_init[self.subcommand].get("ckpt_path")
-            self.model.resume_from = given or last_checkpoint(
-                self.trainer
-            )  # a resume fits no K/V: less memory
+            # what fit resumes from: a resume fits no K/V, and needs less memory
+            resume = self.config_init[self.subcommand].get("ckpt_path") or last_checkpoint(self.trainer)
+            self.model.resume_from = resume
             sized_step(self.model, self.trainer)
             self.datamodule.prepare_data()
             self.datamodule.setup("fit")
