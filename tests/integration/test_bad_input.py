@@ -1,5 +1,6 @@
 """Bad input, everywhere a user types: each case gets a non-zero exit, an error that names what is wrong (one line,
-or a parser's usage and one line; no traceback), and nothing written. Every command of the ``swiftkv`` table that takes input, in one process."""
+or a parser's usage and one line; no traceback), and nothing written. Every command of the ``swiftkv`` table that
+takes input, in one process."""
 
 from __future__ import annotations
 

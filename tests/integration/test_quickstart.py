@@ -84,6 +84,11 @@ def numbers(text: str) -> list[float]:
 @pytest.mark.slow
 @pytest.mark.vllm
 def test_quickstart_report_is_complete_and_consistent(inputs, tmp_path, capsys):
+    from transformers import AutoConfig
+
+    from swiftkv.quickstart.stages import GREEDY_TOKENS
+    from swiftkv_core.flops import ModelShape, prefill_flops_total
+
     report = run_quickstart(inputs, tmp_path / "run")
     printed, bars = capsys.readouterr()
     # live progress inside a frontier point too (minutes each with a GPU recipe on a CPU): the fit, each held-out set
@@ -99,11 +104,6 @@ def test_quickstart_report_is_complete_and_consistent(inputs, tmp_path, capsys):
     # every figure of the headline follows from the recorded measurements
     longest = results["prefill"]["rows"][-1]
     assert head["prefill"]["speedup_x"] == pytest.approx(longest["off_s"] / longest["on_s"])
-    from transformers import AutoConfig
-
-    from swiftkv.quickstart.stages import GREEDY_TOKENS
-    from swiftkv_core.flops import ModelShape, prefill_flops_total
-
     shape = ModelShape.from_config(AutoConfig.from_pretrained(inputs["model"]))
     for r in results["prefill"]["rows"]:  # each prompt length's bound at l = 4 of 8, g = 2
         n = r["prompt_tokens"]
@@ -427,6 +427,7 @@ def test_a_slow_down_is_reported_as_one(tmp_path):
     """A SwiftKV time that is worse (an eager GPU prefill bound by kernel launches, a busy machine) reads as a
     slow-down in the report's words, and the speed-up plot shows it rather than clipping it at 1x."""
     import matplotlib.image
+    import matplotlib.pyplot as plt
 
     from swiftkv.quickstart.report import _plot_prefill, _prefill_figure, in_words
 
@@ -442,3 +443,4 @@ def test_a_slow_down_is_reported_as_one(tmp_path):
     assert [tuple(line.get_ydata()) for line in speed_up.lines][-1] == (1.0, 1.0)  # the 1x line drawn
     faster = [{**r, "speedup_x": 1.3, "on_s": 0.1 / 1.3} for r in rows]
     assert _prefill_figure(faster).axes[1].get_ylim()[0] == 1.0  # no slow-down: the axis starts at 1x
+    plt.close("all")
