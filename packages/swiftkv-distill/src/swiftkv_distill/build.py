@@ -276,7 +276,7 @@ def run_device(trainer) -> torch.device:
 def sized_step(run, trainer):
     """``run``'s step (a ``SwiftKVDistillation``'s) on the meta device, refused where ``trainer``'s device cannot
     compute or hold it: before a weight is read, and on one process before the data is tokenised
-    (``DistillCLI.before_fit``)."""
+    (``DistillCLI.fit``)."""
     check_precision(device := run_device(trainer), trainer)
     with torch.device("meta"):
         sized = distillation_step(run.hparams, device, trainer, run.loss_settings, weights=False)

@@ -50,31 +50,27 @@ class DistillCLI(LightningCLI):
         check_world_size(trainer, os.environ)
         super().instantiate_classes()
 
-    def before_fit(self) -> None:
-        """The data read, checked, tokenised and packed before the Trainer writes anything (its config, logs): bad
-        data is refused with nothing left in the output folder. Before it, a run its device cannot compute or hold
-        is refused (``sized_step``; checked again as the model is built). (Several processes leave it to
-        Lightning, which prepares the data on one process first.)"""
-        if self.trainer.world_size == 1:
-            # what fit resumes from: a resume fits no K/V, and needs less memory
-            resume = self.config_init[self.subcommand].get("ckpt_path") or last_checkpoint(self.trainer)
-            self.model.resume_from = resume
-            sized_step(self.model, self.trainer)
-            self.datamodule.prepare_data()
-            self.datamodule.setup("fit")
-            self.datamodule.check_batches(1)
-
     def fit(self, model, datamodule=None, ckpt_path=None, **kwargs) -> None:
         """``Trainer.fit``, continuing from the last checkpoint in the run's checkpoint folder when no
-        ``--ckpt_path`` is given: running the same command again resumes an interrupted run."""
+        ``--ckpt_path`` is given: running the same command again resumes an interrupted run. On one process,
+        before the Trainer writes anything (its config, logs): a run its device cannot compute or hold is refused
+        (``sized_step``, knowing whether it resumes: a resume fits no K/V), then the data is read, checked,
+        tokenised and packed, so bad data is refused with nothing left in the output folder. (Several processes
+        leave the data to Lightning, which prepares it on one process first.)"""
+        datamodule = datamodule or self.datamodule
         ckpt_path = ckpt_path or last_checkpoint(self.trainer)
+        model.resume_from = ckpt_path  # under FSDP2 no process then reads the pretrained weights
+        if self.trainer.world_size == 1:
+            sized_step(model, self.trainer)
+            datamodule.prepare_data()
+            datamodule.setup("fit")
+            datamodule.check_batches(1)
         if ckpt_path and self.trainer.is_global_zero:
             print(
                 f"resuming from {ckpt_path} (another --trainer.default_root_dir starts a new run)", flush=True
             )
-        check_resume(ckpt_path, self.trainer, model, datamodule or self.datamodule)
-        model.resume_from = ckpt_path  # under FSDP2 no process then reads the pretrained weights
-        with told_out_of_memory(self.trainer, model, datamodule or self.datamodule):
+        check_resume(ckpt_path, self.trainer, model, datamodule)
+        with told_out_of_memory(self.trainer, model, datamodule):
             self.trainer.fit(model, datamodule=datamodule, ckpt_path=ckpt_path, **kwargs)
 
 
