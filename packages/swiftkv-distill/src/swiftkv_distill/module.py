@@ -172,9 +172,9 @@ class SwiftKVDistillation(L.LightningModule):
         self._resumed_seconds = 0.0  # train_seconds when the resumed checkpoint was written
 
     # --- model -------------------------------------------------------------------------------------------------
-    def build_step(self, weights: bool = True, trainer=None) -> DistillationStep:
-        """A fresh, unsharded step on ``trainer``'s device (default: the module's; ``weights=False``: sized)."""
-        trainer = trainer or self._trainer
+    def build_step(self, weights: bool = True) -> DistillationStep:
+        """A fresh, unsharded step (``build.distillation_step``; ``weights=False``: from the config alone)."""
+        trainer = self._trainer
         return distillation_step(self.hparams, run_device(trainer), trainer, self.loss_settings, weights)
 
     def configure_model(self) -> None:
