@@ -100,20 +100,8 @@ def out_of_memory_advice(trainer, module, datamodule) -> str:
 
 
 def running_phase(trainer, module) -> str:
-    """What the run was doing: Lightning's validation, a training step, or one of the measurements and the K/V fit
-    that ``SwiftKVDistillation.on_train_start`` runs before the first step (known by which of them has its result)."""
-    from swiftkv_core.convert import SWIFTKV_FAMILIES
-
+    """What the run was doing: Lightning's validation, the work ``SwiftKVDistillation.on_train_start`` runs before
+    the first step (its ``phase``: the measurements, the K/V fit), or a training step."""
     if trainer.validating or trainer.sanity_checking:
         return "validating"
-    hp = module.hparams
-    evaluates = hp.evaluate_before_training and trainer.limit_val_batches != 0
-    fits = hp.kv_init == "least_squares" and module.model_config.model_type not in SWIFTKV_FAMILIES
-    if trainer.global_step == 0:
-        if evaluates and not module.before_metrics:
-            return "evaluating the model before training"
-        if fits and not module.kv_init_report:
-            return "fitting the least-squares K/V init"
-        if fits and evaluates and not module.init_metrics:
-            return "evaluating the K/V init"
-    return "training"
+    return module.phase or "training"

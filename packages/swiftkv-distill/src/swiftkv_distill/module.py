@@ -156,6 +156,7 @@ class SwiftKVDistillation(L.LightningModule):
         )
         self.step: DistillationStep | None = None
         self.resume_from: str | None = None  # the checkpoint fit resumes from (set by recipe.py's fits)
+        self.phase: str | None = None  # the work before the first step now running (out-of-memory names it)
         self.strict_loading = False  # checkpoints hold the trained weights only (on_save_checkpoint)
         self.val_metrics = nn.ModuleList([ValidationMetrics()])  # one per validation set (grown on demand)
         self.before_metrics: dict[str, float] = {}  # the converted model (published init), before training
@@ -349,9 +350,10 @@ class SwiftKVDistillation(L.LightningModule):
         loader = self._val_loader() if hp.evaluate_before_training else None
         if loader is not None and not self.before_metrics:
             what = "converted, published init" if fresh else "the SwiftKV checkpoint, before training"
+            self.phase = "evaluating the model before training"
             self.before_metrics = self._evaluate_and_log(loader, "before", what)
         if hp.kv_init == "least_squares" and fresh and not self.kv_init_report:
-            started = self._now()
+            started, self.phase = self._now(), "fitting the least-squares K/V init"
             report = self.kv_init_report = self.fit_kv_init()
             report["seconds"] = seconds = self._now() - started
             for logger in self.loggers:
@@ -363,7 +365,9 @@ class SwiftKVDistillation(L.LightningModule):
                     "at worst"
                 )
             if loader is not None:
+                self.phase = "evaluating the K/V init"
                 self.init_metrics = self._evaluate_and_log(loader, "init", "after the least-squares K/V init")
+        self.phase = None
 
     def _evaluate_and_log(self, loader, prefix: str, what: str) -> dict[str, float]:
         metrics = self.evaluate(loader)
