@@ -12,6 +12,8 @@ import torch
 SHAPES = {  # the public configs' shapes (config.json of each model); "tiny" is for tests
     "llama-3.1-8b": dict(family="llama", hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
                          num_attention_heads=32, num_key_value_heads=8, vocab_size=128256, rope_theta=500000.0),
+    "llama-3.1-70b": dict(family="llama", hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
+                          num_attention_heads=64, num_key_value_heads=8, vocab_size=128256, rope_theta=500000.0),
     "qwen2.5-7b": dict(family="qwen2", hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
                        num_attention_heads=28, num_key_value_heads=4, vocab_size=152064, rope_theta=1000000.0),
     "smollm2-135m": dict(family="llama", hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
@@ -19,6 +21,17 @@ SHAPES = {  # the public configs' shapes (config.json of each model); "tiny" is 
     "tiny": dict(family="llama", hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
                  num_key_value_heads=2, vocab_size=49152, rope_theta=10000.0),
 }  # fmt: skip
+
+
+def shape_config(shape: str, num_hidden_layers: int | None = None):
+    """The HF config of a model of ``shape`` (``num_hidden_layers``: a shallower one of its widths and vocabulary)."""
+    from transformers import LlamaConfig, Qwen2Config
+
+    if shape not in SHAPES:
+        raise ValueError(f"unknown shape {shape!r}: choose one of {sorted(SHAPES)}.")
+    spec = dict(SHAPES[shape], **({"num_hidden_layers": num_hidden_layers} if num_hidden_layers else {}))
+    config_class = LlamaConfig if spec.pop("family") == "llama" else Qwen2Config
+    return config_class(**spec, max_position_embeddings=131072, tie_word_embeddings=False)
 
 
 def random_swiftkv_model(
@@ -32,20 +45,13 @@ def random_swiftkv_model(
     """``(model, l)``: the base model of ``shape`` with random weights (seed 0) built on ``device`` in ``dtype``,
     converted to SwiftKV at ``l`` (default L/2) with AcrossKV groups of ``group_size``. ``num_hidden_layers``: a
     shallower model of the shape's widths and vocabulary (default the shape's depth)."""
-    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+    from transformers import AutoModelForCausalLM
 
     from .convert import convert
 
-    if shape not in SHAPES:
-        raise ValueError(f"unknown shape {shape!r}: choose one of {sorted(SHAPES)}.")
-    spec = dict(SHAPES[shape], **({"num_hidden_layers": num_hidden_layers} if num_hidden_layers else {}))
-    family = spec.pop("family")
-    config_class, model_class = (
-        (LlamaConfig, LlamaForCausalLM) if family == "llama" else (Qwen2Config, Qwen2ForCausalLM)
-    )
-    config = config_class(**spec, max_position_embeddings=131072, tie_word_embeddings=False)
+    config = shape_config(shape, num_hidden_layers)
     torch.manual_seed(0)
     with torch.device(device):
-        base = model_class(config).to(dtype)
+        base = AutoModelForCausalLM.from_config(config).to(dtype)
     l = config.num_hidden_layers // 2 if num_key_value_layers is None else num_key_value_layers
     return convert(base, l, group_size).eval(), l
