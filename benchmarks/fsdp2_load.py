@@ -1,6 +1,6 @@
 """Host memory of each process of a distillation run sharded with FSDP2, once its model is built: against one
 unsharded process of the same run (the baseline, measured in the same invocation); and the same sharded run resumed
-from its distributed checkpoint, which no process should read the pretrained weights for.
+from its distributed checkpoint (the trained weights: rank 0 reads the frozen ones from the model again).
 
 Each run is the real job (``apps/distill.py``, Lightning's ModelParallelStrategy over gloo, ``fabric run`` with
 ``--devices N`` processes) on the default model, measured before its first step: the sharded run then takes one step

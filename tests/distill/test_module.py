@@ -126,6 +126,31 @@ def test_only_swiftkv_parameters_train_and_teacher_is_bit_identical(tiny_model, 
             assert torch.equal(value, after[name]), f"frozen {name} changed"
 
 
+def test_the_modules_state_is_its_trained_weights_and_a_strict_load_wants_each(tiny_model):
+    """What a checkpoint holds (one file, or FSDP2's shards): the trained weights alone. A checkpoint lacking one is
+    refused, naming it; the frozen weights a checkpoint leaves out stay as loaded from the model."""
+    module = SwiftKVDistillation(str(tiny_model), num_key_value_layers=2, evaluate_before_training=False)
+    module.configure_model()
+    state = module.state_dict()
+    trained = {f"step.model.{n}" for n, p in module.swiftkv_model.named_parameters() if p.requires_grad}
+    assert set(state) == trained and trained
+    frozen = {n: p.detach().clone() for n, p in module.named_parameters() if not p.requires_grad}
+    changed = {name: torch.randn_like(value) for name, value in state.items()}
+    assert module.load_state_dict(changed).missing_keys == []
+    for name, value in changed.items():
+        assert torch.equal(module.get_parameter(name), value), name
+    for name, value in frozen.items():
+        assert torch.equal(module.get_parameter(name), value), name
+    lacking = sorted(changed)[0]
+    with pytest.raises(
+        RuntimeError, match=rf"does not hold this run's trained weights: missing \['{lacking}'\]"
+    ):
+        module.load_state_dict({k: v for k, v in changed.items() if k != lacking})
+    assert module.load_state_dict(changed | {"step.extra": torch.zeros(1)}, strict=False).unexpected_keys == [
+        "step.extra"
+    ]
+
+
 def test_unknown_family_and_bad_l_fail_before_loading(tmp_path, tiny_model):
     config = json.loads((tiny_model / "config.json").read_text())
     gpt2 = tmp_path / "gpt2"

@@ -1,4 +1,5 @@
-"""Lightning checkpoints that a killed save never spoils, and the one a rerun resumes from.
+"""Lightning checkpoints that a killed save never spoils, the one a rerun resumes from, and what they hold: the
+trained weights alone (``TrainedWeightsOnly``).
 
 Lightning writes a checkpoint over the previous one. A sharded one (FSDP2 through ``ModelParallelStrategy``: a
 folder, each rank writing its own shards) goes into the existing folder for as long as the save takes (minutes at
@@ -21,6 +22,8 @@ from lightning.pytorch.callbacks import ModelCheckpoint as LightningModelCheckpo
 
 from swiftkv_core.atomic import replace_directory, replace_file, restore_set_aside
 from swiftkv_core.faults import pause_point
+
+from .step import is_trained_name
 
 
 class ModelCheckpoint(LightningModelCheckpoint):
@@ -77,6 +80,30 @@ class ModelCheckpoint(LightningModelCheckpoint):
         if self.dirpath:
             found |= {str(p) for p in Path(self.dirpath).glob(f".{self.CHECKPOINT_NAME_LAST}*.old.*")}
         return found
+
+
+class TrainedWeightsOnly:
+    """A LightningModule mixin: its state dict is its trained weights (``is_trained_name``). The frozen ones are the
+    pretrained checkpoint's (``hparams.model``), read again on a resume. Lightning's checkpoints, one file or FSDP2's
+    shards (whose saver and loader both ask the module's ``state_dict``), then hold the trained weights alone: the
+    frozen ones are most of a model's bytes (``benchmarks/results/checkpoint-size.md``)."""
+
+    def state_dict(self, *args, **kwargs) -> dict:
+        state = super().state_dict(*args, **kwargs)
+        for name in [name for name in state if not is_trained_name(name)]:
+            del state[name]  # in place: the dict's ``_metadata`` stays
+        return state
+
+    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
+        """Loads what ``state_dict`` gives; ``strict``: every trained weight, and nothing else."""
+        keys = super().load_state_dict(state_dict, strict=False, assign=assign)
+        missing = [name for name in keys.missing_keys if is_trained_name(name)]
+        if strict and (missing or keys.unexpected_keys):
+            raise RuntimeError(
+                f"the checkpoint does not hold this run's trained weights: missing {missing[:4]}, unexpected "
+                f"{keys.unexpected_keys[:4]}. Was it written by a run of another model, l or early-exit head?"
+            )
+        return keys._replace(missing_keys=missing)
 
 
 def _remove(path: Path) -> None:

@@ -29,6 +29,7 @@ from .build import (
     sized_step,
     warn_if_bf16_emulated,
 )
+from .checkpointing import TrainedWeightsOnly
 from .parallelize import check_data_parallel_only, shard_from_rank0, sum_over_processes
 from .schedule import StepSchedule, check_optimizer_settings, total_steps
 from .step import (
@@ -37,12 +38,11 @@ from .step import (
     LossSettings,
     TokenCount,
     ValidationMetrics,
-    is_trained_name,
     sampled_positions,
 )
 
 
-class SwiftKVDistillation(L.LightningModule):
+class SwiftKVDistillation(TrainedWeightsOnly, L.LightningModule):
     """Distil a SwiftKV model from its own base model (teacher = the same weights with SwiftKV off).
 
     Args:
@@ -155,9 +155,8 @@ class SwiftKVDistillation(L.LightningModule):
             model, num_key_value_layers, key_value_group_size
         )
         self.step: DistillationStep | None = None
-        self.resume_from: str | None = None  # the checkpoint fit resumes from (set by recipe.py's fits)
+        self.resume_from: str | None = None  # the checkpoint fit resumes from (recipe.py's fits): no K/V init
         self.phase: str | None = None  # the work before the first step now running (out-of-memory names it)
-        self.strict_loading = False  # checkpoints hold the trained weights only (on_save_checkpoint)
         self.val_metrics = nn.ModuleList([ValidationMetrics()])  # one per validation set (grown on demand)
         self.before_metrics: dict[str, float] = {}  # the converted model (published init), before training
         self.init_metrics: dict[str, float] = {}  # after the least-squares K/V init, before training
@@ -185,10 +184,10 @@ class SwiftKVDistillation(L.LightningModule):
         check_data_parallel_only(self.device_mesh)
         if self.device_mesh is None:
             self.step = self.build_step()
-        else:  # ModelParallelStrategy: shard with FSDP2; only rank 0 reads the weights (none on a resume)
+        else:  # ModelParallelStrategy: shard with FSDP2; only rank 0 reads the weights
             mesh, reshard = self.device_mesh["data_parallel"], self.hparams.reshard_after_forward
             device = run_device(self._trainer)
-            self.step = shard_from_rank0(sized, self.build_step, mesh, device, reshard, self.resume_from)
+            self.step = shard_from_rank0(sized, self.build_step, mesh, device, reshard)
 
     @property
     def swiftkv_model(self):
@@ -419,11 +418,6 @@ class SwiftKVDistillation(L.LightningModule):
 
     # --- checkpoints -------------------------------------------------------------------------------------------
     def on_save_checkpoint(self, checkpoint: dict) -> None:
-        # The frozen base weights are the pretrained checkpoint (hparams.model): keep only what training changed;
-        # under FSDP2 all (a distributed checkpoint, each rank's shards: the loader wants every key).
-        if self.device_mesh is None:
-            state = checkpoint["state_dict"]
-            checkpoint["state_dict"] = {k: v for k, v in state.items() if is_trained_name(k)}
         for key in ("before_metrics", "init_metrics", "kv_init_report"):  # measured before the first step
             checkpoint[key] = getattr(self, key)
         # a resumed run goes on with the wall-time schedule (schedule_seconds) and the token count from here
@@ -434,8 +428,6 @@ class SwiftKVDistillation(L.LightningModule):
         datamodule = getattr(self._trainer, "datamodule", None)
         check_same_run(checkpoint, self.hparams, datamodule)
         self.configure_model()  # load_from_checkpoint() does not call it; a no-op inside trainer.fit
-        if "state_dict" in checkpoint:  # ours holds the trained weights only (FSDP2's shards load apart):
-            checkpoint["state_dict"] = self.state_dict() | checkpoint["state_dict"]  # the rest as just built
         for key in ("before_metrics", "init_metrics", "kv_init_report"):
             setattr(self, key, checkpoint.get(key, {}))
         self._resumed_seconds = checkpoint.get("train_seconds", 0.0)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from pathlib import Path
 
 import torch
 
@@ -62,26 +61,18 @@ def shard_from_rank0(
     mesh,
     device: torch.device,
     reshard_after_forward: bool = True,
-    resume_from: str | None = None,
 ) -> DistillationStep:
     """``sized`` (a step built on the meta device) sharded with FSDP2 on ``device`` and given the weights of
     ``build()``, the same step built with its weights, which only global rank 0 calls: the other processes never
     hold a whole copy of the model on the host. Weights cast on loading are each process's own copy (the 8B recipe's
-    fp32 from a bf16 checkpoint: 32 GB per process, 256 GB for a node of eight), and the cast is done once.
-
-    ``resume_from``: the checkpoint the run resumes from. A distributed checkpoint (a folder of shards) holds every
-    weight, frozen ones too, and Lightning loads it right after this (strictly: a weight it lacks is an error).
-    Then nothing is read here (rank 0 would read the whole pretrained model only to have it overwritten), and the
-    values a state dict leaves out are computed. Rank 0 decides, for every process."""
+    fp32 from a bf16 checkpoint: 32 GB per process, 256 GB for a node of eight), and the cast is done once. A resumed
+    run reads them too: its checkpoint holds the trained weights alone (``checkpointing.TrainedWeightsOnly``), which
+    Lightning loads over these right after."""
     import torch.distributed as dist
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
     parallelize(sized, mesh, reshard_after_forward)
     sized.to_empty(device=device)
-    restored = [resume_from is not None and (Path(resume_from) / ".metadata").is_file()]  # DCP's index file
-    dist.broadcast_object_list(restored, src=0)  # one decision: a process deciding otherwise would hang
-    if restored[0] and _buffers_from_config(sized):
-        return sized
     whole = _on_rank0(build if dist.get_rank() == 0 else None)
     options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
     set_model_state_dict(sized, whole.state_dict() if whole is not None else {}, options=options)
@@ -92,21 +83,6 @@ def shard_from_rank0(
                 buffer.copy_(whole.get_buffer(name))
             dist.broadcast(buffer, src=0)
     return sized
-
-
-def _buffers_from_config(step: DistillationStep) -> bool:
-    """Give ``step``'s non-persistent buffers (left out of state dicts) their values, each from a fresh copy of the
-    module holding it built from its config (RoPE's frequencies: the only such buffers in these families). False,
-    nothing changed, if a module holding one has parameters or no config to build it from (then rank 0 reads)."""
-    holders = [module for module in step.modules() if module._non_persistent_buffers_set]
-    if not all(hasattr(module, "config") and next(module.parameters(), None) is None for module in holders):
-        return False
-    with torch.no_grad():
-        for module in holders:
-            fresh = type(module)(config=module.config)
-            for name in module._non_persistent_buffers_set:
-                getattr(module, name).copy_(getattr(fresh, name))
-    return True
 
 
 def _on_rank0(build: Callable[[], DistillationStep] | None) -> DistillationStep | None:

@@ -59,7 +59,7 @@ class DistillCLI(LightningCLI):
         leave the data to Lightning, which prepares it on one process first.)"""
         datamodule = datamodule or self.datamodule
         ckpt_path = ckpt_path or last_checkpoint(self.trainer)
-        model.resume_from = ckpt_path  # under FSDP2 no process then reads the pretrained weights
+        model.resume_from = ckpt_path  # a resume fits no K/V init
         if self.trainer.world_size == 1:
             sized_step(model, self.trainer)
             datamodule.prepare_data()
