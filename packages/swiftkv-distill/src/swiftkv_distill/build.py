@@ -10,8 +10,9 @@ import warnings
 
 import torch
 
-from swiftkv_core.checkpoints import check_checkpoint, stored_dtype
+from swiftkv_core.checkpoints import check_checkpoint, model_identity, stored_dtype
 from swiftkv_core.convert import SWIFTKV_FAMILIES, convert
+from swiftkv_core.default_model import resolve_model_path
 from swiftkv_core.early_exit import EarlyExitHead
 from swiftkv_core.runtime import DTYPES, device_description, device_memory_bytes, gpu_computes_bf16
 from swiftkv_core.weights import cast_frozen, train_only_swiftkv
@@ -174,13 +175,16 @@ def check_same_run(checkpoint: dict, module_settings: dict, datamodule=None, tra
     accumulated batches, which the checkpoint's position in the data and the schedule's length count in), for
     ``trainer`` where it is not yet attached to it (``recipe.check_resume``)."""
     changed = []
+    # the model the frozen weights are read from, found by its content (check_same_model, after the settings):
+    # the same model in another folder (copied to a node's disk) is the same run
+    moved = {"model"} if "model_identity" in checkpoint else set()
     data_state = checkpoint.get(type(datamodule).__qualname__, {}) if datamodule is not None else {}
     for prefix, saved, now in (
         ("model", checkpoint.get("hyper_parameters", {}), module_settings),
         ("data", checkpoint.get("datamodule_hyper_parameters", {}), datamodule.hparams if datamodule else {}),
         ("trainer", data_state, datamodule.state_dict(trainer) if datamodule else {}),
     ):
-        for key in sorted((saved.keys() & now.keys()) - RESUMABLE_CHANGES):
+        for key in sorted((saved.keys() & now.keys()) - RESUMABLE_CHANGES - moved):
             if _comparable(saved[key]) != _comparable(now[key]):
                 name = "the data files' training_rows" if key == "training_rows" else f"{prefix}.{key}"
                 changed.append(f"{name} {saved[key]!r} -> {now[key]!r}")
@@ -189,6 +193,30 @@ def check_same_run(checkpoint: dict, module_settings: dict, datamodule=None, tra
             f"the checkpoint to resume from was written with other settings ({'; '.join(changed)}): run with its "
             "settings to continue it, or start a new run in another folder (distill fit: "
             "--trainer.default_root_dir; the main job: --out, or --force to start over)."
+        )
+    if moved:
+        check_same_model(checkpoint["model_identity"], module_settings["model"])
+
+
+def check_same_model(saved: dict, model: str) -> None:
+    """Refuse ``model`` where its config or weight files are not those of ``saved``, the ``model_identity`` of the
+    model a checkpoint was trained from: the checkpoint holds the trained weights alone, and a resume or an export
+    reads the frozen ones from ``model``, which would then be another model's."""
+    now = model_identity(resolve_model_path(model))
+    differ = ["its config.json differs"] if now["config_sha256"] != saved["config_sha256"] else []
+    before, after = saved["weight_files"], now["weight_files"]
+    for name in sorted(before.keys() | after.keys()):
+        if before.get(name) != after.get(name):
+            differ.append(
+                f"{name} {'is missing' if name not in after else 'is new' if name not in before else 'differs'}"
+            )
+    if differ:
+        trained_from = "" if saved["path"] == now["path"] else f" ({saved['path']})"
+        raise ValueError(
+            f"{now['path']} is not the model the checkpoint was trained from{trained_from}: "
+            f"{', '.join(differ[:4])}. The checkpoint holds the trained weights alone, and the frozen ones are read "
+            "from the model: give --model.model the model the run started from (another folder holding the same "
+            "files will do), or start a new run in another folder."
         )
 
 

@@ -11,7 +11,7 @@ import lightning as L
 import torch
 from torch import nn
 
-from swiftkv_core.checkpoints import check_checkpoint
+from swiftkv_core.checkpoints import check_checkpoint, model_identity
 from swiftkv_core.convert import SWIFTKV_FAMILIES
 from swiftkv_core.faults import pause_point
 from swiftkv_core.kv_init import KVLeastSquares
@@ -170,6 +170,7 @@ class SwiftKVDistillation(TrainedWeightsOnly, L.LightningModule):
         self._fit_started: float | None = None  # the clock (_now) at the first step, less resumed time
         self._fit_ended: float | None = None  # the clock when training stopped, before the final evaluation
         self._resumed_seconds = 0.0  # train_seconds when the resumed checkpoint was written
+        self._model_identity: dict | None = None  # of model_path, written into checkpoints
 
     # --- model -------------------------------------------------------------------------------------------------
     def build_step(self, weights: bool = True) -> DistillationStep:
@@ -423,6 +424,10 @@ class SwiftKVDistillation(TrainedWeightsOnly, L.LightningModule):
         # a resumed run goes on with the wall-time schedule (schedule_seconds) and the token count from here
         checkpoint["train_seconds"] = self.train_seconds
         checkpoint["tokens_seen"] = self.tokens_seen
+        # the model a resume reads the frozen weights from (build.check_same_model), once, by the rank that writes
+        if self._trainer is None or self._trainer.is_global_zero:
+            self._model_identity = self._model_identity or model_identity(self.model_path)
+            checkpoint["model_identity"] = self._model_identity
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
         datamodule = getattr(self._trainer, "datamodule", None)

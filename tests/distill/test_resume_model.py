@@ -1,0 +1,61 @@
+"""A checkpoint holds the trained weights alone, and a resume reads the frozen ones from the model again: the model
+a checkpoint was trained from is recorded in it by content, a resume from another model is refused, and the same
+model in another folder resumes."""
+
+import shutil
+
+import lightning as L
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from swiftkv_distill import DistillDataModule, SwiftKVDistillation
+from swiftkv_distill.checkpointing import ModelCheckpoint
+
+
+class Steps(L.Callback):
+    """Counts the batches this run trained (a step each here)."""
+
+    trained = 0
+
+    def on_train_batch_end(self, *args) -> None:
+        self.trained += 1
+
+
+def _fit(model, text_file, root, max_steps, ckpt_path=None) -> int:
+    """The steps a run of ``model`` trained to ``max_steps`` (from ``ckpt_path``'s, where given)."""
+    L.seed_everything(0)
+    module = SwiftKVDistillation(str(model), num_key_value_layers=2, evaluate_before_training=False)
+    data = DistillDataModule(str(model), [str(text_file)], max_length=16, batch_size=2)
+    checkpoint = ModelCheckpoint(dirpath=root / "ckpt", save_last=True, save_top_k=0, every_n_train_steps=1)
+    trainer = L.Trainer(
+        accelerator="cpu", max_steps=max_steps, logger=False, callbacks=[checkpoint, steps := Steps()],
+        enable_progress_bar=False, use_distributed_sampler=False, limit_val_batches=0, enable_model_summary=False,
+        default_root_dir=root,
+    )  # fmt: skip
+    trainer.fit(module, data, ckpt_path=ckpt_path)
+    return steps.trained
+
+
+# each run is longer than the one before: its schedule too, which a resume warns of
+@pytest.mark.filterwarnings("ignore:the run resumed at step")
+def test_a_resume_refuses_another_model_and_takes_the_same_one_moved(tmp_path, tiny_model, text_file):
+    model = shutil.copytree(tiny_model, tmp_path / "model")
+    assert _fit(model, text_file, tmp_path / "run", max_steps=2) == 2
+    last = tmp_path / "run" / "ckpt" / "last.ckpt"
+    saved = torch.load(last, weights_only=False)
+    assert saved["model_identity"]["path"] == str(model.resolve())
+    assert set(saved["model_identity"]["weight_files"]) == {"model.safetensors"}
+
+    # the same files in another folder (as copied to a node's disk): the run goes on from step 2
+    moved = shutil.copytree(model, tmp_path / "moved")
+    assert _fit(moved, text_file, tmp_path / "run", max_steps=3, ckpt_path=last) == 1
+
+    # one frozen weight changed in place (a model trained again, a re-download of another revision): refused
+    weights = load_file(moved / "model.safetensors")
+    weights["model.layers.0.mlp.up_proj.weight"] += 1.0
+    save_file(weights, moved / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(
+        ValueError, match=r"moved is not the model the checkpoint was trained from: model.safetensors differs"
+    ):
+        _fit(moved, text_file, tmp_path / "run", max_steps=4, ckpt_path=last)
