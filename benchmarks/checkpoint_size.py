@@ -107,13 +107,16 @@ def main(
     rows = []
     with tempfile.TemporaryDirectory() as work:
         disk = measured(Path(work), processes, l=20)
-        rows.append({"model": "SmolLM2-135M (default)", "l": 20, "model_dtype": "float32", "frozen_dtype": "bfloat16",
-                     **counted(default_model_path(), 20, "float32", "bfloat16"), "on_disk_bytes": disk["bytes"]})  # fmt: skip
+        dtypes = {"model_dtype": "float32", "frozen_dtype": "bfloat16"}
+        smollm2 = counted(default_model_path(), 20, *dtypes.values())
+        rows.append(
+            {"model": "SmolLM2-135M (default)", "l": 20, **dtypes, **smollm2, "on_disk_bytes": disk["bytes"]}
+        )
         for recipe, shape in GPU_RECIPES.items():
             model = yaml.safe_load((RECIPES / f"{recipe}.yaml").read_text())["model"]
-            l, dtypes = model["num_key_value_layers"], (model["model_dtype"], model["frozen_dtype"])
-            rows.append({"model": f"{shape} ({recipe}.yaml)", "l": l, "model_dtype": dtypes[0],
-                         "frozen_dtype": dtypes[1], **counted(shape_folder(shape, Path(work)), l, *dtypes)})  # fmt: skip
+            l, dtypes = model["num_key_value_layers"], {k: model[k] for k in ("model_dtype", "frozen_dtype")}
+            count = counted(shape_folder(shape, Path(work)), l, *dtypes.values())
+            rows.append({"model": f"{shape} ({recipe}.yaml)", "l": l, **dtypes, **count})
     command = shlex.join(["python", "benchmarks/checkpoint_size.py", *sys.argv[1:]])
     out.write_text(json.dumps({"label": label, "command": command, "rows": rows}, indent=1) + "\n")
     lines = [
