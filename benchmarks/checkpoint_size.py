@@ -125,7 +125,8 @@ def main(
         f"Command: `{command}`. On disk: the checkpoint (a folder of shards and Lightning's meta.pt) of a real run of",
         f"the default model over {processes} processes with FSDP2, after its first step. Counted from each model's",
         "shape: a checkpoint of the trained weights (each with AdamW's two moments, in model_dtype) and one of every",
-        "weight (the frozen ones too, in frozen_dtype). GiB = 2^30 bytes.",
+        "weight (the frozen ones too, in frozen_dtype). Params: the state dict's entries (SmolLM2's tied LM head is",
+        "one of its own, as in a checkpoint of every weight). GiB = 2^30 bytes.",
         "",
         "| model | l | dtypes (trained / frozen) | trained params | frozen params | counted, trained weights (GiB) "
         "| counted, every weight (GiB) | every / trained | on disk (GiB) |",
