@@ -149,6 +149,11 @@ def test_the_modules_state_is_its_trained_weights_and_a_strict_load_wants_each(t
     assert module.load_state_dict(changed | {"step.extra": torch.zeros(1)}, strict=False).unexpected_keys == [
         "step.extra"
     ]
+    # inside a module holding it (Lightning's weight averaging), the holder's own entries stay
+    holder = torch.nn.Module()
+    holder.module = module
+    holder.register_buffer("n_averaged", torch.tensor(0))
+    assert set(holder.state_dict()) == {"n_averaged"} | {f"module.{name}" for name in trained}
 
 
 def test_unknown_family_and_bad_l_fail_before_loading(tmp_path, tiny_model):

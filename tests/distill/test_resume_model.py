@@ -3,13 +3,16 @@ a checkpoint was trained from is recorded in it by content, a resume from anothe
 model in another folder resumes."""
 
 import shutil
+from types import SimpleNamespace
 
 import lightning as L
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from swiftkv_core.checkpoints import model_identity
 from swiftkv_distill import DistillDataModule, SwiftKVDistillation
+from swiftkv_distill.build import check_same_run
 from swiftkv_distill.checkpointing import ModelCheckpoint
 
 
@@ -59,3 +62,19 @@ def test_a_resume_refuses_another_model_and_takes_the_same_one_moved(tmp_path, t
         ValueError, match=r"moved is not the model the checkpoint was trained from: model.safetensors differs"
     ):
         _fit(moved, text_file, tmp_path / "run", max_steps=4, ckpt_path=last)
+
+
+def test_the_datas_model_may_move_only_with_the_runs_model(tmp_path, tiny_model):
+    """The data module's ``model`` (its tokenizer) moved with the run's model is the same run; moved elsewhere, it is
+    a changed setting, as without a recorded model."""
+    model = shutil.copytree(tiny_model, tmp_path / "model")
+    moved, other = shutil.copytree(model, tmp_path / "moved"), shutil.copytree(model, tmp_path / "other")
+    saved = {"model_identity": model_identity(model), "hyper_parameters": {"model": str(model)},
+             "datamodule_hyper_parameters": {"model": str(model)}}  # fmt: skip
+
+    def data(path):
+        return SimpleNamespace(hparams={"model": str(path)}, state_dict=lambda trainer: {})
+
+    check_same_run(saved, {"model": str(moved)}, data(moved))
+    with pytest.raises(ValueError, match=r"other settings \(data\.model '.*/model' -> '.*/other'\)"):
+        check_same_run(saved, {"model": str(moved)}, data(other))

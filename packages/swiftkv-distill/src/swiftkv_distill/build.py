@@ -176,13 +176,15 @@ def check_same_run(checkpoint: dict, module_settings: dict, datamodule=None, tra
     ``trainer`` where it is not yet attached to it (``recipe.check_resume``)."""
     changed = []
     # the model the frozen weights are read from, found by its content (check_same_model, after the settings):
-    # the same model in another folder (copied to a node's disk) is the same run
-    moved = {"model"} if "model_identity" in checkpoint else set()
+    # the same model in another folder (copied to a node's disk) is the same run, and so the data's tokenizer there
+    found = "model_identity" in checkpoint
+    data = datamodule.hparams if datamodule else {}
+    same = found and _comparable(data.get("model")) == _comparable(module_settings["model"])
     data_state = checkpoint.get(type(datamodule).__qualname__, {}) if datamodule is not None else {}
-    for prefix, saved, now in (
-        ("model", checkpoint.get("hyper_parameters", {}), module_settings),
-        ("data", checkpoint.get("datamodule_hyper_parameters", {}), datamodule.hparams if datamodule else {}),
-        ("trainer", data_state, datamodule.state_dict(trainer) if datamodule else {}),
+    for prefix, saved, now, moved in (
+        ("model", checkpoint.get("hyper_parameters", {}), module_settings, {"model"} if found else set()),
+        ("data", checkpoint.get("datamodule_hyper_parameters", {}), data, {"model"} if same else set()),
+        ("trainer", data_state, datamodule.state_dict(trainer) if datamodule else {}, set()),
     ):
         for key in sorted((saved.keys() & now.keys()) - RESUMABLE_CHANGES - moved):
             if _comparable(saved[key]) != _comparable(now[key]):
@@ -194,7 +196,7 @@ def check_same_run(checkpoint: dict, module_settings: dict, datamodule=None, tra
             "settings to continue it, or start a new run in another folder (distill fit: "
             "--trainer.default_root_dir; the main job: --out, or --force to start over)."
         )
-    if moved:
+    if found:
         check_same_model(checkpoint["model_identity"], module_settings["model"])
 
 

@@ -88,11 +88,20 @@ class TrainedWeightsOnly:
     shards (whose saver and loader both ask the module's ``state_dict``), then hold the trained weights alone: the
     frozen ones are most of a model's bytes (``benchmarks/results/checkpoint-size.md``)."""
 
-    def state_dict(self, *args, **kwargs) -> dict:
-        state = super().state_dict(*args, **kwargs)
-        for name in [name for name in state if not is_trained_name(name)]:
-            del state[name]  # in place: the dict's ``_metadata`` stays
+    def state_dict(self, *args, destination=None, prefix: str = "", keep_vars: bool = False) -> dict:
+        state = super().state_dict(*args, destination=destination, prefix=prefix, keep_vars=keep_vars)
+        # in place (the dict's ``_metadata`` stays), and only this module's entries: a module holding this one
+        # (Lightning's weight averaging) passes its own dict and prefix
+        for name in [n for n in state if n.startswith(prefix) and not is_trained_name(n[len(prefix) :])]:
+            del state[name]
         return state
+
+    @property
+    def strict_loading(self) -> bool:
+        """What Lightning's loaders pass as ``strict``: True (every trained weight: ``load_state_dict``) but under
+        FSDP2, whose loaders match the parameters themselves: a one-file checkpoint parameter by parameter, each
+        frozen one wanted when strict, and a distributed one through DCP, which refuses a missing trained weight."""
+        return self.device_mesh is None
 
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
         """Loads what ``state_dict`` gives; ``strict``: every trained weight, and nothing else."""

@@ -170,7 +170,7 @@ class SwiftKVDistillation(TrainedWeightsOnly, L.LightningModule):
         self._fit_started: float | None = None  # the clock (_now) at the first step, less resumed time
         self._fit_ended: float | None = None  # the clock when training stopped, before the final evaluation
         self._resumed_seconds = 0.0  # train_seconds when the resumed checkpoint was written
-        self._model_identity: dict | None = None  # of model_path, written into checkpoints
+        self._model_identity: dict | None = None  # of model_path, written into checkpoints (rank 0)
 
     # --- model -------------------------------------------------------------------------------------------------
     def build_step(self, weights: bool = True) -> DistillationStep:
@@ -181,6 +181,10 @@ class SwiftKVDistillation(TrainedWeightsOnly, L.LightningModule):
     def configure_model(self) -> None:
         if self.step is not None:
             return
+        # the model the frozen weights are read from, as now, for checkpoints: a resume refuses another one
+        # (build.check_same_model); on the one rank that writes them
+        if self._trainer is None or self._trainer.is_global_zero:
+            self._model_identity = model_identity(self.model_path)
         sized = sized_step(self, self._trainer)
         check_data_parallel_only(self.device_mesh)
         if self.device_mesh is None:
@@ -424,9 +428,7 @@ class SwiftKVDistillation(TrainedWeightsOnly, L.LightningModule):
         # a resumed run goes on with the wall-time schedule (schedule_seconds) and the token count from here
         checkpoint["train_seconds"] = self.train_seconds
         checkpoint["tokens_seen"] = self.tokens_seen
-        # the model a resume reads the frozen weights from (build.check_same_model), once, by the rank that writes
-        if self._trainer is None or self._trainer.is_global_zero:
-            self._model_identity = self._model_identity or model_identity(self.model_path)
+        if self._model_identity is not None:  # on the rank that writes (configure_model)
             checkpoint["model_identity"] = self._model_identity
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
