@@ -7,80 +7,13 @@ from pathlib import Path
 import lightning as L
 import pytest
 import torch
-from lightning.pytorch.callbacks import ModelCheckpoint
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 from swiftkv_core.early_exit import EarlyExitHead, generate_with_early_exit
 from swiftkv_distill import DistillDataModule, SwiftKVDistillation, export
 from swiftkv_distill.schedule import total_steps
-
-
-class Interrupt(L.Callback):
-    """Stops the run after ``at`` steps, as a crash would (same config, same LR schedule as the full run)."""
-
-    def __init__(self, at: int):
-        self.at = at
-
-    def on_train_batch_end(self, trainer, *args) -> None:
-        if trainer.global_step >= self.at:
-            trainer.should_stop = True
-
-
-def _run(
-    tiny_model,
-    text_file,
-    root,
-    max_steps,
-    ckpt_path=None,
-    early_exit=False,
-    interrupt_at=None,
-    schedule_seconds=None,
-    extra_callbacks=(),
-    learning_rate=3e-3,
-    num_workers=0,
-    checkpoint_every_epoch=False,
-    **trainer_settings,
-):
-    L.seed_everything(0)
-    module = SwiftKVDistillation(
-        str(tiny_model),
-        num_key_value_layers=2,
-        learning_rate=learning_rate,
-        warmup_fraction=0.2,
-        hidden_loss_weight=0.5,
-        early_exit=early_exit,
-        evaluate_before_training=False,
-        schedule_seconds=schedule_seconds,
-    )
-    dm = DistillDataModule(
-        str(tiny_model),
-        [str(text_file)],
-        max_length=16,
-        batch_size=2,
-        val_fraction=0.1,
-        num_workers=num_workers,
-    )
-    every = (
-        dict(every_n_epochs=1, save_on_train_epoch_end=True)
-        if checkpoint_every_epoch
-        else {"every_n_train_steps": 1}
-    )
-    checkpoint = ModelCheckpoint(dirpath=root / "ckpt", save_last=True, save_top_k=0, **every)
-    callbacks = [*extra_callbacks, checkpoint] + ([Interrupt(interrupt_at)] if interrupt_at else [])
-    trainer = L.Trainer(
-        max_steps=max_steps,
-        logger=False,
-        callbacks=callbacks,
-        enable_progress_bar=False,
-        use_distributed_sampler=False,
-        limit_val_batches=0,
-        default_root_dir=root,
-        enable_model_summary=False,
-        **trainer_settings,
-    )
-    trainer.fit(module, dm, ckpt_path=ckpt_path)
-    return module, trainer
+from tests.distill.runs import fit
 
 
 def _trained(module):
@@ -121,16 +54,16 @@ def test_resume_equals_uninterrupted(tiny_model, text_file, tmp_path, interrupt_
     twice; resumed at an epoch's end, it skipped the whole next epoch, or trained it in the first epoch's order.)"""
     settings = {"max_steps": 18} | settings
     workers = settings.pop("num_workers", 0)
-    full, uninterrupted = _run(tiny_model, text_file, tmp_path / "full", **settings)
+    full, uninterrupted = fit(tiny_model, text_file, tmp_path / "full", **settings)
     assert uninterrupted.num_training_batches == settings.get("limit_train_batches", 12)
     # the schedule's length, counted without iterating the loader, is Lightning's
     assert total_steps(uninterrupted) == uninterrupted.estimated_stepping_batches
-    _, interrupted = _run(tiny_model, text_file, tmp_path / "part", interrupt_at=interrupt_at, **settings)
+    _, interrupted = fit(tiny_model, text_file, tmp_path / "part", interrupt_at=interrupt_at, **settings)
     assert interrupted.global_step == interrupt_at
     ckpt = tmp_path / "part" / "ckpt" / "last.ckpt"
     state = torch.load(ckpt, weights_only=False)
     assert all("swiftkv" in k for k in state["state_dict"])  # only trained weights, not the frozen base
-    resumed, trainer = _run(
+    resumed, trainer = fit(
         tiny_model, text_file, tmp_path / "part", ckpt_path=ckpt, num_workers=workers, **settings
     )
     assert trainer.global_step == uninterrupted.global_step
@@ -142,12 +75,12 @@ def test_resume_equals_uninterrupted(tiny_model, text_file, tmp_path, interrupt_
 
 def test_resuming_with_other_settings_is_refused_naming_them(tiny_model, text_file, tmp_path):
     """The restored optimizer would go on at the old learning rate while the run reported the new one."""
-    _run(tiny_model, text_file, tmp_path, max_steps=3, interrupt_at=1)
+    fit(tiny_model, text_file, tmp_path, max_steps=3, interrupt_at=1)
     ckpt = tmp_path / "ckpt" / "last.ckpt"
     with pytest.raises(
         ValueError, match=r"model\.learning_rate 0\.003 -> 0\.001.*--trainer\.default_root_dir"
     ):
-        _run(tiny_model, text_file, tmp_path, max_steps=3, ckpt_path=ckpt, learning_rate=1e-3)
+        fit(tiny_model, text_file, tmp_path, max_steps=3, ckpt_path=ckpt, learning_rate=1e-3)
 
 
 def test_resuming_with_other_batches_per_step_or_other_rows_is_refused(tiny_model, text_file, tmp_path):
@@ -157,15 +90,15 @@ def test_resuming_with_other_batches_per_step_or_other_rows_is_refused(tiny_mode
     naming the change (the number of processes is checked the same way)."""
     data = tmp_path / "data.jsonl"
     shutil.copy(text_file, data)
-    _run(tiny_model, data, tmp_path, max_steps=3, interrupt_at=1)
+    fit(tiny_model, data, tmp_path, max_steps=3, interrupt_at=1)
     ckpt = tmp_path / "ckpt" / "last.ckpt"
     state = torch.load(ckpt, weights_only=False)["DistillDataModule"]
     assert state == {"world_size": 1, "accumulate_grad_batches": 1, "training_rows": state["training_rows"]}
     with pytest.raises(ValueError, match=r"trainer\.accumulate_grad_batches 1 -> 2"):
-        _run(tiny_model, data, tmp_path, max_steps=3, ckpt_path=ckpt, accumulate_grad_batches=2)
+        fit(tiny_model, data, tmp_path, max_steps=3, ckpt_path=ckpt, accumulate_grad_batches=2)
     data.write_text(data.read_text() * 2)  # the same file with its rows again after them
     with pytest.raises(ValueError, match=rf"training_rows {state['training_rows']} -> \d+"):
-        _run(tiny_model, data, tmp_path, max_steps=3, ckpt_path=ckpt)
+        fit(tiny_model, data, tmp_path, max_steps=3, ckpt_path=ckpt)
 
 
 def test_a_resume_with_other_settings_is_refused_before_any_weight_is_read(tmp_path, tiny_model, text_file):
@@ -202,7 +135,7 @@ def test_the_same_settings_written_another_way_resume(tmp_path, monkeypatch):
 
 
 def test_export_round_trip(tiny_model, text_file, tmp_path):
-    module, _ = _run(tiny_model, text_file, tmp_path / "run", max_steps=3, early_exit=True)
+    module, _ = fit(tiny_model, text_file, tmp_path / "run", max_steps=3, early_exit=True)
     model = module.swiftkv_model.eval()
     ids = torch.tensor([[5, 17, 300, 42, 9, 8, 99, 1000]])
     with torch.no_grad():
@@ -237,7 +170,7 @@ def test_export_round_trip(tiny_model, text_file, tmp_path):
 def test_export_from_a_loaded_checkpoint_needs_no_trainer(tiny_model, text_file, tmp_path, recwarn):
     """A Lightning checkpoint loaded with load_from_checkpoint (no Trainer attached) exports the trained weights;
     the frozen weights it leaves out are not reported missing."""
-    trained, _ = _run(tiny_model, text_file, tmp_path / "run", max_steps=3, early_exit=True)
+    trained, _ = fit(tiny_model, text_file, tmp_path / "run", max_steps=3, early_exit=True)
     recwarn.clear()
     loaded = SwiftKVDistillation.load_from_checkpoint(tmp_path / "run" / "ckpt" / "last.ckpt")
     assert not [str(w.message) for w in recwarn if "Found keys" in str(w.message)]
@@ -286,7 +219,7 @@ def test_resume_continues_the_wall_time_schedule(tiny_model, text_file, tmp_path
         monkeypatch.setattr(
             runtime, "time", clock
         )  # the module's clock is runtime.Stopwatch's time.perf_counter()
-        module, trainer = _run(
+        module, trainer = fit(
             tiny_model,
             text_file,
             root,
@@ -320,7 +253,7 @@ def test_a_failed_export_leaves_the_earlier_one(tiny_model, text_file, tmp_path,
 
     from swiftkv_distill.export import write_checkpoint
 
-    module, _ = _run(tiny_model, text_file, tmp_path / "run", max_steps=2)
+    module, _ = fit(tiny_model, text_file, tmp_path / "run", max_steps=2)
     out = tmp_path / "hf"
     export(module, out)
     ids = torch.tensor([[5, 17, 300, 42, 9, 8]])
@@ -434,7 +367,7 @@ def test_a_checkpoint_by_time_is_never_saved_inside_an_accumulation_window(tmp_p
             if trainer.fit_loop.epoch_loop.batch_progress.current.processed == 3:
                 hourly._last_time_checked = time.monotonic() - 7200
 
-    _run(
+    fit(
         tiny_model,
         text_file,
         tmp_path,

@@ -11,9 +11,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from swiftkv_core.checkpoints import model_identity
-from swiftkv_distill import DistillDataModule, SwiftKVDistillation
 from swiftkv_distill.build import check_same_run
-from swiftkv_distill.checkpointing import ModelCheckpoint
+from tests.distill.runs import fit
 
 
 class Steps(L.Callback):
@@ -27,16 +26,7 @@ class Steps(L.Callback):
 
 def _fit(model, text_file, root, max_steps, ckpt_path=None) -> int:
     """The steps a run of ``model`` trained to ``max_steps`` (from ``ckpt_path``'s, where given)."""
-    L.seed_everything(0)
-    module = SwiftKVDistillation(str(model), num_key_value_layers=2, evaluate_before_training=False)
-    data = DistillDataModule(str(model), [str(text_file)], max_length=16, batch_size=2)
-    checkpoint = ModelCheckpoint(dirpath=root / "ckpt", save_last=True, save_top_k=0, every_n_train_steps=1)
-    trainer = L.Trainer(
-        accelerator="cpu", max_steps=max_steps, logger=False, callbacks=[checkpoint, steps := Steps()],
-        enable_progress_bar=False, use_distributed_sampler=False, limit_val_batches=0, enable_model_summary=False,
-        default_root_dir=root,
-    )  # fmt: skip
-    trainer.fit(module, data, ckpt_path=ckpt_path)
+    fit(model, text_file, root, max_steps, ckpt_path=ckpt_path, extra_callbacks=[steps := Steps()])
     return steps.trained
 
 
