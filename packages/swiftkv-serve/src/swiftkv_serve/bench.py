@@ -154,6 +154,18 @@ def device_name(dtype: str) -> str:
     return f"{device_description()}, {short}"
 
 
+def engine_settings(compile: bool, engine_options: dict | None, on_cpu: bool) -> dict:
+    """``engine_options`` with the benchmarks' defaults: prefix caching off; compiled on a GPU, vLLM's CUDA graphs
+    off (its torch.compile kept), as `swiftkv serve` serves there (``cli.gpu_graph_options``), for both models
+    alike, unless the options give a ``compilation_config`` of their own."""
+    from .cli import NO_CUDA_GRAPHS_CONFIG
+
+    options = {"enable_prefix_caching": False, **(engine_options or {})}
+    if compile and not on_cpu and "compilation_config" not in options:
+        options["compilation_config"] = dict(NO_CUDA_GRAPHS_CONFIG)
+    return options
+
+
 def run_one_model(
     model: str,
     workloads: dict[str, tuple[int, int]],
@@ -184,6 +196,8 @@ def run_one_model(
     from vllm import AsyncEngineArgs
     from vllm.v1.engine.async_llm import AsyncLLM
 
+    from .cli import on_vllm_cpu
+
     workloads = {name: (int(p), int(o)) for name, (p, o) in workloads.items()}
     args = AsyncEngineArgs(
         model=model,
@@ -195,7 +209,7 @@ def run_one_model(
         # A fixed KV cache space for both models: without it vLLM's CPU backend reserves 92% of memory.
         kv_cache_memory_bytes=int(kv_cache_gib * 2**30),
         seed=0,
-        **{"enable_prefix_caching": False, **(engine_options or {})},
+        **engine_settings(compile, engine_options, on_cpu=on_vllm_cpu()),
     )
     start = time.perf_counter()
     engine = AsyncLLM.from_engine_args(args)
@@ -206,6 +220,7 @@ def run_one_model(
         "startup_s": startup,
         "kv_cache_tokens": getattr(config.cache_config, "kv_cache_size_tokens", None),
         "kv_sharing_fast_prefill": config.cache_config.kv_sharing_fast_prefill,
+        "cudagraph_mode": str(config.compilation_config.cudagraph_mode),
         "max_model_len": config.model_config.max_model_len,
         "vllm_version": vllm.__version__,
         "torch_version": torch.__version__,

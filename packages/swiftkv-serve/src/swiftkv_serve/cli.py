@@ -278,8 +278,10 @@ def cpu_kv_cache_options(checkpoint: Path, options: list[str], environ) -> list[
     return ["--kv-cache-memory-bytes", str(size)]
 
 
-# what turns vLLM's CUDA graphs off, keeping its torch.compile of the model (vLLM's JSON form of the option)
-NO_CUDA_GRAPHS = ["--compilation-config", '{"cudagraph_mode": "NONE"}']
+# what turns vLLM's CUDA graphs off, keeping its torch.compile of the model: its compilation config, and the
+# server's option (its JSON form); the benchmarks' engines take the config (bench.run_one_model)
+NO_CUDA_GRAPHS_CONFIG = {"cudagraph_mode": "NONE"}
+NO_CUDA_GRAPHS = ["--compilation-config", json.dumps(NO_CUDA_GRAPHS_CONFIG)]
 
 
 def gpu_graph_options(options: list[str], on_cpu: bool) -> list[str]:

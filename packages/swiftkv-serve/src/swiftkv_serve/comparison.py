@@ -251,9 +251,10 @@ def write_serving_report(results: dict, out: Path) -> None:
         (
             "- Both models eager (no torch.compile), "
             if results["enforce_eager"]
-            else "- vLLM's default compile mode, both models torch.compiled (on CPU: dynamo + inductor, no CUDA graphs); "
-            "the SwiftKV model as two compile units, layers < l with the K/V projection and cache writes for all "
-            "tokens, and layers >= l for the gathered tokens whose logits are sampled; "
+            else "- vLLM's default compile mode, both models torch.compiled (dynamo + inductor) without CUDA "
+            "graphs (none on CPU; off on a GPU, as `swiftkv serve` serves there); the SwiftKV model as two compile "
+            "units, layers < l with the K/V projection and cache writes for all tokens, and layers >= l for the "
+            "gathered tokens whose logits are sampled; "
         )
         + f"{_DTYPES.get(results.get('dtype', 'float32'))}, prefix caching off, the same KV cache space "
         f"({results.get('kv_cache_gib', KV_CACHE_GIB):g} GiB). " + swiftkv_origin(results),
