@@ -152,6 +152,19 @@ def test_each_package_declares_what_it_imports(package):
     assert not missing, "\n".join(missing)
 
 
+# what a package needs though it imports none of it: transformers loads a model inside a torch.device context
+# only with accelerate, and Lightning runs configure_model (the distillation's from_pretrained) inside the
+# device's on one process; transformers ignores a CPU context, so no test on the CPU runs into its absence
+NEEDED_UNIMPORTED = {"swiftkv_distill": {"accelerate"}}
+
+
+def test_each_package_declares_what_it_needs_unimported():
+    for package, needed in NEEDED_UNIMPORTED.items():
+        project = tomllib.loads((package_root(package) / "pyproject.toml").read_text())["project"]
+        declared = {_distribution_name(r) for r in project.get("dependencies", [])}
+        assert needed <= declared, f"{package} does not declare {sorted(needed - declared)}"
+
+
 def _distribution_name(requirement: str) -> str:
     name = requirement
     for separator in "[<>=!~; ":
