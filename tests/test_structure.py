@@ -153,8 +153,8 @@ def test_each_package_declares_what_it_imports(package):
 
 
 # what a package needs though it imports none of it: transformers loads a model inside a torch.device context
-# only with accelerate, and Lightning runs configure_model (the distillation's from_pretrained) inside the
-# device's on one process; transformers ignores a CPU context, so no test on the CPU runs into its absence
+# only with accelerate, and Lightning runs configure_model (the distillation's from_pretrained) inside its device's
+# unless the strategy shards the model; transformers ignores a CPU context, so no test here runs into its absence
 NEEDED_UNIMPORTED = {"swiftkv_distill": {"accelerate"}}
 
 

@@ -156,7 +156,7 @@ def device_name(dtype: str) -> str:
 
 def engine_settings(compile: bool, engine_options: dict | None, on_cpu: bool) -> dict:
     """``engine_options`` with the benchmarks' defaults: prefix caching off; compiled on a GPU, vLLM's CUDA graphs
-    off (its torch.compile kept), as `swiftkv serve` serves there (``cli.gpu_graph_options``), for both models
+    off (its torch.compile kept), as ``swiftkv serve`` serves there (``cli.gpu_graph_options``), for both models
     alike, unless the options give a ``compilation_config`` of their own."""
     from .cli import NO_CUDA_GRAPHS_CONFIG
 

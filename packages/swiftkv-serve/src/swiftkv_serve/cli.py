@@ -279,7 +279,7 @@ def cpu_kv_cache_options(checkpoint: Path, options: list[str], environ) -> list[
 
 
 # what turns vLLM's CUDA graphs off, keeping its torch.compile of the model: its compilation config, and the
-# server's option (its JSON form); the benchmarks' engines take the config (bench.run_one_model)
+# server's option (its JSON form); the serving benchmarks' engines take the config (bench.engine_settings)
 NO_CUDA_GRAPHS_CONFIG = {"cudagraph_mode": "NONE"}
 NO_CUDA_GRAPHS = ["--compilation-config", json.dumps(NO_CUDA_GRAPHS_CONFIG)]
 
