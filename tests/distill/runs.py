@@ -5,6 +5,7 @@ import lightning as L
 
 from swiftkv_distill import DistillDataModule, SwiftKVDistillation
 from swiftkv_distill.checkpointing import ModelCheckpoint
+from tests.distill.conftest import quiet_trainer
 
 
 class Interrupt(L.Callback):
@@ -57,15 +58,12 @@ def fit(
     )
     checkpoint = ModelCheckpoint(dirpath=root / "ckpt", save_last=True, save_top_k=0, **every)
     callbacks = [*extra_callbacks, checkpoint] + ([Interrupt(interrupt_at)] if interrupt_at else [])
-    trainer = L.Trainer(
-        accelerator="cpu",
+    trainer = quiet_trainer(
+        root,
+        enable_checkpointing=True,
         max_steps=max_steps,
-        logger=False,
         callbacks=callbacks,
-        enable_progress_bar=False,
-        use_distributed_sampler=False,
         limit_val_batches=0,
-        default_root_dir=root,
         enable_model_summary=False,
         **trainer_settings,
     )

@@ -26,6 +26,7 @@ from pathlib import Path
 from swiftkv_core.runtime import device_description
 
 from .child import child_main, run_module_in_child
+from .cli import NO_CUDA_GRAPHS_CONFIG, on_vllm_cpu
 
 STOCK_LABEL = "stock vLLM (base)"
 COMPILE_UNIT_TAGS = ("swiftkv_self_decoder", "swiftkv_cross_decoder")
@@ -158,8 +159,6 @@ def engine_settings(compile: bool, engine_options: dict | None, on_cpu: bool) ->
     """``engine_options`` with the benchmarks' defaults: prefix caching off; compiled on a GPU, vLLM's CUDA graphs
     off (its torch.compile kept), as ``swiftkv serve`` serves there (``cli.gpu_graph_options``), for both models
     alike, unless the options give a ``compilation_config`` of their own."""
-    from .cli import NO_CUDA_GRAPHS_CONFIG
-
     options = {"enable_prefix_caching": False, **(engine_options or {})}
     if compile and not on_cpu and "compilation_config" not in options:
         options["compilation_config"] = dict(NO_CUDA_GRAPHS_CONFIG)
@@ -195,8 +194,6 @@ def run_one_model(
     import vllm
     from vllm import AsyncEngineArgs
     from vllm.v1.engine.async_llm import AsyncLLM
-
-    from .cli import on_vllm_cpu
 
     workloads = {name: (int(p), int(o)) for name, (p, o) in workloads.items()}
     args = AsyncEngineArgs(
