@@ -1,6 +1,7 @@
 """Data: record formats, chat template, packing boundaries (in the collator AND in the model), split, errors."""
 
 import json
+import shutil
 
 import datasets
 import numpy as np
@@ -335,6 +336,38 @@ def test_the_teachers_device_keys_its_answers(tiny_model, tmp_path, monkeypatch)
     assert answer_file("auto") == answer_file("cuda") != on_a_cpu_machine
     _, record = answers.teacher_answers_cache_file([], str(tiny_model), backend="hf", device="cuda")
     assert record["dtype"] == "bfloat16"
+
+
+def test_a_teacher_whose_text_files_change_in_place_answers_anew(tiny_model, tmp_path, monkeypatch):
+    """The cached answers are those of the teacher's weights and config, and of the files that decide its text: a
+    chat template, tokenizer or generation config edited in the same folder keys answers of its own; a file that
+    does not decide the text (a README) keeps the key."""
+    from swiftkv_distill import answers
+
+    use_data_cache(monkeypatch, tmp_path / "data")
+    teacher = tmp_path / "teacher"
+    shutil.copytree(tiny_model, teacher)
+
+    def key():
+        return answers.teacher_answers_cache_file(
+            [{"prompt": "hi"}], str(teacher), backend="hf", device="cpu"
+        )[0]
+
+    keys = [key()]
+    (teacher / "README.md").write_text("the same teacher")
+    assert key() == keys[0]
+    tokenizer_config = json.loads((teacher / "tokenizer_config.json").read_text())
+    for name, text in (
+        ("chat_template.jinja", "{{ messages[0]['content'] }}"),
+        ("tokenizer_config.json", json.dumps({**tokenizer_config, "model_max_length": 64})),
+        ("generation_config.json", json.dumps({"eos_token_id": [0, 1]})),
+    ):
+        (teacher / name).write_text(text)
+        keys.append(key())
+    assert len(set(keys)) == len(keys)
+    _, record = answers.teacher_answers_cache_file([], str(teacher), backend="hf", device="cpu")
+    text_files = ["chat_template.jinja", "generation_config.json", "tokenizer.json", "tokenizer_config.json"]
+    assert sorted(record["text_files"]) == text_files
 
 
 def test_answer_sets_are_kept_in_the_cache_not_an_images_data_folder(tiny_model, tmp_path, monkeypatch):

@@ -5,7 +5,8 @@ model and samples an answer (seeded: the same answers on every run). The generat
 (transformers ``generate`` in batches, built in) or one that another package provides through the entry-point
 group ``swiftkv_distill.answer_backends`` (swiftkv-serve provides ``"vllm"``: batched, several times faster);
 ``"auto"`` takes vLLM where its backend and vLLM are installed. Answers are cached under a key of the teacher's
-identity, the backend and the settings (another teacher or setting gets a file of its own).
+identity (its weights, config and the files that shape its text), the backend and the settings (another teacher or
+setting gets a file of its own).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import importlib.util
 import json
 import time
 from collections.abc import Callable, Iterable
+from fnmatch import fnmatch
 from importlib.metadata import entry_points
 from pathlib import Path
 
@@ -25,6 +27,12 @@ from swiftkv_core.checkpoints import model_identity
 BACKEND_GROUP = "swiftkv_distill.answer_backends"
 # A backend: (checkpoint folder, prompts, max_new_tokens, temperature, top_p, seed) -> one answer per prompt.
 Backend = Callable[[Path, list[str], int, float, float, int], list[str]]
+# Beside the weights and config (``model_identity``), the files of a model folder that decide the text it answers
+# with: the tokenizer and its special tokens, the chat template (the prompt), the generation config (where it stops).
+TEXT_FILES = (
+    "tokenizer*", "chat_template*", "special_tokens_map.json", "added_tokens.json", "vocab*", "merges.txt",
+    "generation_config.json",
+)  # fmt: skip
 
 
 def answers_dir() -> Path:
@@ -133,9 +141,10 @@ def teacher_answers_cache_file(
     """Where ``teacher_answers`` with these arguments keeps its answers, and the record of what they are (the
     model's identity, the backend, the settings, the prompts).
 
-    The file name is keyed by a hash of that record: another model, backend (vLLM and HF sample differently)
-    or setting gets a file of its own. The HF backend seeds per batch, so its batch size is part of the key, and
-    its samples on a GPU differ from the CPU's, so the GPU and its dtype are too.
+    The file name is keyed by a hash of that record: another model (its weights, its config or its
+    ``TEXT_FILES``), backend (vLLM and HF sample differently) or setting gets a file of its own. The HF backend
+    seeds per batch, so its batch size is part of the key, and its samples on a GPU differ from the CPU's, so the
+    GPU and its dtype are too.
     """
     from swiftkv_core.default_model import resolve_model_path
 
@@ -145,6 +154,7 @@ def teacher_answers_cache_file(
     on_gpu = backend == "hf" and hf_device(device) != "cpu"
     metadata = {
         "model": model_identity(path),
+        "text_files": text_files_identity(path),
         "backend": backend,
         "max_new_tokens": max_new_tokens,
         "temperature": temperature,
@@ -157,6 +167,16 @@ def teacher_answers_cache_file(
     }
     key = hashlib.sha256(json.dumps(metadata, sort_keys=True).encode()).hexdigest()[:16]
     return answers_dir() / f"{path.name}-{backend}-{key}.jsonl", metadata
+
+
+def text_files_identity(path: Path) -> dict[str, str]:
+    """sha256 of each of the model folder's ``TEXT_FILES``: a teacher whose tokenizer, chat template or generation
+    config changed in place answers otherwise, so its answers are not the cached ones."""
+    return {
+        f.name: hashlib.sha256(f.read_bytes()).hexdigest()
+        for f in sorted(path.iterdir())
+        if f.is_file() and any(fnmatch(f.name, pattern) for pattern in TEXT_FILES)
+    }
 
 
 def write_jsonl(path: Path, records: Iterable[dict]) -> Path:
