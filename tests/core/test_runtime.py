@@ -167,3 +167,14 @@ def test_device_and_dtype_choice(monkeypatch):
         runtime.choose_dtype("fp8", torch.device("cpu"))
     with pytest.raises(ValueError, match="no CUDA GPU is visible" if not gpu else "numbered from 0"):
         runtime.choose_device("cuda:64")
+
+
+@pytest.mark.gpu
+def test_work_put_on_the_auto_device_goes_to_the_current_device_on_a_gpu():
+    """``current_device``: a run on the last GPU (``--trainer.devices [N]``) prepares its data there, where the
+    ``auto`` device puts the teacher's answers; a CPU run's context changes nothing."""
+    last = torch.device("cuda", torch.cuda.device_count() - 1)
+    with runtime.current_device(last):
+        assert torch.zeros(1, device=runtime.choose_device("auto")).device == last
+    with runtime.current_device("cpu"):
+        assert torch.cuda.current_device() == 0 and torch.zeros(1).device.type == "cpu"

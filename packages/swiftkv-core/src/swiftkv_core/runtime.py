@@ -13,6 +13,7 @@ import platform
 import time
 import weakref
 from collections.abc import Callable, Iterable
+from contextlib import nullcontext
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
@@ -123,6 +124,14 @@ def check_flex_attention(head_dim: int, device: torch.device) -> None:
         f"{torch.__version__}'s compiled CPU flex_attention is wrong below head_dim 32 on a CPU with AVX2 and no "
         "AVX-512. Use attn_implementation='sdpa' (the same outputs; the CPU default), or run on a GPU."
     )
+
+
+def current_device(device: torch.device | str):
+    """A context within which ``device`` is the current CUDA device, where ``"cuda"`` without an index (so
+    ``choose_device("auto")``) puts work: a run on ``cuda:1`` prepares on GPU 1 what it needs before Lightning
+    selects that GPU. Changes nothing for another device."""
+    device = torch.device(device)
+    return torch.cuda.device(device) if device.type == "cuda" else nullcontext()
 
 
 def synchronize(device: torch.device | str) -> None:

@@ -19,6 +19,8 @@ from pathlib import Path
 from jsonargparse import set_parsing_settings
 from lightning.pytorch.cli import LightningCLI
 
+from swiftkv_core.runtime import current_device
+
 from .build import check_same_run, sized_step
 from .checkpointing import last_checkpoint, saved_run
 from .console import quiet_lightning, told_out_of_memory
@@ -62,8 +64,10 @@ class DistillCLI(LightningCLI):
         model.resume_from = ckpt_path  # a resume fits no K/V init
         if self.trainer.world_size == 1:
             sized_step(model, self.trainer)
-            datamodule.prepare_data()
-            datamodule.setup("fit")
+            # the run's GPU (--trainer.devices [1]) generates any teacher answers the data needs, not GPU 0
+            with current_device(self.trainer.strategy.root_device):
+                datamodule.prepare_data()
+                datamodule.setup("fit")
             datamodule.check_batches(1)
         if ckpt_path and self.trainer.is_global_zero:
             print(
