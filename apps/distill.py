@@ -10,7 +10,8 @@ multi-node launchers (``fabric run``, ``torchrun``, SLURM), which start this scr
         --trainer.strategy.data_parallel_size 2 --trainer.strategy.tensor_parallel_size 1
 
     # a GPU node / several nodes
-    torchrun --nnodes 2 --nproc-per-node 8 ... apps/distill.py --config configs/distill/llama-3.1-70b-instruct.yaml
+    torchrun --nnodes 2 --nproc-per-node 8 ... apps/distill.py --config configs/distill/llama-3.1-70b-instruct.yaml \
+        --model.model /models/Llama-3.1-70B-Instruct --data.train_files '[/data/chat.jsonl]'
 
 The launcher's settings (``fabric run`` exports LT_ACCELERATOR, LT_DEVICES, LT_NUM_NODES, LT_PRECISION) become
 trainer arguments unless the command line sets them. Without a subcommand the job runs ``fit``.

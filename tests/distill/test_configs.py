@@ -140,6 +140,8 @@ def test_a_sharding_that_is_not_the_processes_started_is_refused_before_they_sta
         "default",
         "--trainer.accelerator",
         "cpu",
+        "--data.train_files",
+        "[dataset:brown_train]",
     ]
     with pytest.raises(
         ValueError,

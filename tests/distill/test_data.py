@@ -185,6 +185,12 @@ def test_data_errors(tmp_path, tiny_model, text_file):
         DistillDataModule(str(tiny_model), [str(text_file)], max_length=100_000).setup()
     with pytest.raises(DataError, match="train_files is empty"):
         DistillDataModule(str(tiny_model), [])
+    # refused on construction (each process, before any launch), saying where a relative name was looked for
+    for train, val in (([str(tmp_path / "gone.jsonl")], None), ([str(text_file)], {"chat": ["gone.jsonl"]})):
+        with pytest.raises(
+            DataError, match=rf"gone.jsonl does not exist{'' if val is None else ' .read from'}"
+        ):
+            DistillDataModule(str(tiny_model), train, val_files=val)
     # chat records without an answer: nothing to distil (the loss would be 0, the export the untrained model)
     unanswered = write_jsonl(
         tmp_path / "unanswered.jsonl", [{"messages": [{"role": "user", "content": "Hi?"}]}] * 4

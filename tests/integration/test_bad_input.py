@@ -120,6 +120,20 @@ CASES = [  # (arguments, what the error must say)
     ),
     ([*FIT, "--data.train_files", "[MALFORMED]"], "malformed.jsonl could not be read"),
     ([*FIT, "--data.train_files", "[EMPTY]"], "empty.jsonl is empty"),
+    ([*FIT, "--data.train_files", "[MISSING]"], r"missing does not exist.*--data.train_files '\[FILE"),
+    (
+        [
+            "distill",
+            "fit",
+            "--config",
+            "llama-3.1-8b-instruct",
+            "--model.model",
+            "TINY",
+            "--model.num_key_value_layers",
+            "2",
+        ],
+        r"train_files is empty: .*--data.train_files '\[FILE, ...\]'; the recipes of 7-70B models name none",
+    ),
     ([*FIT, "--data.max_length", "1"], "max_length must be >= 2"),
     ([*FIT, "--data.batch_size", "0"], "batch_size must be a positive integer"),
     *([([*FIT, "--trainer.accelerator", "gpu"], "no CUDA GPU is visible here")] if NO_GPU else []),
@@ -146,7 +160,10 @@ CASES = [  # (arguments, what the error must say)
     ([*QUICK, "--train_files", "[MALFORMED]"], "could not be read"),
     ([*QUICK, "--train_files", "LONG", "MALFORMED"], "malformed.jsonl could not be read"),  # bare list values
     ([*QUICK, "--train_files", "TEXT"], "make 1 row.*too few for one batch.*give at least 769 tokens"),
-    ([*QUICK, "--recipe", "llama-3.1-8b-instruct"], "names no held-out text.*give --heldout_text"),
+    (
+        [*QUICK, "--recipe", "llama-3.1-8b-instruct", "--train_files", "[TEXT]"],
+        "names no held-out text.*give --heldout_text",
+    ),
     ([*QUICK, "--heldout_text", '[""]'], "--heldout_text \\[''\\]: an empty file name"),
     ([*QUICK, "--heldout_text", "UNANSWERED"], "no record has a token to score"),
     (

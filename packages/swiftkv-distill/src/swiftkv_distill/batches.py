@@ -1,6 +1,8 @@
 """Token rows into batches: rows packed from token sequences (``pack``, ``unpacked``; ``tokens.RowWriter`` writes
 them), and rows collated into the tensors the distillation step reads (``collate``), with what the step needs to
-know of their sequences found on the host, so that it need not wait for the device to find it.
+know of their sequences found on the host, so that it need not wait for the device to find it; and the rows'
+loaders: each process's share (``SkippingDistributedSampler``, ``EvenSampler``), resumable mid-epoch
+(``ResumableDataLoader``).
 """
 
 from __future__ import annotations
@@ -9,6 +11,7 @@ from collections.abc import Sequence
 from itertools import accumulate
 
 import torch
+from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 from .tokens import RowWriter, TokenRows
 
@@ -89,3 +92,80 @@ def row_wise(batch: dict) -> dict:
     """``batch`` without its whole-batch entries (``WHOLE_BATCH``): what code that slices, joins or re-pads its rows
     may keep. The step then finds what it needs from the rows, on the device."""
     return {k: v for k, v in batch.items() if k not in WHOLE_BATCH}
+
+
+class RowsDataset(Dataset):
+    """The rows; an index past the end names a row repeated to even out the processes' shares (``EvenSampler``),
+    flagged ``counted: False``."""
+
+    def __init__(self, rows: list[dict]):
+        self.rows = rows
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, index: int) -> dict:
+        if index < len(self.rows):
+            return self.rows[index]
+        return self.rows[index % len(self.rows)] | {"counted": False}
+
+
+class EvenSampler(DistributedSampler):
+    """Validation: each process's share of the rows, in order. Every process must run as many batches (under FSDP2
+    each forward is a collective), so ``DistributedSampler`` repeats the first rows where the rows are not a multiple
+    of the processes; here they are named past the dataset's end (``RowsDataset``), and the validation step leaves
+    them out of the figures instead of counting them twice."""
+
+    def __iter__(self):
+        return iter(range(self.rank, self.total_size, self.num_replicas))
+
+
+class SkippingDistributedSampler(DistributedSampler):
+    """``DistributedSampler`` (a seeded permutation per epoch) that can start mid-epoch (after ``skip`` indices)."""
+
+    skip = 0
+
+    def __iter__(self):
+        indices = list(super().__iter__())
+        skip, self.skip = self.skip, 0
+        return iter(indices[skip:])
+
+
+class ResumableDataLoader(DataLoader):
+    """A DataLoader whose position inside an epoch travels in Lightning checkpoints, so resuming from a checkpoint
+    continues with exactly the batches an uninterrupted run would have seen.
+
+    ``progress()``: the batches processed so far in the current epoch (Lightning's counter: the loader's own count
+    would include the batch Lightning prefetches). ``epoch()``: the epoch Lightning is in or about to start.
+    ``batches_per_epoch(n)``: the batches Lightning takes of the ``n`` the loader holds (``limit_train_batches``)."""
+
+    def __init__(self, *args, progress=None, epoch=None, batches_per_epoch=None, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._progress, self._epoch, self._batches_per_epoch = progress, epoch, batches_per_epoch
+        self._resume: tuple[int, int] | None = None
+
+    def state_dict(self) -> dict:
+        return {"epoch": self.sampler.epoch, "batches_done": int(self._progress()) if self._progress else 0}
+
+    def load_state_dict(self, state: dict) -> None:
+        self._resume = (state["epoch"], state["batches_done"])
+
+    def __iter__(self):
+        """Each iterator draws its epoch's permutation: the sampler's epoch is set here, as Lightning iterates the
+        loader once before it sets the epoch (``FitLoop.setup_data``), and a worker process draws its indices as
+        soon as the loader is iterated. The first iterator after a resume starts where the checkpoint stopped: less
+        the batches done, or at the next epoch's start when the checkpoint closed an epoch."""
+        done = 0
+        if self._resume is not None:
+            epoch, done = self._resume
+            self._resume = None
+            epoch_batches = self._batches_per_epoch(len(self)) if self._batches_per_epoch else len(self)
+            if done >= epoch_batches:
+                epoch, done = epoch + 1, 0
+        elif self._epoch is not None:
+            epoch = self._epoch()
+        else:
+            epoch = self.sampler.epoch
+        self.sampler.set_epoch(epoch)
+        self.sampler.skip = done * self.batch_size
+        return super().__iter__()

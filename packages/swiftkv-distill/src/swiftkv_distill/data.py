@@ -77,7 +77,7 @@ class RecordFile:
         import datasets
 
         self.path = Path(file)
-        builder = _check_file(self.path)
+        builder = check_file(self.path)
         if self.path.suffix.lower() == ".jsonl":
             _check_json_lines(self.path)
         try:
@@ -192,10 +192,14 @@ def record_sets(
     return {"train": RecordSet(train), **{f"val{i}": RecordSet(files) for i, files in enumerate(vals)}}
 
 
-def _check_file(path: Path) -> str:
+def check_file(path: Path) -> str:
     """The ``datasets`` builder of a data file; ``DataError`` if it is missing, empty or of an unknown kind."""
     if not path.is_file():
-        raise DataError(f"Data file {path} does not exist.")
+        relative = "" if path.is_absolute() else f" (read from {Path.cwd()})"
+        raise DataError(
+            f"Data file {path} does not exist{relative}: name jsonl / json / parquet / txt files that are there "
+            "(distill fit: --data.train_files '[FILE, ...]'; record formats: swiftkv_distill/data.py)."
+        )
     builder = _BUILDERS.get(path.suffix.lower())
     if builder is None:
         raise DataError(
@@ -210,7 +214,7 @@ def file_identity(file: str | Path) -> list:
     """What tells a data file's content apart without reading it: its real path, size, modification and change
     times (the token cache's key). ``DataError`` as ``RecordFile`` for a file that cannot be data."""
     path = Path(file)
-    _check_file(path)
+    check_file(path)
     stat = path.stat()
     # the change time too: a copy that keeps an older file's modification time (cp -p, rsync -t) gets a new one
     return [str(path.resolve()), stat.st_size, stat.st_mtime_ns, stat.st_ctime_ns]

@@ -12,19 +12,20 @@ from pathlib import Path
 
 import lightning as L
 import torch
-from torch.utils.data import DataLoader, Dataset, DistributedSampler
+from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 
 from swiftkv_core.atomic import made_once, scratch_directory
 from swiftkv_core.faults import pause_point
 from swiftkv_core.runtime import stack_versions
 
-from .batches import collate
-from .corpora import resolve_files
+from .batches import EvenSampler, ResumableDataLoader, RowsDataset, SkippingDistributedSampler, collate
+from .corpora import dataset_name, resolve_files
 from .data import (
     CHAT_TOKENS,
     DataError,
     RecordSet,
+    check_file,
     encoding_processes,
     evenly_spaced,
     file_identity,
@@ -41,83 +42,6 @@ from .tokens import (
     tokenizer_identity,
     write_sets,
 )
-
-
-class RowsDataset(Dataset):
-    """The rows; an index past the end names a row repeated to even out the processes' shares (``EvenSampler``),
-    flagged ``counted: False``."""
-
-    def __init__(self, rows: list[dict]):
-        self.rows = rows
-
-    def __len__(self) -> int:
-        return len(self.rows)
-
-    def __getitem__(self, index: int) -> dict:
-        if index < len(self.rows):
-            return self.rows[index]
-        return self.rows[index % len(self.rows)] | {"counted": False}
-
-
-class EvenSampler(DistributedSampler):
-    """Validation: each process's share of the rows, in order. Every process must run as many batches (under FSDP2
-    each forward is a collective), so ``DistributedSampler`` repeats the first rows where the rows are not a multiple
-    of the processes; here they are named past the dataset's end (``RowsDataset``), and the validation step leaves
-    them out of the figures instead of counting them twice."""
-
-    def __iter__(self):
-        return iter(range(self.rank, self.total_size, self.num_replicas))
-
-
-class SkippingDistributedSampler(DistributedSampler):
-    """``DistributedSampler`` (a seeded permutation per epoch) that can start mid-epoch (after ``skip`` indices)."""
-
-    skip = 0
-
-    def __iter__(self):
-        indices = list(super().__iter__())
-        skip, self.skip = self.skip, 0
-        return iter(indices[skip:])
-
-
-class ResumableDataLoader(DataLoader):
-    """A DataLoader whose position inside an epoch travels in Lightning checkpoints, so resuming from a checkpoint
-    continues with exactly the batches an uninterrupted run would have seen.
-
-    ``progress()``: the batches processed so far in the current epoch (Lightning's counter: the loader's own count
-    would include the batch Lightning prefetches). ``epoch()``: the epoch Lightning is in or about to start.
-    ``batches_per_epoch(n)``: the batches Lightning takes of the ``n`` the loader holds (``limit_train_batches``)."""
-
-    def __init__(self, *args, progress=None, epoch=None, batches_per_epoch=None, **kwargs):
-        super().__init__(*args, **kwargs)
-        self._progress, self._epoch, self._batches_per_epoch = progress, epoch, batches_per_epoch
-        self._resume: tuple[int, int] | None = None
-
-    def state_dict(self) -> dict:
-        return {"epoch": self.sampler.epoch, "batches_done": int(self._progress()) if self._progress else 0}
-
-    def load_state_dict(self, state: dict) -> None:
-        self._resume = (state["epoch"], state["batches_done"])
-
-    def __iter__(self):
-        """Each iterator draws its epoch's permutation: the sampler's epoch is set here, as Lightning iterates the
-        loader once before it sets the epoch (``FitLoop.setup_data``), and a worker process draws its indices as
-        soon as the loader is iterated. The first iterator after a resume starts where the checkpoint stopped: less
-        the batches done, or at the next epoch's start when the checkpoint closed an epoch."""
-        done = 0
-        if self._resume is not None:
-            epoch, done = self._resume
-            self._resume = None
-            epoch_batches = self._batches_per_epoch(len(self)) if self._batches_per_epoch else len(self)
-            if done >= epoch_batches:
-                epoch, done = epoch + 1, 0
-        elif self._epoch is not None:
-            epoch = self._epoch()
-        else:
-            epoch = self.sampler.epoch
-        self.sampler.set_epoch(epoch)
-        self.sampler.skip = done * self.batch_size
-        return super().__iter__()
 
 
 class DistillDataModule(L.LightningDataModule):
@@ -162,7 +86,10 @@ class DistillDataModule(L.LightningDataModule):
     ):
         super().__init__()
         if not train_files:
-            raise DataError("train_files is empty: give at least one jsonl / json / parquet / txt file.")
+            raise DataError(
+                "train_files is empty: give at least one jsonl / json / parquet / txt file (distill fit: "
+                "--data.train_files '[FILE, ...]'; the recipes of 7-70B models name none: the data is yours)."
+            )
         if max_length < 2:
             raise DataError(f"max_length must be >= 2, got {max_length}.")
         if not 0 <= val_fraction < 1:
@@ -185,6 +112,11 @@ class DistillDataModule(L.LightningDataModule):
         if any(not files for files in sets.values()) and len(sets) > 1:
             raise DataError(f"val_files: every named set needs at least one file, got {dict(sets)}.")
         self.val_sets = {str(name): list(files) for name, files in sets.items()}
+        # every local file there, on each process, before anything is launched or computed (dataset:NAME sets are
+        # made when the data is prepared)
+        for file in [*self.train_files, *(f for files in self.val_sets.values() for f in files)]:
+            if dataset_name(file) is None:
+                check_file(Path(file))
         self.train_rows: list[dict] | None = None
         self.val_rows: list[dict] | None = None  # the first set's rows
         self.val_set_rows: dict[str, list[dict]] = {}
