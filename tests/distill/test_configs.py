@@ -7,6 +7,7 @@ import re
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 from lightning.pytorch.strategies import ModelParallelStrategy
 
@@ -159,6 +160,22 @@ def test_a_sharding_that_is_not_the_processes_started_is_refused_before_they_sta
         ValueError, match=r"start 1: give `fabric run` --devices 8 \(it started 1 a node\); or set"
     ):
         make_cli(job_arguments(one_device, launched)[1:], run=False)
+    # the 70B recipe's 16 processes launched on one node of 8 GPUs (fabric run without --num_nodes 2): more nodes,
+    # or a sharding over 8; never more processes than the node has GPUs (this machine: none)
+    launched = {"LT_ACCELERATOR": "cuda", "LT_DEVICES": "8", "LT_NUM_NODES": "1"}
+    for name, value in launched.items():
+        monkeypatch.setenv(name, value)
+    seventy_b = ["--config", "llama-3.1-70b-instruct", "--model.model", "default"]
+    with pytest.raises(
+        ValueError,
+        match=r"start 8: give `fabric run` --num_nodes 2 \(it started 1\); or set "
+        r"--trainer.strategy.data_parallel_size 8 \(the global batch is then 2x smaller",
+    ) as refused:
+        make_cli(
+            job_arguments([*seventy_b, "--data.train_files", "[dataset:brown_train]"], launched)[1:],
+            run=False,
+        )
+    assert "--devices 16" not in str(refused.value) or torch.cuda.device_count() >= 16
 
 
 def test_gpu_recipe_strategy_is_fsdp2():

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 
+import torch
 from jsonargparse import set_parsing_settings
 from lightning.pytorch.cli import LightningCLI
 
@@ -136,6 +137,13 @@ def same_global_batch(trainer, times: int) -> str:
     return f"(the global batch is then {times}x smaller: {fix} keep it, and the recipe's validations)"
 
 
+def node_devices(accelerator) -> int | float:
+    """The processes a node can start for ``accelerator``: its GPUs (none seen: 0), or any number on the CPU."""
+    if str(accelerator) == "cpu" or (str(accelerator) == "auto" and not torch.cuda.is_available()):
+        return float("inf")
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
 def check_world_size(trainer, environ) -> None:
     """Refuse a ModelParallelStrategy whose data x tensor parallel size is not the processes the trainer starts
     (``devices`` x ``num_nodes``), before any process starts: Lightning finds it only once every process is up."""
@@ -155,11 +163,14 @@ def check_world_size(trainer, environ) -> None:
         fixes[0] += ", or --trainer.strategy auto"
     if processes < dp * tp and (dp * tp) % processes == 0:
         fixes[0] += f" {same_global_batch(trainer, dp * tp // processes)}"
-    if environ.get("LT_DEVICES") and (dp * tp) % trainer.num_nodes == 0:
-        # fabric run starts its --devices processes a node (1 when not given), which become trainer.devices
-        fixes.insert(
-            0, f"give `fabric run` --devices {dp * tp // trainer.num_nodes} (it started {devices} a node)"
-        )
+    if environ.get("LT_DEVICES"):
+        # fabric run starts its --devices processes a node (1 when not given) on its --num_nodes nodes (1 when not
+        # given), which become trainer.devices and num_nodes: more nodes where a node's GPUs are all started
+        per_node, nodes = (dp * tp) // trainer.num_nodes, (dp * tp) // devices
+        if devices > 1 and nodes > trainer.num_nodes and (dp * tp) % devices == 0:
+            fixes.insert(0, f"give `fabric run` --num_nodes {nodes} (it started {trainer.num_nodes})")
+        if (dp * tp) % trainer.num_nodes == 0 and per_node <= node_devices(trainer.accelerator):
+            fixes.insert(0, f"give `fabric run` --devices {per_node} (it started {devices} a node)")
     raise ValueError(
         f"trainer.strategy's data_parallel_size {dp} x tensor_parallel_size {tp} = {dp * tp} processes, but "
         f"trainer.devices {devices} x num_nodes {trainer.num_nodes} start {processes}: {'; or '.join(fixes)}."
