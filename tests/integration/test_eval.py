@@ -4,6 +4,7 @@ task over packaged jsonl, the teacher and the SwiftKV model side by side; lm-eva
 from __future__ import annotations
 
 import json
+import logging
 import subprocess
 import sys
 from pathlib import Path
@@ -62,11 +63,24 @@ def base_loglikelihoods(base: Path, logged: dict) -> list[float]:
     return [ll for ll, _greedy in lm.loglikelihood(requests)]
 
 
-def test_eval_writes_teacher_and_swiftkv_side_by_side(checkpoints, tmp_path):
+def test_eval_writes_teacher_and_swiftkv_side_by_side(checkpoints, tmp_path, caplog):
     from swiftkv.evaluate import main
 
     base, full, serving = checkpoints
-    report = main(model=full, limit=4, batch_size=4, device="cpu", log_samples=True, out=tmp_path / "eval")
+    with caplog.at_level(logging.INFO, logger="lm_eval"):
+        report = main(
+            model=full, limit=4, batch_size=4, device="cpu", log_samples=True, out=tmp_path / "eval"
+        )
+    # lm-eval's log holds no notice of the loaded model passed to it, nor of our model type: nothing to act on
+    warned = [
+        r.getMessage()
+        for r in caplog.records
+        if r.name.startswith("lm_eval") and r.levelno >= logging.WARNING
+    ]
+    assert not [w for w in warned if "pretrained" in w or "already-initialized" in w or "CausalLM" in w], (
+        warned
+    )
+    assert any(r.name.startswith("lm_eval") for r in caplog.records)  # its log is seen here
     data = json.loads(report.with_suffix(".json").read_text())
     rows = {(r["task"], r["metric"]): r for r in data["rows"]}
     assert set(rows) == {("swiftkv_capitals", "acc"), ("swiftkv_arithmetic", "exact_match")}

@@ -192,10 +192,33 @@ def evaluate(
         lm, tokenizer = load(model_path, dtype=dtype, device=device)
         if hasattr(lm, "swiftkv"):
             lm.swiftkv(swiftkv)
-        harness = HFLM(pretrained=lm, tokenizer=tokenizer, batch_size=batch_size, device=str(device))
+        # a decoder (lm-eval finds no llama_swiftkv in transformers' own table, and says so); the model passed in
+        # loaded, as we mean to: lm-eval's notices of that are not the user's to act on
+        with _without(HFLM_NOTICES, "lm_eval.models.huggingface"):
+            harness = HFLM(pretrained=lm, tokenizer=tokenizer, batch_size=batch_size, device=str(device),
+                           backend="causal")  # fmt: skip
     output = simple_evaluate(model=harness, tasks=tasks, limit=limit, num_fewshot=num_fewshot,
                              task_manager=task_manager, log_samples=log_samples)  # fmt: skip
     return output
+
+
+# what lm-eval's HFLM logs when it is given a loaded model (which ``evaluate`` does on purpose)
+HFLM_NOTICES = ("`pretrained` model kwarg is not of type `str`", "Passed an already-initialized model")
+
+
+@contextmanager
+def _without(notices: tuple[str, ...], logger: str) -> Iterator[None]:
+    """Inside: ``logger``'s records that start with one of ``notices`` are dropped; its others pass."""
+    import logging
+
+    def keep(record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith(notices)
+
+    logging.getLogger(logger).addFilter(keep)
+    try:
+        yield
+    finally:
+        logging.getLogger(logger).removeFilter(keep)
 
 
 def _check_vllm_distribution() -> None:
