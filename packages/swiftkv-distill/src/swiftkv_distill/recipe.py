@@ -164,8 +164,8 @@ def check_world_size(trainer, environ) -> None:
     if processes < dp * tp and (dp * tp) % processes == 0:
         fixes[0] += f" {same_global_batch(trainer, dp * tp // processes)}"
     if environ.get("LT_DEVICES"):
-        # fabric run starts its --devices processes a node (1 when not given) on its --num_nodes nodes (1 when not
-        # given), which become trainer.devices and num_nodes: more nodes where a node's GPUs are all started
+        # fabric run starts --devices processes (1 when not given) on each of --num_nodes nodes (1 when not given),
+        # which become trainer.devices and num_nodes: the fix is more nodes, or more devices where a node has them
         per_node, nodes = (dp * tp) // trainer.num_nodes, (dp * tp) // devices
         if devices > 1 and nodes > trainer.num_nodes and (dp * tp) % devices == 0:
             fixes.insert(0, f"give `fabric run` --num_nodes {nodes} (it started {trainer.num_nodes})")
