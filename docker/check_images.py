@@ -403,9 +403,7 @@ def check_quickstart_offline(work: Path) -> None:
     log_text = (work / "train-quickstart.log").read_text()
     reports = list(runs.glob("*/report.md"))
     reused = [line for line in log_text.splitlines() if "done earlier, reused" in line]
-    tasks = (
-        "| swiftkv_capitals |" in reports[0].read_text() if len(reports) == 1 else False
-    )  # lm-eval, offline
+    tasks = len(reports) == 1 and "| swiftkv_capitals |" in reports[0].read_text()  # lm-eval's row, offline
     if result.returncode != 0 or len(reports) != 1 or len(reused) < 4 or not tasks:
         raise SystemExit(
             f"quickstart offline: exit {result.returncode}, reports {reports}, reused {reused}, task accuracy "
