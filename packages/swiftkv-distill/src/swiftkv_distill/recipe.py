@@ -141,7 +141,7 @@ def node_devices(accelerator) -> int | float:
     """The processes a node can start for ``accelerator``: its GPUs (none seen: 0), or any number on the CPU."""
     if str(accelerator) == "cpu" or (str(accelerator) == "auto" and not torch.cuda.is_available()):
         return float("inf")
-    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+    return torch.cuda.device_count()  # 0 where torch sees no GPU
 
 
 def check_world_size(trainer, environ) -> None:
