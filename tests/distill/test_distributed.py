@@ -208,28 +208,6 @@ def test_two_process_fsdp2_matches_single_process(tmp_path, tiny_model, text_fil
         torch.testing.assert_close(got[name], expected[name], rtol=1e-4, atol=1e-5, msg=name)
 
 
-@pytest.mark.distributed
-def test_a_sharded_run_resumes_from_a_one_file_checkpoint(tmp_path, tiny_model, text_file):
-    """ModelParallelStrategy(save_distributed_checkpoint=False): rank 0 writes one file of the trained weights, which
-    Lightning loads into the shards parameter by parameter (wanting each frozen one too where loading is strict):
-    the run resumed from step 2 trains steps 3 and 4 to the uninterrupted run's weights."""
-    strategy = _fsdp2()
-    strategy["init_args"]["save_distributed_checkpoint"] = False
-    ckpt_dir, eager = tmp_path / "ckpt", {"model": {"compile_layers": False}}
-    run_cfg, run_out = _config(tmp_path, tiny_model, text_file, "run", 2, strategy, ckpt_dir, **eager)
-    _launch(run_cfg, tmp_path)
-    (step2,) = ckpt_dir.glob("*step=2.ckpt")
-    assert step2.is_file()
-    saved = torch.load(step2, weights_only=False)["state_dict"]
-    assert set(saved) == {f"step.model.{k}" for k in _trained(run_out)}
-    resume_cfg, resume_out = _config(tmp_path, tiny_model, text_file, "resumed", 2, strategy, **eager)
-    _launch(resume_cfg, tmp_path, "--ckpt_path", str(step2))
-    assert _losses(resume_out) == _losses(run_out)[2:]
-    resumed = _trained(resume_out)
-    for name, value in _trained(run_out).items():
-        torch.testing.assert_close(resumed[name], value, rtol=0, atol=0, msg=name)
-
-
 class LateRank(L.Callback):
     """Rank 1 reaches its first step 8 s after rank 0, whose clock therefore reads 8 s more at every step."""
 
