@@ -19,7 +19,8 @@ distillation batches are real text (Brown prose, the default tokenizer) packed i
 - the distillation step: ours (layers < l once, teacher and student suffixes, chunked KL; packed rows through sdpa's
   dense mask and through the device's packed attention, flex_attention or flash-attn) against a whole teacher + a
   whole student forward on the same weights: tokens/s, peak memory and MFU (the step's FLOPs, counted by torch's
-  FlopCounterMode, over the device's dense bf16 peak), measured by ``swiftkv_distill.bench``;
+  FlopCounterMode, over the device's dense bf16 peak), and the speed vs the whole with its FLOPs bound (the two
+  steps' counted FLOPs), measured by ``swiftkv_distill.bench``;
   ``--activation_checkpointing true`` / ``--compile_layers true``: both again with every layer recomputed / compiled.
 
 Writes ``benchmarks/results/gpu-<shape>.{json,md}`` (or ``--out``). Where a 2k prefill spends its time:
@@ -415,9 +416,14 @@ def markdown(r: dict) -> str:
             "## Distillation step (packed rows of real text; fp32 master weights of the trained parameters, bf16 "
             "autocast; peak: the tensor memory of one step, weights and optimizer state included)",
             "",
-            "| setup | frozen weights | tokens/s | step (s) | peak GiB | MFU | speed vs whole | memory vs whole |",
-            "|---|---|---|---|---|---|---|---|",
+            "| setup | frozen weights | tokens/s | step (s) | peak GiB | MFU | speed vs whole | FLOPs bound | of the "
+            "bound | memory vs whole |",
+            "|---|---|---|---|---|---|---|---|---|---|",
             *(_distill_row(d) for d in r["distill"]),
+            "",
+            "Vs whole: against the whole teacher + whole student of the same attention, checkpointing and compiling. "
+            "FLOPs bound: the whole's model FLOPs over the row's (FlopCounterMode; ours runs layers < l once, the "
+            "whole in both forwards), the speed-up at equal FLOP rates.",
             "",
         ]  # fmt: skip
     return "\n".join(lines)
@@ -426,9 +432,11 @@ def markdown(r: dict) -> str:
 def _distill_row(d: dict) -> str:
     """A distillation step's row of the page: a setup out of device memory says so, and its ratios are none."""
     if "out_of_memory" in d:
-        return f"| {d['setup']} | {d['frozen']} | out of memory | - | - | - | - | - |"
+        return f"| {d['setup']} | {d['frozen']} | out of memory | - | - | - | - | - | - | - |"
+    speed, bound = d.get("speed_vs_whole_x"), d.get("flops_bound_x")
     return (f"| {d['setup']} | {d['frozen']} | {d['tokens_per_s']:,.0f} | {d['step_s']:.3f} | {d['peak_gib']:.2f} | "
-            f"{_or_dash(d['mfu'], '.0%')} | {_or_dash(d.get('speed_vs_whole_x'), '.2f', 'x')} | "
+            f"{_or_dash(d['mfu'], '.0%')} | {_or_dash(speed, '.2f', 'x')} | {_or_dash(bound, '.2f', 'x')} | "
+            f"{_or_dash(speed / bound if speed and bound else None, '.0%')} | "
             f"{_or_dash(d.get('memory_vs_whole_x'), '.2f', 'x')} |")  # fmt: skip
 
 

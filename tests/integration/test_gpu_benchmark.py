@@ -117,6 +117,9 @@ def test_distillation_step_rows_compare_against_the_whole_teacher_and_student(ti
             (v for v in (AC, CL) if r["setup"].endswith(v)), ""
         )  # the same checkpointing, compiling
         assert r["memory_vs_whole_x"] == pytest.approx(r["peak_gib"] / rows[like, r["frozen"]]["peak_gib"])
+        assert r["flops_bound_x"] == pytest.approx(rows[like, r["frozen"]]["step_tflop"] / r["step_tflop"])
+        # ours runs layers < l once: fewer FLOPs than the whole, whose own bound is 1
+        assert r["flops_bound_x"] > 1 if r["setup"].startswith("ours") else r["flops_bound_x"] == 1
     for frozen in ("fp32", "bf16"):
         # both hold the weights, the optimizer state and at least the student's logits (49k vocabulary, fp32)
         whole, ours = rows[WHOLE, frozen]["peak_gib"], rows[OURS, frozen]["peak_gib"]
@@ -127,6 +130,9 @@ def test_distillation_step_rows_compare_against_the_whole_teacher_and_student(ti
             assert rows[setup + AC, frozen]["step_tflop"] == rows[setup, frozen]["step_tflop"]
             # compiled layers: the same model FLOPs, counted on the eager forward (none seen inside a graph)
             assert rows[setup + CL, frozen]["step_tflop"] == rows[setup, frozen]["step_tflop"]
+    ours = rows[OURS, "bf16"]
+    bound = f"{ours['speed_vs_whole_x']:.2f}x | {ours['flops_bound_x']:.2f}x | "
+    assert f"{bound}{ours['speed_vs_whole_x'] / ours['flops_bound_x']:.0%} |" in markdown
     assert "## Distillation step" in markdown and result["command"].startswith("python3 benchmarks/gpu.py")
 
 
@@ -147,12 +153,14 @@ def test_a_setup_out_of_device_memory_is_a_row_and_the_others_still_run(monkeypa
     result = load_benchmark().main(tiny=True, out=out, parts=["distill"], frozen=["bf16"])
     rows = {r["setup"]: r for r in result["distill"]}
     assert rows[WHOLE] == {"setup": WHOLE, "frozen": "bf16", "speed_vs_whole_x": None, "memory_vs_whole_x": None,
+                           "flops_bound_x": None,
                            "out_of_memory": "CUDA out of memory. Tried to allocate 9.00 GiB."}  # fmt: skip
     assert rows[OURS]["tokens_per_s"] > 0 and rows[OURS]["peak_gib"] > 0
     assert rows[OURS]["speed_vs_whole_x"] is None and rows[OURS]["memory_vs_whole_x"] is None
+    assert rows[OURS]["flops_bound_x"] is None
     page = (tmp_path / "gpu-oom.md").read_text()
     assert (
-        f"| {WHOLE} | bf16 | out of memory |" in page
+        f"| {WHOLE} | bf16 | out of memory | - | - | - | - | - | - | - |" in page
         and f"| {OURS} | bf16 | {rows[OURS]['tokens_per_s']:,.0f} |" in page
     )
 

@@ -72,8 +72,9 @@ def step_rows(
 ) -> list[dict]:
     """Tokens/s, peak memory and MFU of a distillation step: ours and a whole teacher + a whole student forward on
     the same weights (``frozen``: their dtype), each with dense-mask sdpa and the device's packed attention, and
-    compared with the whole of the same attention, checkpointing and compiling (the gain of ours alone); a setup
-    that runs out of device memory gives a row saying so (``out_of_memory``: the error's first line);
+    compared with the whole of the same attention, checkpointing and compiling (the gain of ours alone, and its
+    FLOPs bound: ``vs_whole``); a setup that runs out of device memory gives a row saying so (``out_of_memory``:
+    the error's first line);
     ``checkpointing``: also both with activation checkpointing of every layer (``build.checkpoint_activations``);
     ``compiled``: then both with every decoder layer compiled (``build.compile_layers``, once; the last rows, as a
     compiled layer stays compiled). ``on_row``: told each row as it is measured (before the ratios: a run killed
@@ -110,11 +111,10 @@ def step_rows(
     if compiled:  # both again, every layer compiled
         setups += [(label, fn, attention, 0, True) for label, fn, attention, *_ in base]
     trainable = [p for p in model.parameters() if p.requires_grad]
-    rows, model_flops, like_whole = [], {}, {}
+    rows, model_flops = [], {}
     for label, loss_fn, attention, every, compile_now in setups:
         variant = " + activation checkpointing" * every + " + compiled layers" * compile_now
         name = f"{label} ({attention}){variant}"
-        like_whole[name] = f"{WHOLE} ({attention}){variant}"
         model.config._attn_implementation = attention
         checkpoint_activations(model, every)
         compile_layers(model, compile_now)
@@ -166,13 +166,29 @@ def step_rows(
         on_row(rows[-1])
         del optimizer
     model.config._attn_implementation = "sdpa"
+    return vs_whole(rows)
+
+
+def whole_like(setup: str) -> str:
+    """The whole teacher + whole student setup of ``setup``'s attention, checkpointing and compiling (``step_rows``'
+    names: ``LABEL (ATTENTION)VARIANT``)."""
+    attention, variant = setup.split(" (", 1)[1].split(")", 1)
+    return f"{WHOLE} ({attention}){variant}"
+
+
+def vs_whole(rows: list[dict]) -> list[dict]:
+    """``rows`` (``step_rows``') with their speed and memory over those of the whole like them (``whole_like``), and
+    the FLOPs bound of that speed-up: the whole's model FLOPs over the row's (ours runs layers < l once, without a
+    graph; the whole runs them in both forwards), its speed-up were both to run at the same FLOP rate. None where
+    either ran out of memory or no such whole was measured."""
     by_name = {r["setup"]: r for r in rows}
 
-    def vs_whole(row: dict, key: str) -> float | None:  # none where either ran out of memory
-        whole = by_name[like_whole[row["setup"]]]
+    def ratio(row: dict, key: str) -> float | None:
+        whole = by_name.get(whole_like(row["setup"]), {})
         return row[key] / whole[key] if key in row and key in whole else None
 
-    return [{**r, "speed_vs_whole_x": vs_whole(r, "tokens_per_s"), "memory_vs_whole_x": vs_whole(r, "peak_gib")}
+    return [{**r, "speed_vs_whole_x": ratio(r, "tokens_per_s"), "memory_vs_whole_x": ratio(r, "peak_gib"),
+             "flops_bound_x": 1 / flops if (flops := ratio(r, "step_tflop")) else None}
             for r in rows]  # fmt: skip
 
 
