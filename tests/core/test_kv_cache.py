@@ -53,6 +53,21 @@ def test_quantise_dequantise_round_trip_and_scales():
     assert dequantize_fp8(q, scale, torch.bfloat16).dtype == torch.bfloat16
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_dequantising_rounds_once_and_makes_no_float32_copy(dtype):
+    """Each element is its e4m3 value times its scale in float32, rounded once to the compute dtype, and the only
+    memory taken is the result's: every decode step dequantises each layer's whole cache, and a float32 copy on the
+    way held three times a bf16 layer's bytes at once."""
+    from swiftkv_core.runtime import PeakMemory
+
+    torch.manual_seed(0)
+    q, scale = quantize_fp8(torch.randn(2, 4, 64, 128) * torch.logspace(-3, 3, 64)[:, None])
+    with PeakMemory("cpu") as meter:
+        out = dequantize_fp8(q, scale, dtype)
+    assert out.dtype == dtype and torch.equal(out, (q.float() * scale).to(dtype))
+    assert meter.peak_bytes == out.nbytes
+
+
 def test_per_token_scales_make_quantisation_independent_of_other_tokens():
     x = torch.randn(2, 2, 30, 8)
     whole = quantize_fp8(x)

@@ -69,7 +69,10 @@ def quantize_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def dequantize_fp8(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    return (q.to(SCALE_DTYPE) * scale).to(dtype)
+    """``q * scale`` in ``dtype``, each element multiplied in float32 and rounded once. Cast first (e4m3 is exact in
+    every compute dtype), then scaled in place: no float32 copy of the layer's K or V on the way, which every
+    decode step makes of each layer (twice its bytes in bf16)."""
+    return q.to(dtype).mul_(scale)
 
 
 class FP8KVLayer(DynamicLayer):
