@@ -68,6 +68,18 @@ def test_dequantising_rounds_once_and_makes_no_float32_copy(dtype):
     assert meter.peak_bytes == out.nbytes
 
 
+def test_quantising_takes_one_float32_temporary():
+    """A prefill quantises each layer's new K and V: divided in float32 and clamped in place, it holds one float32
+    temporary of their size beside the e4m3 result (and its scales); a copy in float32 first, and a clamp out of
+    place, held two."""
+    from swiftkv_core.runtime import PeakMemory
+
+    x = torch.randn(2, 4, 64, 128, dtype=torch.bfloat16)
+    with PeakMemory("cpu") as meter:
+        q, scale = quantize_fp8(x)
+    assert meter.peak_bytes <= x.numel() * (4 + 1) + 2 * scale.nbytes
+
+
 def test_per_token_scales_make_quantisation_independent_of_other_tokens():
     x = torch.randn(2, 2, 30, 8)
     whole = quantize_fp8(x)

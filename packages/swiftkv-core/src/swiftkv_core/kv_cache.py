@@ -65,7 +65,8 @@ def quantize_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``(x / scale in e4m3, scale)`` with ``scale = amax / 448`` over the last dim (one head's vector)."""
     amax = x.detach().abs().amax(-1, keepdim=True).to(SCALE_DTYPE)
     scale = (amax / FP8_MAX).clamp_min(torch.finfo(SCALE_DTYPE).tiny)  # an all-zero vector stays zero
-    return (x.to(SCALE_DTYPE) / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE), scale
+    # divided in float32 (the scale's dtype), clamped in place: one float32 temporary of x's size
+    return (x / scale).clamp_(-FP8_MAX, FP8_MAX).to(FP8_DTYPE), scale
 
 
 def dequantize_fp8(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
