@@ -5,6 +5,7 @@ from __future__ import annotations
 import atexit
 import os
 import shutil
+import socket
 import tempfile
 
 import pytest
@@ -46,6 +47,14 @@ TINY = dict(
 # head_dim 32 (hidden 64 over 2 heads) for the tiny models that run flex_attention on a CPU: torch 2.13's compiled CPU
 # flex_attention is wrong below head_dim 32 on a CPU with AVX2 and no AVX-512 (swiftkv_core.runtime.check_flex_attention)
 FLEX_HEADS = dict(num_attention_heads=2, num_key_value_heads=1)
+
+
+def free_port() -> int:
+    """A TCP port no process listens on now (a launcher's rendezvous, a server): tests that run at the same time on
+    the other worker must not share one."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def tiny_base(family: str = "llama", seed: int = 0, **overrides):
@@ -115,7 +124,7 @@ LONGEST_FILES = {
     "tests/core/test_attention.py": 305,
     "tests/serve/test_offline.py": 265,
     "tests/serve/test_compose.py": 265,
-    "tests/distill/test_distributed.py": 185,  # 215 before its two resume tests moved (2026-12-06)
+    "tests/distill/test_distributed.py": 185,  # 215 before its resume test moved (2026-12-06)
     "tests/integration/test_kill.py": 280,  # 215, and 66 s of the sharded checkpoint kill since
     "tests/integration/test_gpu_benchmark.py": 170,
     "tests/serve/test_soak.py": 140,

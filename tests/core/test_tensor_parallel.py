@@ -3,7 +3,6 @@
 projections SwiftKV adds included, and the logits of a prefill's kept rows and of the next token equal one process's;
 a checkpoint with LoRA adapters, which the plan does not split, is refused with the way out (its serving export)."""
 
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -11,7 +10,7 @@ from pathlib import Path
 import torch
 
 from swiftkv_core import convert, save_checkpoint
-from tests.conftest import tiny_base
+from tests.conftest import free_port, tiny_base
 from tests.core.tensor_parallel_worker import logits
 
 WORKER = Path(__file__).with_name("tensor_parallel_worker.py")
@@ -26,12 +25,6 @@ def _randomised(model):
             if "swiftkv" in name and parameter.dim() == 2:
                 parameter.normal_(0, 0.2)
     return model
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_tensor_parallel_swiftkv_matches_one_process(tmp_path):
@@ -59,7 +52,7 @@ def test_tensor_parallel_swiftkv_matches_one_process(tmp_path):
         "--master_addr",
         "127.0.0.1",
     ]
-    command += ["--master_port", str(_free_port()), str(WORKER), *folders]
+    command += ["--master_port", str(free_port()), str(WORKER), *folders]
     subprocess.run(command, check=True, timeout=300, cwd=Path(__file__).parents[2])
     for name, reference in expected.items():
         result = torch.load(tmp_path / name / "tensor_parallel.pt")

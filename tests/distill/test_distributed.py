@@ -20,6 +20,8 @@ import yaml
 from safetensors.torch import load_file
 from torch.distributed.checkpoint import FileSystemReader
 
+from tests.conftest import free_port
+
 ROOT = Path(__file__).parents[2]
 
 
@@ -110,7 +112,9 @@ def _launch(config, cwd, *options, processes: int = 2, env=None, check: bool = T
         command = [sys.executable, *app, "--trainer.devices", "1"]
     else:
         fabric = shutil.which("fabric", path=str(Path(sys.executable).parent))
-        command = [fabric, "run", "--accelerator", "cpu", "--devices", str(processes), *app]
+        # a port of its own: fabric run's default (29400) is taken while another test's launch runs beside it
+        command = [fabric, "run", "--accelerator", "cpu", "--devices", str(processes), "--main_port", str(free_port()),
+                   *app]  # fmt: skip
     result = subprocess.run(command, env=env, cwd=cwd, timeout=300, capture_output=True, text=True)
     assert not check or result.returncode == 0, result.stdout + result.stderr
     return result
@@ -400,8 +404,8 @@ def test_budgeted_fit_gives_every_process_rank0s_summary(tmp_path, tiny_model, t
     script.write_text(BUDGETED_FIT)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     fabric = shutil.which("fabric", path=str(Path(sys.executable).parent))
-    command = [fabric, "run", "--accelerator", "cpu", "--devices", "2", str(script), str(tiny_model), str(text_file),
-               str(out)]  # fmt: skip
+    command = [fabric, "run", "--accelerator", "cpu", "--devices", "2", "--main_port", str(free_port()), str(script),
+               str(tiny_model), str(text_file), str(out)]  # fmt: skip
     result = subprocess.run(
         [*command, "{}"], env=env, cwd=tmp_path, timeout=300, capture_output=True, text=True
     )

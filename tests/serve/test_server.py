@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -16,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from swiftkv_serve.server import free_port
 from tests.serve.checkpoints import hf_greedy
 from tests.serve.conftest import random_prompts
 
@@ -23,12 +23,6 @@ pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
 NUM_CONCURRENT = 32
 MAX_TOKENS = 8
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _post(url: str, body: bytes | dict, timeout: float = 120) -> tuple[int, dict]:
@@ -43,7 +37,7 @@ def _post(url: str, body: bytes | dict, timeout: float = 120) -> tuple[int, dict
 
 @pytest.fixture(scope="module")
 def server(tiny_swiftkv, tmp_path_factory):
-    port = _free_port()
+    port = free_port()
     log = tmp_path_factory.mktemp("server") / "server.log"
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"}
     env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)  # the server as users run it
