@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 from jsonargparse import set_parsing_settings
 from lightning.pytorch.cli import LightningCLI
+from lightning.pytorch.trainer.states import TrainerFn
 
 from swiftkv_core.runtime import current_device
 
@@ -61,7 +62,11 @@ class DistillCLI(LightningCLI):
         tokenised and packed, so bad data is refused with nothing left in the output folder. (Several processes
         leave the data to Lightning, which prepares it on one process first.)"""
         datamodule = datamodule or self.datamodule
-        if ckpt_path in (None, "last"):  # Lightning's "last" found here, so that the checks below read it
+        # Lightning's "last" found here as Lightning finds it (None, with its warning), for the checks below
+        if ckpt_path == "last":
+            connector = self.trainer._checkpoint_connector
+            ckpt_path = connector._parse_ckpt_path(TrainerFn.FITTING, "last", True, model_connected=False)
+        elif ckpt_path is None:
             ckpt_path = last_checkpoint(self.trainer)
         model.resume_from = ckpt_path  # a resume fits no K/V init
         if self.trainer.world_size == 1:
