@@ -14,14 +14,14 @@ from pathlib import Path
 
 from swiftkv_distill.bench import vs_whole
 
-print(
-    "| run | setup | speed vs whole | FLOPs bound | of the bound | ours, whole (TFLOP / step) |\n|---|---|---|---|---|---|"
-)
+print("| run | setup | speed vs whole | FLOPs bound | of the bound | ours, whole (TFLOP / step) |")
+print("|---|---|---|---|---|---|")
 for path in sys.argv[1:]:
-    for r in vs_whole(json.loads(Path(path).read_text())["distill"]):
+    run = json.loads(Path(path).read_text())
+    for r in vs_whole(run["distill"]):
         if r["setup"].startswith("ours") and r["flops_bound_x"]:
             print(
-                f"| {Path(path).stem} | {r['setup']} | {r['speed_vs_whole_x']:.2f}x | {r['flops_bound_x']:.3f}x | "
-                f"{r['speed_vs_whole_x'] / r['flops_bound_x']:.0%} | {r['step_tflop']:.1f}, "
+                f"| {Path(path).stem} ({run['device']}) | {r['setup']} | {r['speed_vs_whole_x']:.2f}x | "
+                f"{r['flops_bound_x']:.3f}x | {r['speed_vs_whole_x'] / r['flops_bound_x']:.0%} | {r['step_tflop']:.1f}, "
                 f"{r['step_tflop'] * r['flops_bound_x']:.1f} |"
             )
