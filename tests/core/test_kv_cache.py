@@ -20,6 +20,7 @@ from swiftkv_core.kv_cache import (
     quantize_fp8,
     storage_name,
 )
+from swiftkv_core.runtime import PeakMemory
 from tests.conftest import tiny_base
 
 # e4m3 keeps 3 mantissa bits: round-to-nearest is within 2^-4 of |x| for normal numbers; below e4m3's smallest
@@ -53,30 +54,34 @@ def test_quantise_dequantise_round_trip_and_scales():
     assert dequantize_fp8(q, scale, torch.bfloat16).dtype == torch.bfloat16
 
 
+# The FP8 cache's conversions hold one float32 temporary at most. Every decode step dequantises each layer's whole
+# cache, and a prefill quantises each layer's new K/V: a float32 copy, then a product out of place, held two.
+# (PeakMemory sees the tensors the operations return; a CPU kernel's own copies of mixed-dtype operands it does not,
+# so on the CPU the conversions keep every operation in one dtype; CUDA's kernels convert on the fly.)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
-def test_dequantising_rounds_once_and_makes_no_float32_copy(dtype):
-    """Each element is its e4m3 value times its scale in float32, rounded once to the compute dtype, and the only
-    memory taken is the result's: every decode step dequantises each layer's whole cache, and a float32 copy on the
-    way held three times a bf16 layer's bytes at once."""
-    from swiftkv_core.runtime import PeakMemory
-
+@pytest.mark.parametrize("device", [pytest.param("cpu"), pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_dequantising_rounds_once_with_one_float32_temporary_at_most(dtype, device):
+    """Each element is its e4m3 value times its scale in float32, rounded once to the compute dtype (as the
+    float32 product would be); the memory taken beside the result: one float32 copy on the CPU, none on CUDA."""
     torch.manual_seed(0)
-    q, scale = quantize_fp8(torch.randn(2, 4, 64, 128) * torch.logspace(-3, 3, 64)[:, None])
-    with PeakMemory("cpu") as meter:
+    q, scale = quantize_fp8(
+        torch.randn(2, 4, 64, 128, device=device) * torch.logspace(-3, 3, 64, device=device)[:, None]
+    )
+    with PeakMemory(device) as meter:
         out = dequantize_fp8(q, scale, dtype)
     assert out.dtype == dtype and torch.equal(out, (q.float() * scale).to(dtype))
-    assert meter.peak_bytes == out.nbytes
+    float32_copy = 0 if device == "cuda" or dtype == torch.float32 else q.numel() * 4
+    assert meter.peak_bytes - meter.resident_bytes == out.nbytes + float32_copy
 
 
-def test_quantising_takes_one_float32_temporary():
-    """A prefill quantises each layer's new K and V: divided in float32 and clamped in place, it holds one float32
-    temporary of their size beside the e4m3 result (and its scales); a copy in float32 first, and a clamp out of
-    place, held two."""
-    from swiftkv_core.runtime import PeakMemory
-
-    x = torch.randn(2, 4, 64, 128, dtype=torch.bfloat16)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_quantising_gives_the_float32_quotients_rounded_with_one_float32_temporary(dtype):
+    x = (torch.randn(2, 4, 64, 128) * torch.logspace(-3, 3, 64)[:, None]).to(dtype)
     with PeakMemory("cpu") as meter:
         q, scale = quantize_fp8(x)
+    expected = (x.float() / scale).clamp(-448, 448).to(FP8_DTYPE)
+    assert torch.equal(bits(q), bits(expected))
+    # the float32 quotients, the e4m3 result and the scales (with the amax's own)
     assert meter.peak_bytes <= x.numel() * (4 + 1) + 2 * scale.nbytes
 
 

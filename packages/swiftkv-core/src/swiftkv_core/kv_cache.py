@@ -65,15 +65,19 @@ def quantize_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``(x / scale in e4m3, scale)`` with ``scale = amax / 448`` over the last dim (one head's vector)."""
     amax = x.detach().abs().amax(-1, keepdim=True).to(SCALE_DTYPE)
     scale = (amax / FP8_MAX).clamp_min(torch.finfo(SCALE_DTYPE).tiny)  # an all-zero vector stays zero
-    # divided in float32 (the scale's dtype), clamped in place: one float32 temporary of x's size
-    return (x / scale).clamp_(-FP8_MAX, FP8_MAX).to(FP8_DTYPE), scale
+    # a float32 copy of x, divided and clamped in place: one float32 temporary of x's size on every device
+    return x.to(SCALE_DTYPE, copy=True).div_(scale).clamp_(-FP8_MAX, FP8_MAX).to(FP8_DTYPE), scale
 
 
 def dequantize_fp8(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """``q * scale`` in ``dtype``, each element multiplied in float32 and rounded once. Cast first (e4m3 is exact in
-    every compute dtype), then scaled in place: no float32 copy of the layer's K or V on the way, which every
-    decode step makes of each layer (twice its bytes in bf16)."""
-    return q.to(dtype).mul_(scale)
+    """``q * scale`` in ``dtype``, each element multiplied in float32 and rounded once (e4m3 is exact in every
+    compute dtype). Every decode step dequantises each layer's whole cache, so the temporaries count: on CUDA, cast
+    and scaled in place, the kernel converting each element on the fly (the result alone, 2 bytes an element in
+    bf16); elsewhere a float32 copy scaled in place, then cast (6), as a CPU kernel would copy a mixed-dtype
+    operation's operands to float32 first."""
+    if q.device.type == "cuda":
+        return q.to(dtype).mul_(scale)
+    return q.to(SCALE_DTYPE).mul_(scale).to(dtype)
 
 
 class FP8KVLayer(DynamicLayer):

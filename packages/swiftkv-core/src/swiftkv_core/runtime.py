@@ -226,7 +226,9 @@ class PeakMemory:
     reset there), ``resident`` unused. Elsewhere: the bytes of ``resident`` (what was allocated at the start,
     named by the caller), plus the peak of the storages created inside, each counted from the operation that
     creates it until it is freed (views and in-place results add nothing): what CUDA's allocator counts, without
-    its rounding of blocks. Work inside runs unchanged (``torch.compile`` runs it eagerly on a CPU while counted).
+    its rounding of blocks, but for what a CPU kernel allocates inside one operation (its float32 copies of a
+    mixed-dtype operation's operands, e.g. bf16 times float32). Work inside runs unchanged (``torch.compile`` runs
+    it eagerly on a CPU while counted).
     """
 
     def __init__(self, device: torch.device | str, resident: Iterable[torch.Tensor] = ()):
