@@ -178,9 +178,9 @@ def whole_like(setup: str) -> str:
 
 def vs_whole(rows: list[dict]) -> list[dict]:
     """``rows`` (``step_rows``') with their speed and memory over those of the whole like them (``whole_like``, with
-    the same frozen weights' dtype), and the FLOPs ratio of that speed-up: the whole's model FLOPs over the row's
+    the same frozen weights' dtype), and the FLOPs bound of that speed-up: the whole's model FLOPs over the row's
     (ours runs layers < l once; the whole runs them in both forwards), the speed-up were both to run at the same
-    FLOP rate. None where either ran out of memory or no such whole was measured."""
+    FLOP rate (not a ceiling). None where either ran out of memory or no such whole was measured."""
     by_name = {(r["setup"], r["frozen"]): r for r in rows}
 
     def ratio(row: dict, key: str) -> float | None:
