@@ -13,12 +13,14 @@ place whole (a rename, flushed to the disk before and after: ``atomic.replace_fi
 from __future__ import annotations
 
 import shutil
+import warnings
 from pathlib import Path
 from weakref import proxy
 
 import torch
 from lightning.fabric.utilities.load import _METADATA_FILENAME
 from lightning.pytorch.callbacks import ModelCheckpoint as LightningModelCheckpoint
+from lightning.pytorch.trainer.states import TrainerFn
 
 from swiftkv_core.atomic import replace_directory, replace_file, restore_set_aside
 from swiftkv_core.faults import pause_point
@@ -123,16 +125,14 @@ def _remove(path: Path) -> None:
 
 
 def last_checkpoint(trainer) -> str | None:
-    """The ``last.ckpt`` a ModelCheckpoint callback of ``trainer`` wrote, if one is there (a file, or a folder of
-    shards under FSDP2), or the one a swap killed half way set aside (read here, put back at the next save)."""
-    for callback in trainer.checkpoint_callbacks:
-        if not callback.dirpath:
-            continue
-        last = Path(callback.dirpath) / "last.ckpt"
-        set_aside = sorted(last.parent.glob(f".{last.name}.old.*"))
-        if last.exists() or set_aside:
-            return str(last if last.exists() else set_aside[0])
-    return None
+    """The checkpoint ``ckpt_path="last"`` names, found as Lightning finds it before ``fit``: the newest of the
+    last checkpoints of ``trainer``'s checkpoint callbacks (a file, or a folder of shards under FSDP2), a swap
+    killed half way's set-aside one among them (``ModelCheckpoint._find_last_checkpoints``; put back at the next
+    save). None where there is none (a new run), without Lightning's warning for that."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=r".*there is no last checkpoint available")
+        connector = trainer._checkpoint_connector
+        return connector._parse_ckpt_path(TrainerFn.FITTING, "last", True, model_connected=False)
 
 
 def saved_run(path: str | Path) -> dict:

@@ -19,7 +19,6 @@ from pathlib import Path
 import torch
 from jsonargparse import set_parsing_settings
 from lightning.pytorch.cli import LightningCLI
-from lightning.pytorch.trainer.states import TrainerFn
 
 from swiftkv_core.runtime import current_device
 
@@ -56,18 +55,13 @@ class DistillCLI(LightningCLI):
 
     def fit(self, model, datamodule=None, ckpt_path=None, **kwargs) -> None:
         """``Trainer.fit``, continuing from the last checkpoint in the run's checkpoint folder when no
-        ``--ckpt_path`` is given: running the same command again resumes an interrupted run (``last`` is found as
-        Lightning finds it, before the checks). On one process, before the Trainer writes anything (its config,
-        logs): a run its device cannot compute or hold is refused (``sized_step``, knowing whether it resumes: a
-        resume fits no K/V), then the data is read, checked, tokenised and packed, so bad data is refused with
-        nothing left in the output folder. (Several processes leave the data to Lightning, which prepares it on one
-        process first.)"""
+        ``--ckpt_path`` is given (or ``last``): running the same command again resumes an interrupted run. On one
+        process, before the Trainer writes anything (its config, logs): a run its device cannot compute or hold is
+        refused (``sized_step``, knowing whether it resumes: a resume fits no K/V), then the data is read, checked,
+        tokenised and packed, so bad data is refused with nothing left in the output folder. (Several processes
+        leave the data to Lightning, which prepares it on one process first.)"""
         datamodule = datamodule or self.datamodule
-        # Lightning's "last" found here as Lightning finds it (None, with its warning), for the checks below
-        if ckpt_path == "last":
-            connector = self.trainer._checkpoint_connector
-            ckpt_path = connector._parse_ckpt_path(TrainerFn.FITTING, "last", True, model_connected=False)
-        elif ckpt_path is None:
+        if ckpt_path in (None, "last"):  # found here, for the checks below
             ckpt_path = last_checkpoint(self.trainer)
         model.resume_from = ckpt_path  # a resume fits no K/V init
         if self.trainer.world_size == 1:
