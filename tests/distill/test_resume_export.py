@@ -86,19 +86,34 @@ def test_resuming_with_other_settings_is_refused_naming_them(tiny_model, text_fi
 def test_resuming_with_other_batches_per_step_or_other_rows_is_refused(tiny_model, text_file, tmp_path):
     """The checkpoint's position in the data counts each process's batches of a permutation of the training rows,
     and the schedule's length follows the batches per step: another number of processes or of accumulated batches,
-    or data files that now make more rows, would train rows again (or never) and jump the learning rate. Refused,
-    naming the change (the number of processes is checked the same way)."""
+    or data files that now make more rows, would train rows again (or never) and jump the learning rate; as many
+    rows of other tokens (a data file edited in place) would train the rest of the run on other data. Refused,
+    naming the change (the number of processes is checked the same way). The same file written again resumes."""
     data = tmp_path / "data.jsonl"
     shutil.copy(text_file, data)
     fit(tiny_model, data, tmp_path, max_steps=3, interrupt_at=1)
     ckpt = tmp_path / "ckpt" / "last.ckpt"
     state = torch.load(ckpt, weights_only=False)["DistillDataModule"]
-    assert state == {"world_size": 1, "accumulate_grad_batches": 1, "training_rows": state["training_rows"]}
+    assert state == {
+        "world_size": 1,
+        "accumulate_grad_batches": 1,
+        "training_rows": state["training_rows"],
+        "training_rows_sha256": state["training_rows_sha256"],
+    }
     with pytest.raises(ValueError, match=r"trainer\.accumulate_grad_batches 1 -> 2"):
         fit(tiny_model, data, tmp_path, max_steps=3, ckpt_path=ckpt, accumulate_grad_batches=2)
-    data.write_text(data.read_text() * 2)  # the same file with its rows again after them
-    with pytest.raises(ValueError, match=rf"training_rows {state['training_rows']} -> \d+"):
+    original = data.read_text()
+    data.write_text(original.replace("Tuesday", "Monday"))  # one token for another: as many rows
+    with pytest.raises(
+        ValueError, match=r"the training rows' tokens \(sha256 \w{12}\.\.\. -> \w{12}\.\.\.: a data file"
+    ):
         fit(tiny_model, data, tmp_path, max_steps=3, ckpt_path=ckpt)
+    data.write_text(original * 2)  # the same file with its rows again after them
+    with pytest.raises(ValueError, match=rf"training_rows {state['training_rows']} -> \d+\)"):
+        fit(tiny_model, data, tmp_path, max_steps=3, ckpt_path=ckpt)
+    data.write_text(original)  # tokenised again (the file's times changed), into the same rows
+    _, trainer = fit(tiny_model, data, tmp_path, max_steps=3, ckpt_path=ckpt)
+    assert trainer.global_step == 3
 
 
 def test_a_resume_with_other_settings_is_refused_before_any_weight_is_read(tmp_path, tiny_model, text_file):

@@ -1,6 +1,7 @@
 """Token rows as flat arrays (``tokens.py``), made once into the token cache and memory-mapped by every process."""
 
 import functools
+import json
 import multiprocessing
 import os
 import pickle
@@ -13,7 +14,7 @@ import torch
 from swiftkv_distill.batches import collate, pack, unpacked
 from swiftkv_distill.data import DataError
 from swiftkv_distill.datamodule import DistillDataModule
-from swiftkv_distill.tokens import RowWriter, TokenRows, read_sets
+from swiftkv_distill.tokens import RowWriter, TokenRows, read_sets, set_sha256, write_sets
 from tests.distill.conftest import TEXTS, write_jsonl
 from tests.processes import children_of, running
 
@@ -78,6 +79,37 @@ def test_rows_as_arrays_are_the_rows_as_lists(tmp_path):
             assert as_lists(TokenRows.load(tmp_path, f"{max_length}-{packed}")) == expected
     empty = RowWriter(8, into=tmp_path / "empty").rows()
     assert len(empty) == 0 and len(TokenRows.load(tmp_path, "empty").arrays["tokens"]) == 0
+
+
+def test_a_sets_digest_is_of_its_rows_alone(tmp_path):
+    """The digest a resume compares (``training_rows_sha256``): the same rows in memory, written, or in a cache
+    written before digests were recorded give one digest; another token, another flag, or another cut of the same
+    tokens gives another. A selection's is its set's."""
+    ids, flags = np.arange(40, dtype=np.int32), np.ones(40, bool)
+
+    def digest(ids=ids, flags=flags, lengths=(10, 30), max_length=16, into=None):
+        writer = RowWriter(max_length, into=into)
+        writer.add_many(ids, flags, lengths)
+        return writer.rows().sha256()
+
+    one = digest()
+    assert digest(into=tmp_path / "train") == one
+    write_sets(tmp_path, {"train": TokenRows.load(tmp_path, "train")}, {})
+    assert set_sha256(tmp_path, "train") == one
+    sets = json.loads((tmp_path / "sets.json").read_text())
+    del sets["sets"]["train"]["sha256"]
+    (tmp_path / "sets.json").write_text(json.dumps(sets))
+    assert set_sha256(tmp_path, "train") == one
+    other_token, other_flag = ids.copy(), flags.copy()
+    other_token[5], other_flag[5] = 99, False
+    others = {
+        digest(ids=other_token),
+        digest(flags=other_flag),
+        digest(lengths=(20, 20)),
+        digest(max_length=8),
+    }
+    assert len(others) == 4 and one not in others
+    assert TokenRows.load(tmp_path, "train")[1:].sha256() == one
 
 
 def test_the_rows_are_made_once_and_read_after(tiny_model, tmp_path, monkeypatch):

@@ -38,6 +38,7 @@ from .tokens import (
     TokenRows,
     cache_unwritable,
     read_sets,
+    set_sha256,
     token_cache_dir,
     tokenizer_identity,
     write_sets,
@@ -118,6 +119,9 @@ class DistillDataModule(L.LightningDataModule):
             if dataset_name(file) is None:
                 check_file(Path(file))
         self.train_rows: list[dict] | None = None
+        self.train_rows_sha256: str | None = (
+            None  # of the training set's rows, all of them (``TokenRows.sha256``)
+        )
         self.val_rows: list[dict] | None = None  # the first set's rows
         self.val_set_rows: dict[str, list[dict]] = {}
         self.tokenizer = None
@@ -151,7 +155,7 @@ class DistillDataModule(L.LightningDataModule):
         self.tokenizer = self._load_tokenizer()
         folder = self.token_rows_folder(self.tokenizer)
         sets = read_sets(folder)
-        self.train_rows = sets["train"]
+        self.train_rows, self.train_rows_sha256 = sets["train"], set_sha256(folder, "train")
         if hp.max_train_rows:  # spread over the data (every file, every genre), as the validation rows
             self.train_rows = self.train_rows.subset(
                 evenly_spaced(range(len(self.train_rows)), hp.max_train_rows)
@@ -297,12 +301,16 @@ class DistillDataModule(L.LightningDataModule):
         checkpoint's position in an epoch counts each process's batches of a permutation of the training rows, and
         the schedule's length follows the processes and the batches accumulated per step. Another count of either
         on a resume would train rows again (or never) and jump the learning rate; so would data files that now
-        make another number of rows (rows added to them). ``trainer``: the one to fit, before it is attached."""
+        make another number of rows (rows added to them). Other rows of the same number (a data file edited, the
+        tokenizer changed: ``training_rows_sha256``) would train the rest of the run on other data than its start.
+        ``trainer``: the one to fit, before it is attached."""
         trainer = trainer or getattr(self, "trainer", None)
         if trainer is None:
             return {}
         state = {"world_size": trainer.world_size, "accumulate_grad_batches": trainer.accumulate_grad_batches}
-        return state | ({"training_rows": len(self.train_rows)} if self.train_rows is not None else {})
+        if self.train_rows is not None:
+            state |= {"training_rows": len(self.train_rows), "training_rows_sha256": self.train_rows_sha256}
+        return state
 
     def _batches_done(self) -> int:
         trainer = getattr(self, "trainer", None)

@@ -124,6 +124,18 @@ class TokenRows(Sequence):
             "distilled": int(np.count_nonzero(self.arrays["distilled"])),
         }
 
+    def sha256(self) -> str:
+        """A digest of all rows' arrays, whatever the selection: the same for the same rows however they were made
+        (by another version of the libraries, from a data file copied or touched), another for any token, flag or
+        cut that differs."""
+        digest = hashlib.sha256()
+        for key in ARRAYS:
+            values = self.arrays[key]
+            digest.update(f"{key} {values.dtype.str} {len(values)}".encode())
+            for start in range(0, len(values), 1 << 24):  # a part at a time: a mapped array is not read whole
+                digest.update(np.ascontiguousarray(values[start : start + (1 << 24)]).data)
+        return digest.hexdigest()
+
     @classmethod
     def load(cls, folder: Path, name: str) -> TokenRows:
         """The set ``name`` of ``folder``, memory-mapped read-only."""
@@ -270,11 +282,12 @@ class _GrowingArray:
 
 
 def write_sets(folder: Path, sets: dict[str, TokenRows], about: dict) -> None:
-    """Complete ``folder`` with ``sets.json``: each set's summary, and ``about`` (what the rows were made from, for
-    a reader of the cache). ``sets`` (name -> rows) are those ``RowWriter(into=folder / name)`` wrote there."""
+    """Complete ``folder`` with ``sets.json``: each set's summary and ``sha256``, and ``about`` (what the rows were
+    made from, for a reader of the cache). ``sets`` (name -> rows) are those ``RowWriter(into=folder / name)`` wrote
+    there."""
     if unwritten := [name for name, rows in sets.items() if rows.source != folder / name]:
         raise ValueError(f"write_sets: the sets {unwritten} were not written into {folder} by a RowWriter")
-    summary = {name: rows.summary() for name, rows in sets.items()}
+    summary = {name: rows.summary() | {"sha256": rows.sha256()} for name, rows in sets.items()}
     path = folder / "sets.json"
     try:
         path.write_text(json.dumps({"sets": summary, "made_from": about}, indent=1) + "\n")
@@ -286,3 +299,10 @@ def read_sets(folder: Path) -> dict[str, TokenRows]:
     """The sets ``write_sets`` wrote in ``folder``, memory-mapped."""
     names = json.loads((folder / "sets.json").read_text())["sets"]
     return {name: TokenRows.load(folder, name) for name in names}
+
+
+def set_sha256(folder: Path, name: str) -> str:
+    """The ``sha256`` of the set ``name`` that ``write_sets`` wrote in ``folder`` (computed here for a cache written
+    before it recorded one)."""
+    recorded = json.loads((folder / "sets.json").read_text())["sets"][name].get("sha256")
+    return recorded or TokenRows.load(folder, name).sha256()
