@@ -1,6 +1,6 @@
 """What the training rows' digest (``TokenRows.sha256``, recorded in the token cache and compared on a resume) costs:
-100M random tokens written as the cache writes them (rows of 8192, sequences of 1024), then digested twice (the
-second from the page cache), against the tokenisation's own rate in ``token-rows.md``.
+100M random tokens written as the cache writes them (rows of 8192, sequences of 1024), then digested twice, both
+times from the page cache (the rows were just written), against the tokenisation's own rate in ``token-rows.md``.
 
     flock -o /tmp/swiftkv-heavy.lock .venv/bin/python benchmarks/results/token-rows-digest.py
 """

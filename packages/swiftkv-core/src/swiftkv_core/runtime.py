@@ -227,8 +227,9 @@ class PeakMemory:
     named by the caller), plus the peak of the storages created inside, each counted from the operation that
     creates it until it is freed (views and in-place results add nothing): what CUDA's allocator counts, without
     its rounding of blocks, but for what a CPU kernel allocates inside one operation (its float32 copies of a
-    mixed-dtype operation's operands, e.g. bf16 times float32, which a CUDA kernel converts as it reads them: so
-    the figure is the one CUDA would count, not this CPU's own peak). Work inside runs unchanged
+    mixed-dtype operation's operands, e.g. bf16 times float32, which a CUDA kernel converts as it reads them: the
+    figure is nearer CUDA's than this CPU's own peak, though CUDA also counts its kernels' own workspaces, as of a
+    cuBLAS call or a sort). Work inside runs unchanged
     (``torch.compile`` runs it eagerly on a CPU while counted).
     """
 

@@ -189,11 +189,12 @@ def check_same_run(checkpoint: dict, module_settings: dict, datamodule=None, tra
         for key in sorted((saved.keys() & now.keys()) - RESUMABLE_CHANGES - moved):
             if _comparable(saved[key]) == _comparable(now[key]):
                 continue
-            if key == "training_rows_sha256":  # other tokens in as many rows (another count says enough)
-                if saved.get("training_rows") == now.get("training_rows"):
+            if key == "training_rows_sha256":
+                if saved.get("training_rows") == now.get("training_rows"):  # another count is named already
                     changed.append(
                         f"the training rows' tokens (sha256 {saved[key][:12]}... -> {now[key][:12]}...: a data "
-                        "file or the model's tokenizer changed)"
+                        "file, a dataset:NAME set made again, the model's tokenizer or the tokenizing libraries "
+                        "changed them; restore the data and tokenizer the run started with to continue it)"
                     )
                 continue
             name = "the data files' training_rows" if key == "training_rows" else f"{prefix}.{key}"

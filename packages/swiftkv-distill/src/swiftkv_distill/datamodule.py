@@ -119,9 +119,8 @@ class DistillDataModule(L.LightningDataModule):
             if dataset_name(file) is None:
                 check_file(Path(file))
         self.train_rows: list[dict] | None = None
-        self.train_rows_sha256: str | None = (
-            None  # of the training set's rows, all of them (``TokenRows.sha256``)
-        )
+        # the digest of the training set's rows, all of them (``TokenRows.sha256``), for a resume to compare
+        self.train_rows_sha256: str | None = None
         self.val_rows: list[dict] | None = None  # the first set's rows
         self.val_set_rows: dict[str, list[dict]] = {}
         self.tokenizer = None
@@ -302,7 +301,8 @@ class DistillDataModule(L.LightningDataModule):
         the schedule's length follows the processes and the batches accumulated per step. Another count of either
         on a resume would train rows again (or never) and jump the learning rate; so would data files that now
         make another number of rows (rows added to them). Other rows of the same number (a data file edited, the
-        tokenizer changed: ``training_rows_sha256``) would train the rest of the run on other data than its start.
+        tokenizer changed: ``training_rows_sha256``, of the whole training set, ``max_train_rows`` or not) would
+        train the rest of the run on other data than its start.
         ``trainer``: the one to fit, before it is attached."""
         trainer = trainer or getattr(self, "trainer", None)
         if trainer is None:

@@ -128,12 +128,12 @@ class TokenRows(Sequence):
         """A digest of all rows' arrays, whatever the selection: the same for the same rows however they were made
         (by another version of the libraries, from a data file copied or touched), another for any token, flag or
         cut that differs."""
-        digest = hashlib.sha256()
+        digest, part = hashlib.sha256(), 1 << 24  # a part at a time: a mapped array is not read whole
         for key in ARRAYS:
             values = self.arrays[key]
-            digest.update(f"{key} {values.dtype.str} {len(values)}".encode())
-            for start in range(0, len(values), 1 << 24):  # a part at a time: a mapped array is not read whole
-                digest.update(np.ascontiguousarray(values[start : start + (1 << 24)]).data)
+            digest.update(f"{key} {values.dtype.str} {len(values)}\n".encode())
+            for start in range(0, len(values), part):
+                digest.update(values[start : start + part])
         return digest.hexdigest()
 
     @classmethod
