@@ -229,8 +229,7 @@ class PeakMemory:
     its rounding of blocks, but for what a CPU kernel allocates inside one operation (its float32 copies of a
     mixed-dtype operation's operands, e.g. bf16 times float32, which a CUDA kernel converts as it reads them: the
     figure is nearer CUDA's than this CPU's own peak, though CUDA also counts its kernels' own workspaces, as of a
-    cuBLAS call or a sort). Work inside runs unchanged
-    (``torch.compile`` runs it eagerly on a CPU while counted).
+    cuBLAS call or a sort). Work inside runs unchanged (``torch.compile`` runs it eagerly on a CPU while counted).
     """
 
     def __init__(self, device: torch.device | str, resident: Iterable[torch.Tensor] = ()):
