@@ -2,7 +2,7 @@
 them), and rows collated into the tensors the distillation step reads (``collate``), with what the step needs to
 know of their sequences found on the host, so that it need not wait for the device to find it; and the rows'
 loaders: each process's share (``SkippingDistributedSampler``, ``EvenSampler``), resumable mid-epoch
-(``ResumableDataLoader``).
+(``ResumableDataLoader``), of rows that every process must hold alike (``check_same_rows``).
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from itertools import accumulate
 import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
+from .data import DataError
 from .tokens import RowWriter, TokenRows
 
 IGNORE = -100
@@ -169,3 +170,42 @@ class ResumableDataLoader(DataLoader):
         self.sampler.set_epoch(epoch)
         self.sampler.skip = done * self.batch_size
         return super().__iter__()
+
+
+def check_same_rows(summaries: list[tuple[str, int, int, str]]) -> None:
+    """Refuse processes that made other rows (``DistillDataModule.rows_summary`` of each, in rank order): each node
+    tokenises its own copies of the data files, with its own copy of the model's tokenizer and its own libraries,
+    into its own token cache. Other tokens would train each node on other data, silently; another count would give
+    the processes other numbers of batches, and they would wait on each other at an epoch's end until the process
+    group's timeout."""
+    groups: dict[tuple, list[tuple[int, str]]] = {}
+    for rank, (host, *rows) in enumerate(summaries):
+        groups.setdefault(tuple(rows), []).append((rank, host))
+    if len(groups) == 1:
+        return
+    made = []
+    for (train, val, digest), members in groups.items():
+        hosts = sorted({host for _, host in members})
+        on = ", ".join(hosts[:3]) + (f" and {len(hosts) - 3} more" if len(hosts) > 3 else "")
+        made.append(
+            f"process{'es' if len(members) > 1 else ''} {_spans([rank for rank, _ in members])} on {on}: "
+            f"{train:,} training and {val:,} validation rows (digest {digest[:12]})"
+        )
+    raise DataError(
+        f"The processes made other rows from the data ({'; '.join(made)}). Each node tokenises its own copy of the "
+        "data files with its own copy of the model's tokenizer and its own libraries (transformers, tokenizers, "
+        "jinja2): give every node the same data files, model folder, library versions and data settings. Otherwise "
+        "each node would train on other data, and other row counts would leave the processes waiting on each "
+        "other at an epoch's end."
+    )
+
+
+def _spans(ranks: list[int]) -> str:
+    """``[0, 1, 2, 3, 5]`` -> ``"0-3, 5"``."""
+    spans = []
+    for rank in ranks:
+        if spans and spans[-1][1] == rank - 1:
+            spans[-1][1] = rank
+        else:
+            spans.append([rank, rank])
+    return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in spans)

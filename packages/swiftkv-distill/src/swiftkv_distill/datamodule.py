@@ -7,6 +7,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import socket
 from contextlib import closing
 from pathlib import Path
 
@@ -19,7 +20,14 @@ from swiftkv_core.atomic import made_once, scratch_directory
 from swiftkv_core.faults import pause_point
 from swiftkv_core.runtime import stack_versions
 
-from .batches import EvenSampler, ResumableDataLoader, RowsDataset, SkippingDistributedSampler, collate
+from .batches import (
+    EvenSampler,
+    ResumableDataLoader,
+    RowsDataset,
+    SkippingDistributedSampler,
+    check_same_rows,
+    collate,
+)
 from .corpora import dataset_name, resolve_files
 from .data import (
     CHAT_TOKENS,
@@ -32,6 +40,7 @@ from .data import (
     record_sets,
     tokenise,
 )
+from .parallelize import on_every_process
 from .tokens import (
     TOKEN_CACHE_FORMAT,
     RowWriter,
@@ -121,6 +130,7 @@ class DistillDataModule(L.LightningDataModule):
         self.train_rows: list[dict] | None = None
         # the digest of the training set's rows, all of them (``TokenRows.sha256``), for a resume to compare
         self.train_rows_sha256: str | None = None
+        self.val_rows_sha256: list[str] = []  # each validation set's, whole
         self.val_rows: list[dict] | None = None  # the first set's rows
         self.val_set_rows: dict[str, list[dict]] = {}
         self.tokenizer = None
@@ -159,6 +169,7 @@ class DistillDataModule(L.LightningDataModule):
             self.train_rows = self.train_rows.subset(
                 evenly_spaced(range(len(self.train_rows)), hp.max_train_rows)
             )
+        self.val_rows_sha256 = [set_sha256(folder, f"val{i}") for i in range(len(self.val_sets))]
         for i, name in enumerate(self.val_sets):
             rows = sets[f"val{i}"]
             self.val_set_rows[name] = (
@@ -267,10 +278,27 @@ class DistillDataModule(L.LightningDataModule):
         self.token_rows_folder(self._load_tokenizer())
 
     def setup(self, stage: str | None = None) -> None:
-        self.build()
+        """The rows (``build``) on every process, checked before the model's weights are read (configure_model):
+        a batch for each process, and the same rows on every one (``check_same_rows``). A refusal on one process
+        is raised on all (``on_every_process``)."""
         trainer = getattr(self, "trainer", None)
-        if stage == "fit" and trainer is not None:  # before the model's weights are read (configure_model)
-            self.check_batches(trainer.world_size)
+
+        def rows() -> tuple[str, int, int, str]:
+            self.build()
+            if stage == "fit" and trainer is not None:
+                self.check_batches(trainer.world_size)
+            return self.rows_summary()
+
+        check_same_rows(on_every_process(rows))
+
+    def rows_summary(self) -> tuple[str, int, int, str]:
+        """What ``check_same_rows`` compares between the processes: this host's name, the training and validation
+        rows' counts (after ``max_train_rows`` / ``max_val_rows``, which pick rows by count alone) and a digest of
+        every set's count and rows."""
+        counts = [len(self.train_rows), *map(len, self.val_set_rows.values())]
+        sets = json.dumps([counts, self.train_rows_sha256, self.val_rows_sha256])
+        digest = hashlib.sha256(sets.encode()).hexdigest()
+        return socket.gethostname(), counts[0], sum(counts[1:]), digest
 
     @property
     def pad_id(self) -> int:

@@ -1,12 +1,16 @@
-"""FSDP2 sharding of the distillation step (the model code stays single-device), its weights read by rank 0 alone."""
+"""FSDP2 sharding of the distillation step (the model code stays single-device), its weights read by rank 0 alone;
+and the collectives every process of a run meets at."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TypeVar
 
 import torch
 
 from .step import DistillationStep
+
+T = TypeVar("T")
 
 # DistillationStep methods besides forward that run the model: FSDP2 must gather the root's weights for them too
 FORWARD_METHODS = ("evaluate", "teacher_pass")
@@ -19,6 +23,37 @@ def sum_over_processes(value: torch.Tensor, processes: int) -> torch.Tensor:
     if processes > 1:
         torch.distributed.all_reduce(value)
     return value
+
+
+def on_every_process(work: Callable[[], T]) -> list[T]:
+    """What ``work()`` returned on each process of the run, in rank order (one process: its own). A failure on any
+    process is raised on every one: the others would go on to their next collective and wait there for the failed
+    one until the process group's timeout (30 min), as no launcher stops them (a ``fabric run`` on each node
+    watches that node's processes alone). Elsewhere than on the failed process it is named as that process's: a
+    ``ValueError`` (bad input, which the command prints in one line) stays one."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return [work()]
+    result, failure = None, None
+    try:
+        result = work()
+    except Exception as error:
+        failure = error
+    gathered = [None] * dist.get_world_size()
+    told = (
+        None if failure is None else (isinstance(failure, ValueError), f"{type(failure).__name__}: {failure}")
+    )
+    dist.all_gather_object(gathered, (result, told))
+    if failure is not None:
+        raise failure
+    for rank, (_, told) in enumerate(gathered):
+        if told is not None:
+            bad_input, message = told
+            raise (ValueError if bad_input else RuntimeError)(
+                f"process {rank} stopped, so this one does: {message}"
+            )
+    return [result for result, _ in gathered]
 
 
 def check_data_parallel_only(device_mesh) -> None:

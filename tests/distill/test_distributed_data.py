@@ -1,0 +1,142 @@
+"""The processes of a run on several nodes hold the same rows, or none trains: each node tokenises its own copy of
+the data into its own token cache (two nodes of one process each, launched on this machine as on two, by
+``fabric run --num_nodes 2``), and a failure on one process is raised on every one."""
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from swiftkv_distill.batches import check_same_rows
+from swiftkv_distill.data import DataError
+from swiftkv_distill.parallelize import on_every_process
+from tests.conftest import free_port
+from tests.distill.test_distributed import ROOT, _config, _fsdp2, _trained
+
+
+def _launch_nodes(configs, cwd, token_caches, timeout: float = 240) -> list[str]:
+    """Node ``r`` runs ``configs[r]`` with the token cache ``token_caches[r]``, as ``fabric run --num_nodes 2
+    --node_rank r`` on each of two machines would; each node's output (and its exit code) as it ended."""
+    fabric, port = shutil.which("fabric", path=str(Path(sys.executable).parent)), free_port()
+    nodes = []
+    for rank, (config, cache) in enumerate(zip(configs, token_caches, strict=True)):
+        env = {
+            **os.environ,
+            "OMP_NUM_THREADS": "1",
+            "PYTHONPATH": str(ROOT),
+            "SWIFTKV_TOKENS_DIR": str(cache),
+        }
+        command = [fabric, "run", "--accelerator", "cpu", "--devices", "1", "--num_nodes", "2", "--node_rank",
+                   str(rank), "--main_address", "127.0.0.1", "--main_port", str(port),
+                   str(ROOT / "apps" / "distill.py"), "--config", str(config)]  # fmt: skip
+        nodes.append(subprocess.Popen(command, env=env, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                      text=True))  # fmt: skip
+    end, outputs = time.monotonic() + timeout, []
+    for node in nodes:
+        try:
+            output, _ = node.communicate(timeout=max(1.0, end - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            node.kill()
+            output = "still running at the test's timeout\n" + node.communicate()[0]
+        outputs.append(f"exit {node.returncode}\n{output}")
+    return outputs
+
+
+def _nodes(tmp_path, tiny_model, name, data_files) -> list[Path]:
+    """Two nodes' configs of one run, each reading its own copy of the data (``data_files[r]``): one step."""
+    configs = []
+    for rank, data in enumerate(data_files):
+        config, _ = _config(
+            tmp_path, tiny_model, data, f"{name}-node{rank}", 2, _fsdp2(timeout="0:01:00"),
+            trainer={"num_nodes": 2, "devices": 1, "max_steps": 1},
+            model={"compile_layers": False, "kv_init": "published"},
+        )  # fmt: skip
+        configs.append(config)
+    return configs
+
+
+@pytest.mark.distributed
+def test_nodes_whose_copies_of_the_data_make_other_rows_are_refused_on_both(tmp_path, tiny_model, text_file):
+    """Node 1's copy of the data file has one word for another (as many rows, other tokens): each node would train
+    on other data, silently. Both nodes refuse, naming each one's rows, before a weight is read; the same text
+    copied to each node, tokenised there into its own cache, trains."""
+    copies = [tmp_path / "node0.jsonl", tmp_path / "node1.jsonl"]
+    shutil.copy(text_file, copies[0])
+    copies[1].write_text(text_file.read_text().replace("Tuesday", "Monday"))
+    caches = [tmp_path / "tokens0", tmp_path / "tokens1"]
+    outputs = _launch_nodes(_nodes(tmp_path, tiny_model, "edited", copies), tmp_path, caches)
+    refusal = (
+        r"The processes made other rows from the data \(process 0 on \S+: (\d+) training and (\d+) validation rows "
+        r"\(digest (\w{12})\); process 1 on \S+: \1 training and \2 validation rows \(digest (?!\3)\w{12}\)\)"
+    )
+    for output in outputs:
+        assert output.startswith("exit 1\n"), output
+        assert len(list(re.finditer(refusal, " ".join(output.split())))) == 1, output
+        assert "Loading weights" not in output, output
+    assert not list(tmp_path.glob("edited-node*/export"))
+
+    shutil.copy(text_file, copies[1])  # the same text again, tokenised again into node 1's own cache
+    outputs = _launch_nodes(_nodes(tmp_path, tiny_model, "same", copies), tmp_path, caches)
+    assert all(output.startswith("exit 0\n") for output in outputs), outputs
+    assert _trained(tmp_path / "same-node0")
+
+
+def test_the_refusal_names_each_group_of_processes_and_its_rows():
+    """Eight processes on two hosts: the second's four made fewer rows (their data files are shorter)."""
+    check_same_rows([("a", 100, 10, "f" * 64)] * 8)
+    summaries = (
+        [("gpu-a", 100, 10, "f" * 64)] * 4
+        + [("gpu-b", 98, 10, "e" * 64)] * 3
+        + [("gpu-a", 100, 10, "f" * 64)]
+    )
+    with pytest.raises(DataError) as refused:
+        check_same_rows(summaries)
+    assert str(refused.value).startswith(
+        "The processes made other rows from the data (processes 0-3, 7 on gpu-a: 100 training and 10 validation "
+        "rows (digest ffffffffffff); processes 4-6 on gpu-b: 98 training and 10 validation rows (digest "
+        "eeeeeeeeeeee)). Each node tokenises its own copy"
+    )
+
+
+def _process(rank: int, port: int, results) -> None:
+    """One of two processes: ``on_every_process`` where no process fails, then where process 0 does, then 1."""
+    dist.init_process_group("gloo", f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
+                            timeout=timedelta(seconds=60))  # fmt: skip
+    for fails in (None, 0, 1):
+
+        def work(fails=fails) -> int:
+            if rank == fails:
+                raise DataError(f"no rows on process {rank}")
+            return rank * 10
+
+        try:
+            results[fails, rank] = ("returned", on_every_process(work))
+        except Exception as error:
+            results[fails, rank] = (type(error).__name__, str(error))
+    dist.destroy_process_group()
+
+
+@pytest.mark.distributed
+def test_a_failure_on_one_process_is_raised_on_every_one():
+    """Two real processes (gloo): what each returned, in rank order; or, where one failed, its error raised there
+    and named on the other (bad input stays a ValueError), at once, not at the process group's timeout."""
+    with mp.Manager() as manager:
+        results = manager.dict()
+        start = time.monotonic()
+        mp.spawn(_process, args=(free_port(), results), nprocs=2)
+        assert time.monotonic() - start < 50
+        results = dict(results)
+    assert results[None, 0] == results[None, 1] == ("returned", [0, 10])
+    for fails in (0, 1):
+        assert results[fails, fails] == ("DataError", f"no rows on process {fails}")
+        assert results[fails, 1 - fails] == (
+            "ValueError", f"process {fails} stopped, so this one does: DataError: no rows on process {fails}"
+        )  # fmt: skip
