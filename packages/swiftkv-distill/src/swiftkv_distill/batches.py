@@ -7,6 +7,7 @@ loaders: each process's share (``SkippingDistributedSampler``, ``EvenSampler``),
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from itertools import accumulate
 
@@ -172,31 +173,37 @@ class ResumableDataLoader(DataLoader):
         return super().__iter__()
 
 
-def check_same_rows(summaries: list[tuple[str, int, int, str]]) -> None:
-    """Refuse processes that made other rows (``DistillDataModule.rows_summary`` of each, in rank order): each node
-    tokenises its own copies of the data files, with its own copy of the model's tokenizer and its own libraries,
-    into its own token cache. Other tokens would train each node on other data, silently; another count would give
-    the processes other numbers of batches, and they would wait on each other at an epoch's end until the process
-    group's timeout."""
-    groups: dict[tuple, list[tuple[int, str]]] = {}
-    for rank, (host, *rows) in enumerate(summaries):
-        groups.setdefault(tuple(rows), []).append((rank, host))
+def check_same_rows(summaries: list[dict]) -> None:
+    """Refuse processes that hold other rows or data settings (``DistillDataModule.rows_summary`` of each, in rank
+    order): a node with its own token cache tokenises its own copies of the data files, with its own copy of the
+    model's tokenizer and its own libraries, and each node reads its settings from its own command. Other tokens
+    would train each node on other data, silently; another count of rows or batches would give the processes other
+    numbers of batches, and they would wait on each other at an epoch's end until the process group's timeout."""
+    groups: dict[str, list[tuple[int, dict]]] = {}
+    for rank, summary in enumerate(summaries):
+        same = json.dumps({key: value for key, value in summary.items() if key != "where"}, sort_keys=True)
+        groups.setdefault(same, []).append((rank, summary))
     if len(groups) == 1:
         return
-    made = []
-    for (train, val, digest), members in groups.items():
-        hosts = sorted({host for _, host in members})
-        on = ", ".join(hosts[:3]) + (f" and {len(hosts) - 3} more" if len(hosts) > 3 else "")
-        made.append(
+    settings = summaries[0]["settings"]
+    differ = [key for key in settings if len({json.dumps(s["settings"][key]) for s in summaries}) > 1]
+    held = []
+    for members in groups.values():
+        summary, where = members[0][1], list(dict.fromkeys(s["where"] for _, s in members))
+        on = ", ".join(where[:3]) + (f" and {len(where) - 3} more" if len(where) > 3 else "")
+        held.append(
             f"process{'es' if len(members) > 1 else ''} {_spans([rank for rank, _ in members])} on {on}: "
-            f"{train:,} training and {val:,} validation rows (digest {digest[:12]})"
+            f"{summary['training']:,} training and {summary['validation']:,} validation rows (digest "
+            f"{summary['digest'][:12]})"
+            + "".join(f", data.{key} {summary['settings'][key]!r}" for key in differ)
         )
     raise DataError(
-        f"The processes made other rows from the data ({'; '.join(made)}). Each node tokenises its own copy of the "
-        "data files with its own copy of the model's tokenizer and its own libraries (transformers, tokenizers, "
-        "jinja2): give every node the same data files, model folder, library versions and data settings. Otherwise "
-        "each node would train on other data, and other row counts would leave the processes waiting on each "
-        "other at an epoch's end."
+        f"The processes hold other rows{' or data settings' if differ else ''} ({'; '.join(held)}). A node with its "
+        "own token cache tokenises its own copy of the data files, with its own copy of the model's tokenizer and "
+        "its own libraries (transformers, tokenizers, jinja2, torch; a chat template may write the date): give every "
+        "node the same data files, model folder, library versions and data settings. Otherwise each node would train "
+        "on other data, and other counts of rows or batches would leave the processes waiting on each other at an "
+        "epoch's end."
     )
 
 

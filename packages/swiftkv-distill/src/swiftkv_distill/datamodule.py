@@ -53,6 +53,10 @@ from .tokens import (
     write_sets,
 )
 
+# the data settings that decide the rows and each process's batches, which each node reads from its own command
+SAME_ON_EVERY_NODE = ("max_length", "pack", "chat_tokens", "val_fraction", "seed", "max_train_rows", "max_val_rows",
+                      "batch_size", "val_batch_size")  # fmt: skip
+
 
 class DistillDataModule(L.LightningDataModule):
     """Local files -> tokenised, packed, deterministically split distillation batches.
@@ -134,6 +138,8 @@ class DistillDataModule(L.LightningDataModule):
         self.val_rows: list[dict] | None = None  # the first set's rows
         self.val_set_rows: dict[str, list[dict]] = {}
         self.tokenizer = None
+        # prepare_data's failure on several processes, for setup to raise on every one
+        self._not_prepared: Exception | None = None
 
     def _load_tokenizer(self):
         from transformers import AutoConfig, AutoTokenizer
@@ -274,31 +280,51 @@ class DistillDataModule(L.LightningDataModule):
 
     def prepare_data(self) -> None:
         """On one process per node, before the others set up (Lightning's call): the named data sets are prepared
-        and the data tokenised into the token cache."""
-        self.token_rows_folder(self._load_tokenizer())
+        and the data tokenised into the token cache. On several processes a failure is kept for ``setup``, which
+        raises it on every process: the other nodes' would otherwise wait for this node's until the process group's
+        timeout."""
+        try:
+            self.token_rows_folder(self._load_tokenizer())
+        except Exception as error:
+            trainer = getattr(self, "trainer", None)
+            if trainer is None or trainer.world_size == 1:
+                raise
+            self._not_prepared = error
 
     def setup(self, stage: str | None = None) -> None:
         """The rows (``build``) on every process, checked before the model's weights are read (configure_model):
-        a batch for each process, and the same rows on every one (``check_same_rows``). A refusal on one process
-        is raised on all (``on_every_process``)."""
+        the same rows and data settings on every process (``check_same_rows``), and a batch for each. A failure on
+        one process is raised on all (``on_every_process``), a failed ``prepare_data`` first (so that its node's
+        other processes do not make the rows again)."""
         trainer = getattr(self, "trainer", None)
 
-        def rows() -> tuple[str, int, int, str]:
+        def prepared() -> None:
+            if self._not_prepared is not None:
+                raise self._not_prepared
+
+        def rows() -> dict:
             self.build()
-            if stage == "fit" and trainer is not None:
-                self.check_batches(trainer.world_size)
-            return self.rows_summary()
+            return self.rows_summary(trainer.node_rank if trainer is not None else 0)
 
+        on_every_process(prepared)
         check_same_rows(on_every_process(rows))
+        if stage == "fit" and trainer is not None:
+            self.check_batches(trainer.world_size)
 
-    def rows_summary(self) -> tuple[str, int, int, str]:
-        """What ``check_same_rows`` compares between the processes: this host's name, the training and validation
-        rows' counts (after ``max_train_rows`` / ``max_val_rows``, which pick rows by count alone) and a digest of
-        every set's count and rows."""
+    def rows_summary(self, node: int) -> dict:
+        """What ``check_same_rows`` compares between the processes: the training and validation rows' counts (after
+        ``max_train_rows`` / ``max_val_rows``, which pick rows by count alone), a digest of every set's count and
+        rows, and the data settings that decide the rows and each process's batches; and where the process runs,
+        to name it."""
         counts = [len(self.train_rows), *map(len, self.val_set_rows.values())]
         sets = json.dumps([counts, self.train_rows_sha256, self.val_rows_sha256])
-        digest = hashlib.sha256(sets.encode()).hexdigest()
-        return socket.gethostname(), counts[0], sum(counts[1:]), digest
+        return {
+            "where": f"node {node} ({socket.gethostname()})",
+            "training": counts[0],
+            "validation": sum(counts[1:]),
+            "digest": hashlib.sha256(sets.encode()).hexdigest(),
+            "settings": {key: self.hparams[key] for key in SAME_ON_EVERY_NODE},
+        }
 
     @property
     def pad_id(self) -> int:
