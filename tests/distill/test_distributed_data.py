@@ -42,15 +42,22 @@ def _launch_nodes(configs, cwd, token_caches, timeout: float = 240) -> list[str]
             nodes.append(
                 (subprocess.Popen(command, env=env, cwd=cwd, stdout=output, stderr=subprocess.STDOUT), log)
             )
-    end, outputs = time.monotonic() + timeout, []
-    for node, log in nodes:
-        try:
+    end = time.monotonic() + timeout
+    try:
+        for node, _ in nodes:
             node.wait(timeout=max(1.0, end - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            node.terminate()  # the launcher stops its workers (they run in sessions of their own)
-            node.wait(30)
-        outputs.append(f"exit {node.returncode}\n{log.read_text()}")
-    return outputs
+    except subprocess.TimeoutExpired:
+        pass
+    finally:
+        for node, _ in nodes:  # every node still running at the timeout (or at an error here) stopped
+            if node.poll() is None:
+                node.terminate()  # the launcher stops its workers (sessions of their own), killing them after 30 s
+                try:
+                    node.wait(90)
+                except subprocess.TimeoutExpired:
+                    node.kill()
+                    node.wait()
+    return [f"exit {node.returncode}\n{log.read_text()}" for node, log in nodes]
 
 
 def _nodes(tmp_path, tiny_model, name, data_files) -> list[Path]:
@@ -70,8 +77,9 @@ def _nodes(tmp_path, tiny_model, name, data_files) -> list[Path]:
 def test_nodes_whose_copies_of_the_data_make_other_rows_are_refused_on_both(tmp_path, tiny_model, text_file):
     """Node 1's copy of the data file has one word for another (as many rows, other tokens): each node would train
     on other data, silently. Both nodes refuse, naming each one's rows, before a weight is read. Node 1's token
-    cache unwritable: its failure to make the rows stops node 0 too, at once. The same text copied to each node,
-    tokenised there into its own cache, trains."""
+    cache unwritable: its failure to make the rows stops node 0 too, with its reason (before, node 0 failed on a
+    lost connection over gloo, and NCCL may wait for the timeout). The same text copied to each node, tokenised
+    there into its own cache, trains."""
     copies = [tmp_path / "node0.jsonl", tmp_path / "node1.jsonl"]
     shutil.copy(text_file, copies[0])
     copies[1].write_text(text_file.read_text().replace("Tuesday", "Monday"))
@@ -124,10 +132,15 @@ def test_the_refusal_names_each_group_of_processes_and_what_it_holds():
     with pytest.raises(DataError) as refused:
         check_same_rows([held(0, 100, "f")] * 4 + [held(1, 100, "f")] * 3 + [held(1, 100, "f", 8)])
     assert str(refused.value).startswith(
-        "The processes hold other rows or data settings (processes 0-6 on node 0 (gpu), node 1 (gpu): 100 "
-        "training and 10 validation rows (digest ffffffffffff), data.batch_size 4; process 7 on node 1 (gpu): 100 "
-        "training and 10 validation rows (digest ffffffffffff), data.batch_size 8)."
+        "The processes hold other data settings (processes 0-6 on node 0 (gpu), node 1 (gpu): 100 training and 10 "
+        "validation rows (digest ffffffffffff), data.batch_size 4; process 7 on node 1 (gpu): 100 training and 10 "
+        "validation rows (digest ffffffffffff), data.batch_size 8). Each node reads them from its own command: give "
+        "every node the same data settings. Otherwise"
     )
+    with pytest.raises(
+        DataError, match=r"other rows or data settings \(process 0 on node 0 \(gpu\): 100 training"
+    ):
+        check_same_rows([held(0, 100, "f"), held(1, 98, "e", 8)])
 
 
 def _process(rank: int, port: int, results) -> None:

@@ -177,16 +177,17 @@ def check_same_rows(summaries: list[dict]) -> None:
     """Refuse processes that hold other rows or data settings (``DistillDataModule.rows_summary`` of each, in rank
     order): a node with its own token cache tokenises its own copies of the data files, with its own copy of the
     model's tokenizer and its own libraries, and each node reads its settings from its own command. Other tokens
-    would train each node on other data, silently; another count of rows or batches would give the processes other
-    numbers of batches, and they would wait on each other at an epoch's end until the process group's timeout."""
+    would train each node on other data, silently; another count of rows or another batch size would give the
+    processes other numbers of batches, and they would wait on each other at the end of an epoch or a validation
+    until the process group's timeout."""
     groups: dict[str, list[tuple[int, dict]]] = {}
     for rank, summary in enumerate(summaries):
         same = json.dumps({key: value for key, value in summary.items() if key != "where"}, sort_keys=True)
         groups.setdefault(same, []).append((rank, summary))
     if len(groups) == 1:
         return
-    settings = summaries[0]["settings"]
-    differ = [key for key in settings if len({json.dumps(s["settings"][key]) for s in summaries}) > 1]
+    settings = dict.fromkeys(key for summary in summaries for key in summary["settings"])
+    differ = [key for key in settings if len({json.dumps(s["settings"].get(key)) for s in summaries}) > 1]
     held = []
     for members in groups.values():
         summary, where = members[0][1], list(dict.fromkeys(s["where"] for _, s in members))
@@ -195,15 +196,21 @@ def check_same_rows(summaries: list[dict]) -> None:
             f"process{'es' if len(members) > 1 else ''} {_spans([rank for rank, _ in members])} on {on}: "
             f"{summary['training']:,} training and {summary['validation']:,} validation rows (digest "
             f"{summary['digest'][:12]})"
-            + "".join(f", data.{key} {summary['settings'][key]!r}" for key in differ)
+            + "".join(f", data.{key} {summary['settings'].get(key)!r}" for key in differ)
         )
+    rows_differ = len({summary["digest"] for summary in summaries}) > 1
     raise DataError(
-        f"The processes hold other rows{' or data settings' if differ else ''} ({'; '.join(held)}). A node with its "
-        "own token cache tokenises its own copy of the data files, with its own copy of the model's tokenizer and "
-        "its own libraries (transformers, tokenizers, jinja2, torch; a chat template may write the date): give every "
-        "node the same data files, model folder, library versions and data settings. Otherwise each node would train "
-        "on other data, and other counts of rows or batches would leave the processes waiting on each other at an "
-        "epoch's end."
+        f"The processes hold other {'rows' if rows_differ else 'data settings'}"
+        f"{' or data settings' if rows_differ and differ else ''} ({'; '.join(held)}). "
+        + (
+            "A node with its own token cache tokenises its own copy of the data files, with its own copy of the "
+            "model's tokenizer and its own libraries (transformers, tokenizers, jinja2, torch; a chat template may "
+            "write the date): give every node the same data files, model folder, library versions and data settings."
+            if rows_differ
+            else "Each node reads them from its own command: give every node the same data settings."
+        )
+        + " Otherwise each node would train on other data, or the processes would run other numbers of batches and "
+        "wait on each other at the end of an epoch or a validation until the process group's timeout."
     )
 
 

@@ -54,8 +54,10 @@ from .tokens import (
 )
 
 # the data settings that decide the rows and each process's batches, which each node reads from its own command
-SAME_ON_EVERY_NODE = ("max_length", "pack", "chat_tokens", "val_fraction", "seed", "max_train_rows", "max_val_rows",
-                      "batch_size", "val_batch_size")  # fmt: skip
+SAME_ON_EVERY_NODE = (
+    "max_length", "pack", "chat_tokens", "val_fraction", "seed", "max_train_rows", "max_val_rows", "batch_size",
+    "val_batch_size",
+)  # fmt: skip
 
 
 class DistillDataModule(L.LightningDataModule):
@@ -281,8 +283,9 @@ class DistillDataModule(L.LightningDataModule):
     def prepare_data(self) -> None:
         """On one process per node, before the others set up (Lightning's call): the named data sets are prepared
         and the data tokenised into the token cache. On several processes a failure is kept for ``setup``, which
-        raises it on every process: the other nodes' would otherwise wait for this node's until the process group's
-        timeout."""
+        raises it on every process: the other nodes' processes would otherwise wait for this node's at their next
+        collective until the process group's timeout."""
+        self._not_prepared = None
         try:
             self.token_rows_folder(self._load_tokenizer())
         except Exception as error:
@@ -299,8 +302,9 @@ class DistillDataModule(L.LightningDataModule):
         trainer = getattr(self, "trainer", None)
 
         def prepared() -> None:
-            if self._not_prepared is not None:
-                raise self._not_prepared
+            failure, self._not_prepared = self._not_prepared, None
+            if failure is not None:
+                raise failure
 
         def rows() -> dict:
             self.build()
@@ -314,8 +318,8 @@ class DistillDataModule(L.LightningDataModule):
     def rows_summary(self, node: int) -> dict:
         """What ``check_same_rows`` compares between the processes: the training and validation rows' counts (after
         ``max_train_rows`` / ``max_val_rows``, which pick rows by count alone), a digest of every set's count and
-        rows, and the data settings that decide the rows and each process's batches; and where the process runs,
-        to name it."""
+        rows, and the data settings that decide the rows and each process's batches (and the validation sets'
+        names); and where the process runs, to name it."""
         counts = [len(self.train_rows), *map(len, self.val_set_rows.values())]
         sets = json.dumps([counts, self.train_rows_sha256, self.val_rows_sha256])
         return {
@@ -323,7 +327,8 @@ class DistillDataModule(L.LightningDataModule):
             "training": counts[0],
             "validation": sum(counts[1:]),
             "digest": hashlib.sha256(sets.encode()).hexdigest(),
-            "settings": {key: self.hparams[key] for key in SAME_ON_EVERY_NODE},
+            "settings": {key: self.hparams[key] for key in SAME_ON_EVERY_NODE}
+            | {"val_files": list(self.val_sets)},
         }
 
     @property
