@@ -134,7 +134,7 @@ LONGEST_FILES = {
     "tests/serve/test_server.py": 80,
     "tests/distill/test_distributed_resume.py": 70,  # 2026-12-06, alone
     "tests/distill/test_module.py": 65,
-    "tests/distill/test_distributed_data.py": 55,  # 2026-12-07, alone
+    "tests/distill/test_distributed_data.py": 60,  # 2026-12-07, alone
     "tests/distill/test_attention.py": 55,
     "tests/serve/test_parallel.py": 55,
     "tests/integration/test_smollm2.py": 50,
