@@ -115,11 +115,13 @@ def test_nodes_whose_copies_of_the_data_make_other_rows_are_refused_on_both(tmp_
 
 def test_the_refusal_names_each_group_of_processes_and_what_it_holds():
     """Eight processes on two nodes: the second's four made fewer rows (their data files are shorter); then the
-    same rows, and one process with another batch size (its command line)."""
+    same rows, and one process with another batch size (its command line); then both, and another trainer setting
+    (each node's process of a ``fabric run`` per node)."""
 
     def held(node: int, training: int, digest: str, batch_size: int = 4) -> dict:
         return {"where": f"node {node} (gpu)", "training": training, "validation": 10, "digest": digest * 64,
-                "settings": {"max_length": 512, "batch_size": batch_size}}  # fmt: skip
+                "settings": {"data.max_length": 512, "data.batch_size": batch_size,
+                             "trainer.accumulate_grad_batches": 1}}  # fmt: skip
 
     check_same_rows([held(0, 100, "f")] * 4 + [held(1, 100, "f")] * 4)
     with pytest.raises(DataError) as refused:
@@ -132,15 +134,21 @@ def test_the_refusal_names_each_group_of_processes_and_what_it_holds():
     with pytest.raises(DataError) as refused:
         check_same_rows([held(0, 100, "f")] * 4 + [held(1, 100, "f")] * 3 + [held(1, 100, "f", 8)])
     assert str(refused.value).startswith(
-        "The processes hold other data settings (processes 0-6 on node 0 (gpu), node 1 (gpu): 100 training and 10 "
+        "The processes hold other settings (processes 0-6 on node 0 (gpu), node 1 (gpu): 100 training and 10 "
         "validation rows (digest ffffffffffff), data.batch_size 4; process 7 on node 1 (gpu): 100 training and 10 "
         "validation rows (digest ffffffffffff), data.batch_size 8). Each node reads them from its own command: give "
-        "every node the same data settings. Otherwise"
+        "every node the same settings. Otherwise"
     )
     with pytest.raises(
-        DataError, match=r"other rows or data settings \(process 0 on node 0 \(gpu\): 100 training"
+        DataError, match=r"other rows or settings \(process 0 on node 0 \(gpu\): 100 training"
     ):
         check_same_rows([held(0, 100, "f"), held(1, 98, "e", 8)])
+    accumulating = held(1, 100, "f")
+    accumulating["settings"]["trainer.accumulate_grad_batches"] = 8
+    with pytest.raises(
+        DataError, match=r"; process 1 on node 1 \(gpu\): 100 .*, trainer\.accumulate_grad_batches 8\)"
+    ):
+        check_same_rows([held(0, 100, "f"), accumulating])
 
 
 def _process(rank: int, port: int, results) -> None:

@@ -174,12 +174,12 @@ class ResumableDataLoader(DataLoader):
 
 
 def check_same_rows(summaries: list[dict]) -> None:
-    """Refuse processes that hold other rows or data settings (``DistillDataModule.rows_summary`` of each, in rank
+    """Refuse processes that hold other rows or settings (``DistillDataModule.rows_summary`` of each, in rank
     order): a node with its own token cache tokenises its own copies of the data files, with its own copy of the
     model's tokenizer and its own libraries, and each node reads its settings from its own command. Other tokens
-    would train each node on other data, silently; another count of rows or another batch size would give the
-    processes other numbers of batches, and they would wait on each other at the end of an epoch or a validation
-    until the process group's timeout."""
+    would train each node on other data, silently; another count of rows, another batch size or another number of
+    steps would give the processes other numbers of batches or steps, and they would wait on each other at the end
+    of an epoch, a validation or a step until the process group's timeout."""
     groups: dict[str, list[tuple[int, dict]]] = {}
     for rank, summary in enumerate(summaries):
         same = json.dumps({key: value for key, value in summary.items() if key != "where"}, sort_keys=True)
@@ -196,21 +196,21 @@ def check_same_rows(summaries: list[dict]) -> None:
             f"process{'es' if len(members) > 1 else ''} {_spans([rank for rank, _ in members])} on {on}: "
             f"{summary['training']:,} training and {summary['validation']:,} validation rows (digest "
             f"{summary['digest'][:12]})"
-            + "".join(f", data.{key} {summary['settings'].get(key)!r}" for key in differ)
+            + "".join(f", {key} {summary['settings'].get(key)!r}" for key in differ)
         )
     rows_differ = len({summary["digest"] for summary in summaries}) > 1
     raise DataError(
-        f"The processes hold other {'rows' if rows_differ else 'data settings'}"
-        f"{' or data settings' if rows_differ and differ else ''} ({'; '.join(held)}). "
+        f"The processes hold other {'rows' if rows_differ else 'settings'}"
+        f"{' or settings' if rows_differ and differ else ''} ({'; '.join(held)}). "
         + (
             "A node with its own token cache tokenises its own copy of the data files, with its own copy of the "
             "model's tokenizer and its own libraries (transformers, tokenizers, jinja2, torch; a chat template may "
-            "write the date): give every node the same data files, model folder, library versions and data settings."
+            "write the date): give every node the same data files, model folder, library versions and settings."
             if rows_differ
-            else "Each node reads them from its own command: give every node the same data settings."
+            else "Each node reads them from its own command: give every node the same settings."
         )
-        + " Otherwise each node would train on other data, or the processes would run other numbers of batches and "
-        "wait on each other at the end of an epoch or a validation until the process group's timeout."
+        + " Otherwise each node would train on other data, or the processes would run other numbers of batches or "
+        "steps and wait on each other until the process group's timeout."
     )
 
 

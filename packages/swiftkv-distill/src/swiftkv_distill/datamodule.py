@@ -53,11 +53,11 @@ from .tokens import (
     write_sets,
 )
 
-# the data settings that decide the rows and each process's batches, which each node reads from its own command
-SAME_ON_EVERY_NODE = (
-    "max_length", "pack", "chat_tokens", "val_fraction", "seed", "max_train_rows", "max_val_rows", "batch_size",
-    "val_batch_size",
-)  # fmt: skip
+# the data and trainer settings that decide the rows and each process's batches and steps, which each node reads
+# from its own command (``rows_summary``)
+SAME_ON_EVERY_NODE = ("max_length", "pack", "chat_tokens", "val_fraction", "seed", "max_train_rows", "max_val_rows",
+                      "batch_size", "val_batch_size")  # fmt: skip
+SAME_TRAINER_SETTINGS = ("accumulate_grad_batches", "limit_train_batches", "max_steps", "max_epochs")
 
 
 class DistillDataModule(L.LightningDataModule):
@@ -140,8 +140,7 @@ class DistillDataModule(L.LightningDataModule):
         self.val_rows: list[dict] | None = None  # the first set's rows
         self.val_set_rows: dict[str, list[dict]] = {}
         self.tokenizer = None
-        # prepare_data's failure on several processes, for setup to raise on every one
-        self._not_prepared: Exception | None = None
+        self._not_prepared: Exception | None = None  # prepare_data's failure (setup raises it)
 
     def _load_tokenizer(self):
         from transformers import AutoConfig, AutoTokenizer
@@ -308,27 +307,30 @@ class DistillDataModule(L.LightningDataModule):
 
         def rows() -> dict:
             self.build()
-            return self.rows_summary(trainer.node_rank if trainer is not None else 0)
+            return self.rows_summary(trainer)
 
         on_every_process(prepared)
         check_same_rows(on_every_process(rows))
         if stage == "fit" and trainer is not None:
             self.check_batches(trainer.world_size)
 
-    def rows_summary(self, node: int) -> dict:
+    def rows_summary(self, trainer=None) -> dict:
         """What ``check_same_rows`` compares between the processes: the training and validation rows' counts (after
         ``max_train_rows`` / ``max_val_rows``, which pick rows by count alone), a digest of every set's count and
-        rows, and the data settings that decide the rows and each process's batches (and the validation sets'
-        names); and where the process runs, to name it."""
+        rows, and the data and trainer settings that decide the rows and each process's batches and steps (and the
+        validation sets' names); and where the process runs, to name it."""
         counts = [len(self.train_rows), *map(len, self.val_set_rows.values())]
         sets = json.dumps([counts, self.train_rows_sha256, self.val_rows_sha256])
+        settings = {f"data.{key}": self.hparams[key] for key in SAME_ON_EVERY_NODE}
+        settings["data.val_files"] = list(self.val_sets)  # names; paths may differ by node
+        if trainer is not None:
+            settings |= {f"trainer.{key}": getattr(trainer, key) for key in SAME_TRAINER_SETTINGS}
         return {
-            "where": f"node {node} ({socket.gethostname()})",
+            "where": f"node {trainer.node_rank if trainer is not None else 0} ({socket.gethostname()})",
             "training": counts[0],
             "validation": sum(counts[1:]),
             "digest": hashlib.sha256(sets.encode()).hexdigest(),
-            "settings": {key: self.hparams[key] for key in SAME_ON_EVERY_NODE}
-            | {"val_files": list(self.val_sets)},
+            "settings": settings,
         }
 
     @property
