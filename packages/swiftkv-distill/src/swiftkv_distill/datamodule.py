@@ -295,7 +295,7 @@ class DistillDataModule(L.LightningDataModule):
 
     def setup(self, stage: str | None = None) -> None:
         """The rows (``build``) on every process, checked before the model's weights are read (configure_model):
-        the same rows and data settings on every process (``check_same_rows``), and a batch for each. A failure on
+        the same rows and settings on every process (``check_same_rows``), and a batch for each. A failure on
         one process is raised on all (``on_every_process``), a failed ``prepare_data`` first (so that its node's
         other processes do not make the rows again)."""
         trainer = getattr(self, "trainer", None)
