@@ -17,7 +17,7 @@ import torch.multiprocessing as mp
 
 from swiftkv_distill.batches import check_same_rows
 from swiftkv_distill.data import DataError
-from swiftkv_distill.parallelize import on_every_process
+from swiftkv_distill.parallelize import gathered, on_every_process
 from tests.conftest import free_port
 from tests.distill.test_distributed import ROOT, _config, _fsdp2, _trained
 
@@ -164,7 +164,7 @@ def _process(rank: int, port: int, results) -> None:
 
         start = time.monotonic()
         try:
-            results[fails, rank] = ("returned", on_every_process(work))
+            results[fails, rank] = ("returned", gathered(on_every_process(work)))
         except Exception as error:
             results[fails, rank] = (type(error).__name__, str(error))
         results["seconds", fails, rank] = time.monotonic() - start

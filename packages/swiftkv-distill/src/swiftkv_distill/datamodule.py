@@ -40,7 +40,7 @@ from .data import (
     record_sets,
     tokenise,
 )
-from .parallelize import on_every_process
+from .parallelize import gathered, on_every_process
 from .tokens import (
     TOKEN_CACHE_FORMAT,
     RowWriter,
@@ -310,7 +310,7 @@ class DistillDataModule(L.LightningDataModule):
             return self.rows_summary(trainer)
 
         on_every_process(prepared)
-        check_same_rows(on_every_process(rows))
+        check_same_rows(gathered(on_every_process(rows)))
         if stage == "fit" and trainer is not None:
             self.check_batches(trainer.world_size)
 

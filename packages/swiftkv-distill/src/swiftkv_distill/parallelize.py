@@ -25,35 +25,40 @@ def sum_over_processes(value: torch.Tensor, processes: int) -> torch.Tensor:
     return value
 
 
-def on_every_process(work: Callable[[], T]) -> list[T]:
-    """What ``work()`` returned on each process of the run, in rank order (one process: its own). A failure on any
-    process is raised on every one: the others would go on to their next collective and wait there for the failed
-    one until the process group's timeout (30 min), as no launcher stops them (a ``fabric run`` on each node
-    watches that node's processes alone). Elsewhere than on the failed process it is named as that process's: a
-    ``ValueError`` (bad input, which the command prints in one line) stays one."""
-    import torch.distributed as dist
-
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        return [work()]
+def on_every_process(work: Callable[[], T]) -> T:
+    """``work()`` on every process of the run (what it returned here), a failure on any process raised on every one:
+    the others would go on to their next collective and wait there for the failed one until the process group's
+    timeout (30 min), as no launcher stops them (a ``fabric run`` on each node watches that node's processes alone).
+    Elsewhere than on the failed process it is named as that process's: a ``ValueError`` (bad input, which the
+    command prints in one line) stays one."""
     result, failure = None, None
     try:
         result = work()
     except Exception as error:
         failure = error
-    gathered = [None] * dist.get_world_size()
-    told = (
+    failures = gathered(
         None if failure is None else (isinstance(failure, ValueError), f"{type(failure).__name__}: {failure}")
     )
-    dist.all_gather_object(gathered, (result, told))
     if failure is not None:
         raise failure
-    for rank, (_, told) in enumerate(gathered):
+    for rank, told in enumerate(failures):
         if told is not None:
             bad_input, message = told
             raise (ValueError if bad_input else RuntimeError)(
                 f"process {rank} stopped, so this one does: {message}"
             )
-    return [result for result, _ in gathered]
+    return result
+
+
+def gathered(value: T) -> list[T]:
+    """``value`` of each process of the run, in rank order (one process: its own); each process must call it."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return [value]
+    values = [None] * dist.get_world_size()
+    dist.all_gather_object(values, value)
+    return values
 
 
 def check_data_parallel_only(device_mesh) -> None:
@@ -108,7 +113,8 @@ def shard_from_rank0(
 
     parallelize(sized, mesh, reshard_after_forward)
     sized.to_empty(device=device)
-    whole = _on_rank0(build if dist.get_rank() == 0 else None)
+    # rank 0's failure raised on every rank: the others would wait for its weights until the process group's timeout
+    whole = on_every_process(build if dist.get_rank() == 0 else lambda: None)
     options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
     set_model_state_dict(sized, whole.state_dict() if whole is not None else {}, options=options)
     # A state dict leaves out non-persistent buffers (RoPE's frequencies): rank 0's, broadcast too
@@ -118,21 +124,3 @@ def shard_from_rank0(
                 buffer.copy_(whole.get_buffer(name))
             dist.broadcast(buffer, src=0)
     return sized
-
-
-def _on_rank0(build: Callable[[], DistillationStep] | None) -> DistillationStep | None:
-    """``build()`` on rank 0 (``build`` None elsewhere), its failure raised on every rank: the others would otherwise
-    wait for rank 0's weights until the process group's timeout (30 min), where no launcher stops them."""
-    import torch.distributed as dist
-
-    failure = [None]
-    try:
-        whole = build() if build is not None else None
-    except Exception as error:
-        failure = [f"{type(error).__name__}: {error}"]
-        raise  # on rank 0, once every rank has its error
-    finally:
-        dist.broadcast_object_list(failure, src=0)
-    if failure[0] is not None:
-        raise RuntimeError(f"rank 0 could not build the model, so this process stops too: {failure[0]}")
-    return whole
