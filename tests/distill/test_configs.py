@@ -109,7 +109,7 @@ def test_several_nodes_without_a_launcher_are_refused_before_anything_starts(mon
     processes: refused at once, saying how to launch it on each node or run it on one. Under a launcher (here
     MASTER_ADDR, as set by hand or torchrun) the same settings instantiate."""
     from swiftkv_distill.cli import main
-    from swiftkv_distill.recipe import MULTI_NODE_LAUNCH
+    from swiftkv_distill.launch import MULTI_NODE_LAUNCH
 
     for name in MULTI_NODE_LAUNCH:
         monkeypatch.delenv(name, raising=False)

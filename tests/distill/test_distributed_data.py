@@ -5,6 +5,7 @@ the data into its own token cache (two nodes of one process each, launched on th
 import os
 import re
 import shutil
+import socket
 import subprocess
 import sys
 import time
@@ -20,6 +21,8 @@ from swiftkv_distill.data import DataError
 from swiftkv_distill.parallelize import gathered, on_every_process
 from tests.conftest import free_port
 from tests.distill.test_distributed import ROOT, _config, _fsdp2, _trained
+
+HOST = socket.gethostname()
 
 
 def _launch_nodes(configs, cwd, token_caches, timeout: float = 240) -> list[str]:
@@ -103,9 +106,10 @@ def test_nodes_whose_copies_of_the_data_make_other_rows_are_refused_on_both(tmp_
     stopped = f"The token cache {unwritable[1]} cannot be written"
     assert outputs[1].startswith("exit 1\n") and f"swiftkv distill: {stopped}" in outputs[1], outputs[1]
     assert outputs[0].startswith("exit 1\n"), outputs[0]
-    assert f"swiftkv distill: process 1 stopped, so this one does: DataError: {stopped}" in outputs[0], (
-        outputs[0]
-    )
+    assert (
+        f"swiftkv distill: process 1 on node 1 ({HOST}) stopped, so this one does: DataError: {stopped}"
+        in (outputs[0])
+    ), outputs[0]
 
     outputs = _launch_nodes(_nodes(tmp_path, tiny_model, "same", copies), tmp_path, caches)
     assert all(output.startswith("exit 0\n") for output in outputs), outputs
@@ -185,5 +189,6 @@ def test_a_failure_on_one_process_is_raised_on_every_one():
     for fails in (0, 1):
         assert results[fails, fails] == ("DataError", f"no rows on process {fails}")
         assert results[fails, 1 - fails] == (
-            "ValueError", f"process {fails} stopped, so this one does: DataError: no rows on process {fails}"
+            "ValueError",
+            f"process {fails} on node 0 ({HOST}) stopped, so this one does: DataError: no rows on process {fails}",
         )  # fmt: skip

@@ -7,27 +7,37 @@ works from any folder. ``swiftkv-distill`` is the same command.
 from __future__ import annotations
 
 from .console import OutOfMemory
+from .launch import meet_at_start
 from .recipe import make_cli
 
 
 def main(args=None) -> None:
-    """``swiftkv-distill`` (``swiftkv distill``): bad input gets one line, no traceback (SWIFTKV_DEBUG=1 shows it)."""
-    import argparse
+    """``swiftkv-distill`` (``swiftkv distill``): bad input gets one line, no traceback (SWIFTKV_DEBUG=1 shows it).
+    A process of a launch that stops before the run starts tells the others why (``launch.meet_at_start``)."""
     import os
-
-    from lightning.fabric.utilities.exceptions import MisconfigurationException
 
     try:
         make_cli(args)
-    except (ValueError, FileNotFoundError, argparse.ArgumentError, OutOfMemory) as error:
-        if os.environ.get("SWIFTKV_DEBUG"):
+    except Exception as error:
+        line = _one_line(error)
+        meet_at_start((line is not None, f"{type(error).__name__}: {line or error}"))
+        if line is None or os.environ.get("SWIFTKV_DEBUG"):
             raise
-        raise SystemExit(f"swiftkv distill: {' '.join(str(error).split())}") from None
-    except MisconfigurationException as error:  # Lightning's, e.g. an accelerator this machine does not have
-        if os.environ.get("SWIFTKV_DEBUG"):
-            raise
-        raise SystemExit(f"swiftkv distill: {_with_fix(str(error))} (SWIFTKV_DEBUG=1 shows where)") from None
+        raise SystemExit(f"swiftkv distill: {line}") from None
     _end_process_group()
+
+
+def _one_line(error: Exception) -> str | None:
+    """What the command prints for bad input (None: a traceback is worth more)."""
+    import argparse
+
+    from lightning.fabric.utilities.exceptions import MisconfigurationException
+
+    if isinstance(error, (ValueError, FileNotFoundError, argparse.ArgumentError, OutOfMemory)):
+        return " ".join(str(error).split())
+    if isinstance(error, MisconfigurationException):  # Lightning's: an accelerator this machine does not have
+        return f"{_with_fix(str(error))} (SWIFTKV_DEBUG=1 shows where)"
+    return None
 
 
 def _with_fix(message: str) -> str:

@@ -7,7 +7,6 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-import socket
 from contextlib import closing
 from pathlib import Path
 
@@ -40,6 +39,7 @@ from .data import (
     record_sets,
     tokenise,
 )
+from .launch import where
 from .parallelize import gathered, on_every_process
 from .tokens import (
     TOKEN_CACHE_FORMAT,
@@ -326,7 +326,7 @@ class DistillDataModule(L.LightningDataModule):
         if trainer is not None:
             settings |= {f"trainer.{key}": getattr(trainer, key) for key in SAME_TRAINER_SETTINGS}
         return {
-            "where": f"node {trainer.node_rank if trainer is not None else 0} ({socket.gethostname()})",
+            "where": where(trainer.node_rank if trainer is not None else 0),
             "training": counts[0],
             "validation": sum(counts[1:]),
             "digest": hashlib.sha256(sets.encode()).hexdigest(),

@@ -8,6 +8,7 @@ from typing import TypeVar
 
 import torch
 
+from .launch import raise_stop, where
 from .step import DistillationStep
 
 T = TypeVar("T")
@@ -29,24 +30,18 @@ def on_every_process(work: Callable[[], T]) -> T:
     """``work()`` on every process of the run (what it returned here), a failure on any process raised on every one:
     the others would go on to their next collective and wait there for the failed one until the process group's
     timeout (30 min), as no launcher stops them (a ``fabric run`` on each node watches that node's processes alone).
-    Elsewhere than on the failed process it is named as that process's: a ``ValueError`` (bad input, which the
-    command prints in one line) stays one."""
+    Elsewhere than on the failed process it is named as that process's (``launch.raise_stop``)."""
     result, failure = None, None
     try:
         result = work()
     except Exception as error:
         failure = error
-    failures = gathered(
-        None if failure is None else (isinstance(failure, ValueError), f"{type(failure).__name__}: {failure}")
-    )
-    if failure is not None:
+    if failure is not None:  # bad input or not, what it says, where it ran
+        gathered((isinstance(failure, ValueError), f"{type(failure).__name__}: {failure}", where()))
         raise failure
-    for rank, told in enumerate(failures):
+    for rank, told in enumerate(gathered(None)):
         if told is not None:
-            bad_input, message = told
-            raise (ValueError if bad_input else RuntimeError)(
-                f"process {rank} stopped, so this one does: {message}"
-            )
+            raise_stop(rank, *told)
     return result
 
 

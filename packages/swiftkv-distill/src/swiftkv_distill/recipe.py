@@ -16,7 +16,6 @@ from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 
-import torch
 from jsonargparse import set_parsing_settings
 from lightning.pytorch.cli import LightningCLI
 
@@ -26,6 +25,7 @@ from .build import check_same_run, sized_step
 from .checkpointing import last_checkpoint, saved_run
 from .console import quiet_lightning, told_out_of_memory
 from .datamodule import DistillDataModule
+from .launch import check_launch, check_world_size, meet_at_start, start_timeout
 from .module import SwiftKVDistillation
 
 RECIPES_DIR = Path(__file__).parent / "recipes"
@@ -76,6 +76,7 @@ class DistillCLI(LightningCLI):
                 f"resuming from {ckpt_path} (another --trainer.default_root_dir starts a new run)", flush=True
             )
         check_resume(ckpt_path, self.trainer, model, datamodule)
+        meet_at_start(timeout=start_timeout(self.trainer))  # every process's checks passed, or none goes on
         with told_out_of_memory(self.trainer, model, datamodule):
             self.trainer.fit(model, datamodule=datamodule, ckpt_path=ckpt_path, **kwargs)
 
@@ -100,82 +101,6 @@ def check_resume(ckpt_path, trainer, module, datamodule) -> None:
             "or leave --ckpt_path out: a run resumes from its own folder's last checkpoint by itself."
         )
     check_same_run(saved_run(ckpt_path), module.hparams, datamodule, trainer)
-
-
-# what a launcher on several nodes sets: torchrun / fabric run, SLURM, Open MPI, LSF, or by hand (Lightning's own
-# environment reads MASTER_ADDR and NODE_RANK)
-MULTI_NODE_LAUNCH = (
-    "TORCHELASTIC_RUN_ID",
-    "SLURM_NTASKS",
-    "OMPI_COMM_WORLD_SIZE",
-    "LSB_JOBID",
-    "MASTER_ADDR",
-)
-
-
-def check_launch(trainer, environ) -> None:
-    """Refuse ``trainer.num_nodes`` > 1 started without a multi-node launcher: the command would start this node's
-    processes only, and they would wait for the others' until the process group's timeout (30 min)."""
-    num_nodes, devices = trainer.num_nodes, trainer.devices
-    if num_nodes <= 1 or any(environ.get(name) for name in MULTI_NODE_LAUNCH):
-        return
-    raise ValueError(
-        f"trainer.num_nodes is {num_nodes}, and no multi-node launcher started this process: it would start this "
-        "node's processes only and wait for the others' for 30 minutes. On each node run `fabric run --num_nodes "
-        f"{num_nodes} --node_rank RANK --main_address FIRST_NODE --accelerator cuda --devices {devices} "
-        "apps/distill.py --config ...` (Lightning 2.6's name for `lightning run`; torchrun and SLURM's srun work "
-        f"too); on one node pass --trainer.num_nodes 1 --trainer.strategy.data_parallel_size {devices} "
-        f"{same_global_batch(trainer, num_nodes)}."
-    )
-
-
-def same_global_batch(trainer, times: int) -> str:
-    """What keeps a recipe's global batch, and its validations every so many steps, on ``times`` fewer processes:
-    Lightning counts ``val_check_interval`` in batches, and a step is then ``times`` of them."""
-    fix = f"--trainer.accumulate_grad_batches {times}"
-    if isinstance(trainer.val_check_interval, int):
-        fix += f" --trainer.val_check_interval {trainer.val_check_interval * times}"
-    return f"(the global batch is then {times}x smaller: {fix} keep it, and the recipe's validations)"
-
-
-def node_devices(accelerator) -> int | float:
-    """The processes a node can start for ``accelerator``: its GPUs (none seen: 0), or any number on the CPU."""
-    if str(accelerator) == "cpu" or (str(accelerator) == "auto" and not torch.cuda.is_available()):
-        return float("inf")
-    return torch.cuda.device_count()  # 0 where torch sees no GPU
-
-
-def check_world_size(trainer, environ) -> None:
-    """Refuse a ModelParallelStrategy whose data x tensor parallel size is not the processes the trainer starts
-    (``devices`` x ``num_nodes``), before any process starts: Lightning finds it only once every process is up."""
-    strategy = trainer.strategy
-    if not str(getattr(strategy, "class_path", "")).endswith("ModelParallelStrategy"):
-        return
-    # the command line's devices "1" is a string (Lightning's type: list, str or int)
-    sizes = [strategy.init_args.data_parallel_size, strategy.init_args.tensor_parallel_size, trainer.devices]
-    if not all(isinstance(n, int) or (isinstance(n, str) and n.isdigit()) for n in sizes):
-        return  # "auto" (Lightning's own choice) or a list of devices
-    dp, tp, devices = map(int, sizes)
-    processes = devices * trainer.num_nodes
-    if dp * tp == processes:
-        return
-    fixes = [f"set --trainer.strategy.data_parallel_size {max(processes // tp, 1)}"]
-    if processes == 1:
-        fixes[0] += ", or --trainer.strategy auto"
-    if processes < dp * tp and (dp * tp) % processes == 0:
-        fixes[0] += f" {same_global_batch(trainer, dp * tp // processes)}"
-    if environ.get("LT_DEVICES"):
-        # fabric run starts --devices processes (1 when not given) on each of --num_nodes nodes (1 when not given),
-        # which become trainer.devices and num_nodes: the fix is more nodes, or more devices where a node has them
-        per_node, nodes = (dp * tp) // trainer.num_nodes, (dp * tp) // devices
-        if devices > 1 and nodes > trainer.num_nodes and (dp * tp) % devices == 0:
-            fixes.insert(0, f"give `fabric run` --num_nodes {nodes} (it started {trainer.num_nodes})")
-        if (dp * tp) % trainer.num_nodes == 0 and per_node <= node_devices(trainer.accelerator):
-            fixes.insert(0, f"give `fabric run` --devices {per_node} (it started {devices} a node)")
-    raise ValueError(
-        f"trainer.strategy's data_parallel_size {dp} x tensor_parallel_size {tp} = {dp * tp} processes, but "
-        f"trainer.devices {devices} x num_nodes {trainer.num_nodes} start {processes}: {'; or '.join(fixes)}."
-    )
 
 
 def with_recipe_paths(args: list[str]) -> list[str]:

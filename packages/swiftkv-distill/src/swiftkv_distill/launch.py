@@ -1,0 +1,191 @@
+"""How the processes of a run start: the launch checks made before any process starts, and, under ``torchrun`` or
+``fabric run``, the one meeting of every process before the process group exists.
+
+A process that stops before the process group exists (a setting, a path or a checkpoint its node lacks) would leave
+the others waiting to form the group until its timeout (``trainer.strategy.timeout``, 30 min by default), to fail
+without its reason: the launcher of each node watches that node's processes alone. So every process says how its
+start went, through the store that the launcher of node 0 holds from before the processes start (the process group
+uses it too), and a process that stopped stops the others with its reason."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import sys
+from datetime import timedelta
+
+import torch
+
+# what a launcher on several nodes sets: torchrun / fabric run, SLURM, Open MPI, LSF, or by hand (Lightning's own
+# environment reads MASTER_ADDR and NODE_RANK)
+MULTI_NODE_LAUNCH = (
+    "TORCHELASTIC_RUN_ID",
+    "SLURM_NTASKS",
+    "OMPI_COMM_WORLD_SIZE",
+    "LSB_JOBID",
+    "MASTER_ADDR",
+)
+
+
+def check_launch(trainer, environ) -> None:
+    """Refuse ``trainer.num_nodes`` > 1 started without a multi-node launcher: the command would start this node's
+    processes only, and they would wait for the others' until the process group's timeout (30 min)."""
+    num_nodes, devices = trainer.num_nodes, trainer.devices
+    if num_nodes <= 1 or any(environ.get(name) for name in MULTI_NODE_LAUNCH):
+        return
+    raise ValueError(
+        f"trainer.num_nodes is {num_nodes}, and no multi-node launcher started this process: it would start this "
+        "node's processes only and wait for the others' for 30 minutes. On each node run `fabric run --num_nodes "
+        f"{num_nodes} --node_rank RANK --main_address FIRST_NODE --accelerator cuda --devices {devices} "
+        "apps/distill.py --config ...` (Lightning 2.6's name for `lightning run`; torchrun and SLURM's srun work "
+        f"too); on one node pass --trainer.num_nodes 1 --trainer.strategy.data_parallel_size {devices} "
+        f"{same_global_batch(trainer, num_nodes)}."
+    )
+
+
+def same_global_batch(trainer, times: int) -> str:
+    """What keeps a recipe's global batch, and its validations every so many steps, on ``times`` fewer processes:
+    Lightning counts ``val_check_interval`` in batches, and a step is then ``times`` of them."""
+    fix = f"--trainer.accumulate_grad_batches {times}"
+    if isinstance(trainer.val_check_interval, int):
+        fix += f" --trainer.val_check_interval {trainer.val_check_interval * times}"
+    return f"(the global batch is then {times}x smaller: {fix} keep it, and the recipe's validations)"
+
+
+def node_devices(accelerator) -> int | float:
+    """The processes a node can start for ``accelerator``: its GPUs (none seen: 0), or any number on the CPU."""
+    if str(accelerator) == "cpu" or (str(accelerator) == "auto" and not torch.cuda.is_available()):
+        return float("inf")
+    return torch.cuda.device_count()  # 0 where torch sees no GPU
+
+
+def check_world_size(trainer, environ) -> None:
+    """Refuse a ModelParallelStrategy whose data x tensor parallel size is not the processes the trainer starts
+    (``devices`` x ``num_nodes``), before any process starts: Lightning finds it only once every process is up."""
+    strategy = trainer.strategy
+    if not str(getattr(strategy, "class_path", "")).endswith("ModelParallelStrategy"):
+        return
+    # the command line's devices "1" is a string (Lightning's type: list, str or int)
+    sizes = [strategy.init_args.data_parallel_size, strategy.init_args.tensor_parallel_size, trainer.devices]
+    if not all(isinstance(n, int) or (isinstance(n, str) and n.isdigit()) for n in sizes):
+        return  # "auto" (Lightning's own choice) or a list of devices
+    dp, tp, devices = map(int, sizes)
+    processes = devices * trainer.num_nodes
+    if dp * tp == processes:
+        return
+    fixes = [f"set --trainer.strategy.data_parallel_size {max(processes // tp, 1)}"]
+    if processes == 1:
+        fixes[0] += ", or --trainer.strategy auto"
+    if processes < dp * tp and (dp * tp) % processes == 0:
+        fixes[0] += f" {same_global_batch(trainer, dp * tp // processes)}"
+    if environ.get("LT_DEVICES"):
+        # fabric run starts --devices processes (1 when not given) on each of --num_nodes nodes (1 when not given),
+        # which become trainer.devices and num_nodes: the fix is more nodes, or more devices where a node has them
+        per_node, nodes = (dp * tp) // trainer.num_nodes, (dp * tp) // devices
+        if devices > 1 and nodes > trainer.num_nodes and (dp * tp) % devices == 0:
+            fixes.insert(0, f"give `fabric run` --num_nodes {nodes} (it started {trainer.num_nodes})")
+        if (dp * tp) % trainer.num_nodes == 0 and per_node <= node_devices(trainer.accelerator):
+            fixes.insert(0, f"give `fabric run` --devices {per_node} (it started {devices} a node)")
+    raise ValueError(
+        f"trainer.strategy's data_parallel_size {dp} x tensor_parallel_size {tp} = {dp * tp} processes, but "
+        f"trainer.devices {devices} x num_nodes {trainer.num_nodes} start {processes}: {'; or '.join(fixes)}."
+    )
+
+
+# Lightning's default process group timeout, which its strategies take as ``timeout``
+DEFAULT_TIMEOUT = timedelta(minutes=30)
+# how long a process that stopped waits quietly for the others to hear of it before it says so
+QUIET_WAIT = timedelta(seconds=10)
+_met = False
+
+
+def start_timeout(trainer) -> timedelta:
+    """How long the processes wait for each other at the start: the process group's own timeout."""
+    return getattr(trainer.strategy, "_timeout", None) or DEFAULT_TIMEOUT
+
+
+def meet_at_start(stopped: tuple[bool, str] | None = None, timeout: timedelta = DEFAULT_TIMEOUT) -> None:
+    """Where the processes of a ``torchrun`` / ``fabric run`` launch meet once, before the process group exists:
+    each with ``stopped`` None once its checks passed (just before ``Trainer.fit``), or ``(bad_input, message)``
+    from the command as it stops. A process that reaches it well raises the first stop of another process
+    (``raise_stop``); one that stopped returns once every process has heard of it (node 0's launcher, which holds
+    the store, ends with its own processes). A second call, one process, or a launcher without a store of its own
+    (SLURM's ``srun``, Lightning's own) does nothing."""
+    global _met
+    if _met:
+        return
+    _met = True
+    store = _launch_store(timeout)
+    if store is None:
+        return
+    rank, processes = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    store.set(f"outcome/{rank}", json.dumps(None if stopped is None else [*stopped, where()]))
+    said = f"swiftkv distill: {stopped[1]}" if stopped else None
+    outcomes = _waited(store, "outcome", processes, timeout, said)
+    store.set(f"heard/{rank}", "")
+    stops = [(other, outcome) for other, outcome in enumerate(outcomes) if outcome is not None]
+    if stopped is not None:
+        _waited(store, "heard", processes, timeout, said)
+    elif stops:
+        other, told = stops[0]
+        raise_stop(other, *told)
+
+
+def raise_stop(rank: int, bad_input: bool, message: str, there: str) -> None:
+    """Stop this process because process ``rank`` (``where`` it ran) stopped, with its reason: a ``ValueError``
+    where that was bad input (the command prints it in one line), else a ``RuntimeError``."""
+    raise (ValueError if bad_input else RuntimeError)(
+        f"process {rank} on {there} stopped, so this one does: {message}"
+    )
+
+
+def where(node: int | None = None) -> str:
+    """This process's node (its launcher's node rank, unless given) and host, as messages name it: node 1 (gpu-7)."""
+    if node is None:
+        node = int(os.environ.get("GROUP_RANK") or os.environ.get("NODE_RANK") or 0)
+    return f"node {node} ({socket.gethostname()})"
+
+
+def _launch_store(timeout: timedelta):
+    """The store of this process's ``torchrun`` launch (``fabric run``'s too), None where there is none."""
+    processes = int(os.environ.get("WORLD_SIZE", "1"))
+    if processes <= 1 or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    from torch.distributed import PrefixStore, TCPStore
+
+    address, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    store = TCPStore(address, port, processes, is_master=False, timeout=timeout)
+    # a launcher that restarts its processes (--max-restarts) keeps its store: each attempt meets on its own keys
+    return PrefixStore(f"swiftkv/start/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
+
+
+def _waited(store, what: str, processes: int, timeout: timedelta, said: str | None) -> list:
+    """Each process's ``what`` key, once all are set. A process that stopped says so first if that takes long."""
+    from torch.distributed import DistError
+
+    keys = [f"{what}/{rank}" for rank in range(processes)]
+    try:
+        if said is None:
+            store.wait(keys, timeout)
+        else:
+            try:
+                store.wait(keys, min(QUIET_WAIT, timeout))
+            except DistError:
+                print(f"{said} (waiting for the other processes to hear of it)", file=sys.stderr, flush=True)
+                store.wait(keys, timeout)
+    except DistError as error:
+        missing = [rank for rank, key in enumerate(keys) if not _has(store, key)]
+        raise RuntimeError(
+            f"processes {', '.join(map(str, missing)) or '(unknown)'} did not reach the start of the run within {timeout}: their "
+            "node's output says why (a process killed, or a node started late). trainer.strategy.timeout sets "
+            f"the wait. ({type(error).__name__}: {' '.join(str(error).split())})"
+        ) from None
+    return [json.loads(value) if value else None for value in store.multi_get(keys)]
+
+
+def _has(store, key: str) -> bool:
+    try:
+        return store.check([key])
+    except Exception:  # the store itself is gone: node 0's launcher ended
+        return False

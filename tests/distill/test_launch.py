@@ -1,0 +1,105 @@
+"""The processes of a ``fabric run`` / ``torchrun`` launch meet once before the process group exists
+(``launch.meet_at_start``): a process that stops before the run starts (a path, a setting or a checkpoint its node
+lacks) stops every other one with its reason, at once, where they waited for the process group's timeout (30 min by
+default) to fail on the store's "wait timeout", naming no reason."""
+
+import os
+import re
+import shutil
+import socket
+from datetime import timedelta
+
+import pytest
+import torch.multiprocessing as mp
+import yaml
+from torch.distributed import TCPStore
+
+from swiftkv_distill import launch
+from tests.distill.test_distributed_data import _launch_nodes, _nodes
+
+HOST = socket.gethostname()
+# each case: what each of the three processes does (None: comes well, a string: stops with it, "away": never comes)
+CASES = [
+    (None, None, None),
+    (None, "ValueError: no such model folder", None),
+    ("ValueError: no such checkpoint", None, "RuntimeError: out of host memory"),
+    (None, None, "away"),
+]
+
+
+def _process(rank: int, port: int, results) -> None:
+    """Process ``rank`` of three launched by one launcher, whose store this test holds: each case in turn."""
+    os.environ |= {"RANK": str(rank), "WORLD_SIZE": "3", "GROUP_RANK": str(rank), "MASTER_ADDR": "127.0.0.1",
+                   "MASTER_PORT": str(port), "TORCHELASTIC_USE_AGENT_STORE": "True"}  # fmt: skip
+    for case, does in enumerate(CASES):
+        os.environ["TORCHELASTIC_RESTART_COUNT"] = str(case)  # a launcher's next attempt: keys of its own
+        launch._met = False
+        if does[rank] == "away":
+            continue
+        stopped = None if does[rank] is None else (does[rank].startswith("ValueError"), does[rank])
+        try:
+            launch.meet_at_start(stopped, timeout=timedelta(seconds=5))
+            results[case, rank] = "returned"
+        except Exception as error:
+            results[case, rank] = f"{type(error).__name__}: {error}"
+        launch.meet_at_start(None)  # a second call (the command's own, as it stops) does nothing
+
+
+@pytest.mark.distributed
+def test_every_process_hears_of_a_stop_before_the_run_starts():
+    """Three real processes meet through a real store: all come well and go on; one stops with bad input and the
+    others stop with its reason (a ValueError, printed in one line); two stop and the others name the first; one
+    never comes and the others say so at the timeout, naming it."""
+    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    with mp.Manager() as manager:
+        results = manager.dict()
+        mp.spawn(_process, args=(store.port, results), nprocs=3)
+        results = dict(results)
+    assert [results[0, rank] for rank in range(3)] == ["returned"] * 3
+    stop = f"process 1 on node 1 ({HOST}) stopped, so this one does: ValueError: no such model folder"
+    assert [results[1, rank] for rank in range(3)] == [
+        f"ValueError: {stop}",
+        "returned",
+        f"ValueError: {stop}",
+    ]
+    stop = f"process 0 on node 0 ({HOST}) stopped, so this one does: ValueError: no such checkpoint"
+    assert [results[2, rank] for rank in range(3)] == ["returned", f"ValueError: {stop}", "returned"]
+    for rank in (0, 1):
+        assert re.fullmatch(
+            r"RuntimeError: processes 2 did not reach the start of the run within 0:00:05: their node's output says "
+            r"why \(a process killed, or a node started late\)\. trainer\.strategy\.timeout sets the wait\. .*",
+            results[3, rank],
+        ), results[3, rank]
+    assert (3, 2) not in results
+
+
+@pytest.mark.distributed
+def test_a_node_that_stops_before_the_run_starts_stops_the_other_with_its_reason(
+    tmp_path, tiny_model, text_file
+):
+    """Two nodes, each a ``fabric run --num_nodes 2`` on this machine, the process group's timeout 10 minutes. Node
+    1's model folder is not there: node 0 stops too, naming node 1's reason (before, it waited out the timeout).
+    Node 0, whose launcher holds the store, lacks the checkpoint to resume from: node 1 still hears why."""
+    copies = [tmp_path / "node0.jsonl", tmp_path / "node1.jsonl"]
+    for copy in copies:
+        shutil.copy(text_file, copy)
+    caches = [tmp_path / "tokens0", tmp_path / "tokens1"]
+    for stops, change in ((1, {"model": {"model": str(tmp_path / "no-model")}}),
+                          (0, {"ckpt_path": str(tmp_path / "no-checkpoint.ckpt")})):  # fmt: skip
+        configs = _nodes(tmp_path, tiny_model, f"stops-{stops}", copies)
+        for config in configs:
+            settings = yaml.safe_load(config.read_text())
+            settings["trainer"]["strategy"]["init_args"]["timeout"] = "0:10:00"
+            if config is configs[stops]:
+                settings["model"] |= change.get("model", {})
+                settings |= {key: value for key, value in change.items() if key != "model"}
+            config.write_text(yaml.safe_dump(settings))
+        outputs = _launch_nodes(configs, tmp_path, caches, timeout=240)
+        reasons = re.findall(r"^swiftkv distill: (.*)$", outputs[stops], re.MULTILINE)
+        assert outputs[stops].startswith("exit 1\n") and reasons, outputs[stops]
+        other = outputs[1 - stops]
+        assert other.startswith("exit 1\n"), other
+        said = (rf"swiftkv distill: process {stops} on node {stops} \({re.escape(HOST)}\) stopped, so this one does: "
+                rf"\w+Error: {re.escape(reasons[-1])}")  # fmt: skip
+        assert re.search(said, other), other
+        assert "Loading weights" not in other
