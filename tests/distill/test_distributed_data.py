@@ -25,25 +25,32 @@ from tests.distill.test_distributed import ROOT, _config, _fsdp2, _trained
 HOST = socket.gethostname()
 
 
-def _launch_nodes(configs, cwd, token_caches, timeout: float = 240) -> list[str]:
-    """Node ``r`` runs ``configs[r]`` with the token cache ``token_caches[r]``, as ``fabric run --num_nodes 2
-    --node_rank r`` on each of two machines would; each node's output (and its exit code) as it ended."""
+def _launch_nodes(
+    configs, cwd, token_caches, timeout: float = 240, devices: int = 1, command: str = "fit", env=None
+) -> list[str]:
+    """Node ``r`` runs ``configs[r]`` with the token cache ``token_caches[r]``, as ``fabric run --num_nodes N
+    --node_rank r`` on each of N machines would (``devices`` processes each); each node's output (and its exit
+    code) as it ended."""
     fabric, port = shutil.which("fabric", path=str(Path(sys.executable).parent)), free_port()
     nodes = []
     for rank, (config, cache) in enumerate(zip(configs, token_caches, strict=True)):
-        env = {
+        node_env = {
             **os.environ,
+            **(env or {}),
             "OMP_NUM_THREADS": "1",
             "PYTHONPATH": str(ROOT),
             "SWIFTKV_TOKENS_DIR": str(cache),
         }
-        command = [fabric, "run", "--accelerator", "cpu", "--devices", "1", "--num_nodes", "2", "--node_rank",
-                   str(rank), "--main_address", "127.0.0.1", "--main_port", str(port),
-                   str(ROOT / "apps" / "distill.py"), "--config", str(config)]  # fmt: skip
+        launch = [fabric, "run", "--accelerator", "cpu", "--devices", str(devices), "--num_nodes", str(len(configs)),
+                  "--node_rank", str(rank), "--main_address", "127.0.0.1", "--main_port", str(port),
+                  str(ROOT / "apps" / "distill.py"), command, "--config", str(config)]  # fmt: skip
         log = Path(cwd) / f"{Path(config).stem}.log"  # a file, not a pipe: a node never waits for its reader
         with log.open("w") as output:
             nodes.append(
-                (subprocess.Popen(command, env=env, cwd=cwd, stdout=output, stderr=subprocess.STDOUT), log)
+                (
+                    subprocess.Popen(launch, env=node_env, cwd=cwd, stdout=output, stderr=subprocess.STDOUT),
+                    log,
+                )
             )
     end = time.monotonic() + timeout
     try:

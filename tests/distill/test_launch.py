@@ -15,6 +15,7 @@ import yaml
 from torch.distributed import TCPStore
 
 from swiftkv_distill import launch
+from tests.distill.test_distributed import _config, _fsdp2
 from tests.distill.test_distributed_data import _launch_nodes, _nodes
 
 HOST = socket.gethostname()
@@ -27,12 +28,12 @@ CASES = [
 ]
 
 
-def _process(rank: int, port: int, results) -> None:
-    """Process ``rank`` of three launched by one launcher, whose store this test holds: each case in turn."""
+def _process(rank: int, ports: list[int], results) -> None:
+    """Process ``rank`` of three, each case a launch of its own, whose launcher's store this test holds."""
     os.environ |= {"RANK": str(rank), "WORLD_SIZE": "3", "GROUP_RANK": str(rank), "MASTER_ADDR": "127.0.0.1",
-                   "MASTER_PORT": str(port), "TORCHELASTIC_USE_AGENT_STORE": "True"}  # fmt: skip
+                   "TORCHELASTIC_USE_AGENT_STORE": "True", "TORCHELASTIC_MAX_RESTARTS": "0"}  # fmt: skip
     for case, does in enumerate(CASES):
-        os.environ["TORCHELASTIC_RESTART_COUNT"] = str(case)  # a launcher's next attempt: keys of its own
+        os.environ["MASTER_PORT"] = str(ports[case])
         launch._met = False
         if does[rank] == "away":
             continue
@@ -50,10 +51,10 @@ def test_every_process_hears_of_a_stop_before_the_run_starts():
     """Three real processes meet through a real store: all come well and go on; one stops with bad input and the
     others stop with its reason (a ValueError, printed in one line); two stop and the others name the first; one
     never comes and the others say so at the timeout, naming it."""
-    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    stores = [TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False) for _ in CASES]
     with mp.Manager() as manager:
         results = manager.dict()
-        mp.spawn(_process, args=(store.port, results), nprocs=3)
+        mp.spawn(_process, args=([store.port for store in stores], results), nprocs=3)
         results = dict(results)
     assert [results[0, rank] for rank in range(3)] == ["returned"] * 3
     stop = f"process 1 on node 1 ({HOST}) stopped, so this one does: ValueError: no such model folder"
@@ -66,7 +67,7 @@ def test_every_process_hears_of_a_stop_before_the_run_starts():
     assert [results[2, rank] for rank in range(3)] == ["returned", f"ValueError: {stop}", "returned"]
     for rank in (0, 1):
         assert re.fullmatch(
-            r"RuntimeError: processes 2 did not reach the start of the run within 0:00:05: their node's output says "
+            r"RuntimeError: process 2 did not reach the start of the run within 0:00:05: their node's output says "
             r"why \(a process killed, or a node started late\)\. trainer\.strategy\.timeout sets the wait\. .*",
             results[3, rank],
         ), results[3, rank]
@@ -103,3 +104,22 @@ def test_a_node_that_stops_before_the_run_starts_stops_the_other_with_its_reason
                 rf"\w+Error: {re.escape(reasons[-1])}")  # fmt: skip
         assert re.search(said, other), other
         assert "Loading weights" not in other
+
+
+@pytest.mark.distributed
+def test_validate_on_two_processes_of_a_node_stops_both_when_one_stops(tmp_path, tiny_model, text_file):
+    """``validate`` meets too (``fit`` meets after its own checks): one ``fabric run --devices 2`` on this node,
+    where process 1 alone lacks its model folder (the path read from each process's environment). Process 0 stops
+    with process 1's reason, where it would wait for process 1 to form the process group until the timeout."""
+    config, _ = _config(
+        tmp_path, tiny_model, text_file, "validate", 2, _fsdp2(timeout="0:10:00"),
+        model={"compile_layers": False, "kv_init": "published",
+               "model": "${oc.env:SWIFTKV_TEST_MODEL_${oc.env:LOCAL_RANK}}"},
+    )  # fmt: skip
+    paths = {"SWIFTKV_TEST_MODEL_0": str(tiny_model), "SWIFTKV_TEST_MODEL_1": str(tmp_path / "no-model")}
+    (output,) = _launch_nodes(
+        [config], tmp_path, [tmp_path / "tokens"], devices=2, command="validate", env=paths
+    )
+    assert output.startswith("exit 1\n"), output
+    assert re.search(rf"swiftkv distill: process 1 on node 0 \({re.escape(HOST)}\) stopped, so this one does: "
+                     rf"\w+Error: {re.escape(paths['SWIFTKV_TEST_MODEL_1'])}", output), output  # fmt: skip

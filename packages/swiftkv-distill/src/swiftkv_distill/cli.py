@@ -15,12 +15,19 @@ def main(args=None) -> None:
     """``swiftkv-distill`` (``swiftkv distill``): bad input gets one line, no traceback (SWIFTKV_DEBUG=1 shows it).
     A process of a launch that stops before the run starts tells the others why (``launch.meet_at_start``)."""
     import os
+    import sys
 
     try:
         make_cli(args)
     except Exception as error:
         line = _one_line(error)
-        meet_at_start((line is not None, f"{type(error).__name__}: {line or error}"))
+        try:
+            meet_at_start((line is not None, f"{type(error).__name__}: {line or error}"))
+        except Exception as unheard:  # this process's own reason still comes last
+            print(
+                f"swiftkv distill: the other processes may not hear why this one stops: {unheard}",
+                file=sys.stderr,
+            )
         if line is None or os.environ.get("SWIFTKV_DEBUG"):
             raise
         raise SystemExit(f"swiftkv distill: {line}") from None

@@ -107,11 +107,13 @@ def start_timeout(trainer) -> timedelta:
 
 def meet_at_start(stopped: tuple[bool, str] | None = None, timeout: timedelta = DEFAULT_TIMEOUT) -> None:
     """Where the processes of a ``torchrun`` / ``fabric run`` launch meet once, before the process group exists:
-    each with ``stopped`` None once its checks passed (just before ``Trainer.fit``), or ``(bad_input, message)``
+    each with ``stopped`` None once its checks passed (just before the Trainer runs), or ``(bad_input, message)``
     from the command as it stops. A process that reaches it well raises the first stop of another process
-    (``raise_stop``); one that stopped returns once every process has heard of it (node 0's launcher, which holds
-    the store, ends with its own processes). A second call, one process, or a launcher without a store of its own
-    (SLURM's ``srun``, Lightning's own) does nothing."""
+    (``raise_stop``); one that stopped returns. Where one stopped, every process first waits until all have heard
+    of it: a launcher stops its node's processes as soon as one of them ends, and node 0's, which holds the store,
+    ends then too. Once a process: a second call does nothing. Nor does one process, a launcher without a store of
+    its own (SLURM's ``srun``, Lightning's own), or one that restarts its processes (``--max-restarts``: the nodes
+    count their attempts apart, so no key is sure to be this attempt's)."""
     global _met
     if _met:
         return
@@ -123,11 +125,12 @@ def meet_at_start(stopped: tuple[bool, str] | None = None, timeout: timedelta = 
     store.set(f"outcome/{rank}", json.dumps(None if stopped is None else [*stopped, where()]))
     said = f"swiftkv distill: {stopped[1]}" if stopped else None
     outcomes = _waited(store, "outcome", processes, timeout, said)
-    store.set(f"heard/{rank}", "")
     stops = [(other, outcome) for other, outcome in enumerate(outcomes) if outcome is not None]
-    if stopped is not None:
-        _waited(store, "heard", processes, timeout, said)
-    elif stops:
+    if not stops:
+        return
+    store.set(f"heard/{rank}", "")
+    _waited(store, "heard", processes, timeout, said)
+    if stopped is None:
         other, told = stops[0]
         raise_stop(other, *told)
 
@@ -140,29 +143,32 @@ def raise_stop(rank: int, bad_input: bool, message: str, there: str) -> None:
     )
 
 
+# where launchers put a process's node rank: torchrun / fabric run, Lightning's own, SLURM
+NODE_RANKS = ("GROUP_RANK", "NODE_RANK", "SLURM_NODEID")
+
+
 def where(node: int | None = None) -> str:
     """This process's node (its launcher's node rank, unless given) and host, as messages name it: node 1 (gpu-7)."""
     if node is None:
-        node = int(os.environ.get("GROUP_RANK") or os.environ.get("NODE_RANK") or 0)
+        node = int(next((os.environ[name] for name in NODE_RANKS if os.environ.get(name)), 0))
     return f"node {node} ({socket.gethostname()})"
 
 
 def _launch_store(timeout: timedelta):
     """The store of this process's ``torchrun`` launch (``fabric run``'s too), None where there is none."""
     processes = int(os.environ.get("WORLD_SIZE", "1"))
-    if processes <= 1 or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+    agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    if processes <= 1 or not agent_store or os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0") != "0":
         return None
     from torch.distributed import PrefixStore, TCPStore
 
     address, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
-    store = TCPStore(address, port, processes, is_master=False, timeout=timeout)
-    # a launcher that restarts its processes (--max-restarts) keeps its store: each attempt meets on its own keys
-    return PrefixStore(f"swiftkv/start/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
+    return PrefixStore("swiftkv/start", TCPStore(address, port, processes, is_master=False, timeout=timeout))
 
 
 def _waited(store, what: str, processes: int, timeout: timedelta, said: str | None) -> list:
     """Each process's ``what`` key, once all are set. A process that stopped says so first if that takes long."""
-    from torch.distributed import DistError
+    from torch.distributed import DistError, DistNetworkError
 
     keys = [f"{what}/{rank}" for rank in range(processes)]
     try:
@@ -171,21 +177,25 @@ def _waited(store, what: str, processes: int, timeout: timedelta, said: str | No
         else:
             try:
                 store.wait(keys, min(QUIET_WAIT, timeout))
+            except DistNetworkError:
+                raise
             except DistError:
                 print(f"{said} (waiting for the other processes to hear of it)", file=sys.stderr, flush=True)
-                store.wait(keys, timeout)
-    except DistError as error:
-        missing = [rank for rank, key in enumerate(keys) if not _has(store, key)]
+                store.wait(keys, max(timeout - QUIET_WAIT, QUIET_WAIT))
+    except DistNetworkError as error:
         raise RuntimeError(
-            f"processes {', '.join(map(str, missing)) or '(unknown)'} did not reach the start of the run within {timeout}: their "
-            "node's output says why (a process killed, or a node started late). trainer.strategy.timeout sets "
-            f"the wait. ({type(error).__name__}: {' '.join(str(error).split())})"
+            f"the launcher's store ({os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}) is gone: node 0's "
+            f"launcher ended, as a process there stopped; its output says why. ({_said(error)})"
+        ) from None
+    except DistError as error:
+        missing = [str(rank) for rank, key in enumerate(keys) if not store.check([key])]
+        named = f"process {missing[0]}" if len(missing) == 1 else f"processes {', '.join(missing)}"
+        raise RuntimeError(
+            f"{named} did not reach the start of the run within {timeout}: their node's output says why (a "
+            f"process killed, or a node started late). trainer.strategy.timeout sets the wait. ({_said(error)})"
         ) from None
     return [json.loads(value) if value else None for value in store.multi_get(keys)]
 
 
-def _has(store, key: str) -> bool:
-    try:
-        return store.check([key])
-    except Exception:  # the store itself is gone: node 0's launcher ended
-        return False
+def _said(error: Exception) -> str:
+    return f"{type(error).__name__}: {' '.join(str(error).split())}"

@@ -53,6 +53,12 @@ class DistillCLI(LightningCLI):
         check_world_size(trainer, os.environ)
         super().instantiate_classes()
 
+    def before_validate(self) -> None:
+        """Every process is up, or none goes on (``fit`` meets after its own checks)."""
+        meet_at_start(timeout=start_timeout(self.trainer))
+
+    before_test = before_predict = before_validate
+
     def fit(self, model, datamodule=None, ckpt_path=None, **kwargs) -> None:
         """``Trainer.fit``, continuing from the last checkpoint in the run's checkpoint folder when no
         ``--ckpt_path`` is given (or ``last``): running the same command again resumes an interrupted run. On one
