@@ -2,11 +2,12 @@
 them), and rows collated into the tensors the distillation step reads (``collate``), with what the step needs to
 know of their sequences found on the host, so that it need not wait for the device to find it; and the rows'
 loaders: each process's share (``SkippingDistributedSampler``, ``EvenSampler``), resumable mid-epoch
-(``ResumableDataLoader``), of rows that every process must hold alike (``check_same_rows``).
+(``ResumableDataLoader``), of rows that every process must hold alike (``rows_summary``, ``check_same_rows``).
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 from collections.abc import Sequence
 from itertools import accumulate
@@ -15,11 +16,17 @@ import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 from .data import DataError
+from .launch import where
 from .tokens import RowWriter, TokenRows
 
 IGNORE = -100
 # the batch's entries that describe all of its rows at once, not each row (``row_wise``)
 WHOLE_BATCH = ("loss_index", "cu_seq_lens", "max_seq_len")
+# the data and trainer settings that decide the rows and each process's batches and steps, which each node reads
+# from its own command (``rows_summary``)
+SAME_ON_EVERY_NODE = ("max_length", "pack", "chat_tokens", "val_fraction", "seed", "max_train_rows", "max_val_rows",
+                      "batch_size", "val_batch_size")  # fmt: skip
+SAME_TRAINER_SETTINGS = ("accumulate_grad_batches", "limit_train_batches", "max_steps", "max_epochs")
 
 
 def pack(
@@ -173,8 +180,28 @@ class ResumableDataLoader(DataLoader):
         return super().__iter__()
 
 
+def rows_summary(data, trainer=None) -> dict:
+    """What ``check_same_rows`` compares between the processes, of a set-up ``DistillDataModule``: the training and
+    validation rows' counts (after ``max_train_rows`` / ``max_val_rows``, which pick rows by count alone), a digest
+    of every set's count and rows, and the data and trainer settings that decide the rows and each process's batches
+    and steps (and the validation sets' names); and where the process runs, to name it."""
+    counts = [len(data.train_rows), *map(len, data.val_set_rows.values())]
+    sets = json.dumps([counts, data.train_rows_sha256, data.val_rows_sha256])
+    settings = {f"data.{key}": data.hparams[key] for key in SAME_ON_EVERY_NODE}
+    settings["data.val_files"] = list(data.val_sets)  # names; paths may differ by node
+    if trainer is not None:
+        settings |= {f"trainer.{key}": getattr(trainer, key) for key in SAME_TRAINER_SETTINGS}
+    return {
+        "where": where(trainer.node_rank if trainer is not None else 0),
+        "training": counts[0],
+        "validation": sum(counts[1:]),
+        "digest": hashlib.sha256(sets.encode()).hexdigest(),
+        "settings": settings,
+    }
+
+
 def check_same_rows(summaries: list[dict]) -> None:
-    """Refuse processes that hold other rows or settings (``DistillDataModule.rows_summary`` of each, in rank
+    """Refuse processes that hold other rows or settings (``rows_summary`` of each, in rank
     order): a node with its own token cache tokenises its own copies of the data files, with its own copy of the
     model's tokenizer and its own libraries, and each node reads its settings from its own command. Other tokens
     would train each node on other data, silently; another count of rows, another batch size or another number of

@@ -26,6 +26,7 @@ from .batches import (
     SkippingDistributedSampler,
     check_same_rows,
     collate,
+    rows_summary,
 )
 from .corpora import dataset_name, resolve_files
 from .data import (
@@ -39,7 +40,6 @@ from .data import (
     record_sets,
     tokenise,
 )
-from .launch import where
 from .parallelize import gathered, on_every_process
 from .tokens import (
     TOKEN_CACHE_FORMAT,
@@ -52,12 +52,6 @@ from .tokens import (
     tokenizer_identity,
     write_sets,
 )
-
-# the data and trainer settings that decide the rows and each process's batches and steps, which each node reads
-# from its own command (``rows_summary``)
-SAME_ON_EVERY_NODE = ("max_length", "pack", "chat_tokens", "val_fraction", "seed", "max_train_rows", "max_val_rows",
-                      "batch_size", "val_batch_size")  # fmt: skip
-SAME_TRAINER_SETTINGS = ("accumulate_grad_batches", "limit_train_batches", "max_steps", "max_epochs")
 
 
 class DistillDataModule(L.LightningDataModule):
@@ -205,6 +199,8 @@ class DistillDataModule(L.LightningDataModule):
         val_files = {
             name: resolve_files(files, self.model_path) for name, files in self.val_sets.items() if files
         }
+        # without validation files torch draws the validation split (``torch.randperm``), by its version's rules
+        split = {"val_fraction": hp.val_fraction, "seed": hp.seed, "drawn_by": stack_versions(["torch"])}
         made_from = {
             "format": TOKEN_CACHE_FORMAT,
             "libraries": stack_versions(("transformers", "tokenizers", "jinja2")),
@@ -213,7 +209,7 @@ class DistillDataModule(L.LightningDataModule):
             "val_files": [[name, [file_identity(f) for f in files]] for name, files in val_files.items()],
             "tokenizer": tokenizer_identity(tokenizer),
             **{key: hp[key] for key in ("max_length", "pack", "chat_tokens")},
-            **({} if val_files else {"val_fraction": hp.val_fraction, "seed": hp.seed}),
+            **({} if val_files else split),
         }
         key = hashlib.sha256(json.dumps(made_from, sort_keys=True).encode()).hexdigest()[:16]
         try:
@@ -307,31 +303,12 @@ class DistillDataModule(L.LightningDataModule):
 
         def rows() -> dict:
             self.build()
-            return self.rows_summary(trainer)
+            return rows_summary(self, trainer)
 
         on_every_process(prepared)
         check_same_rows(gathered(on_every_process(rows)))
         if stage == "fit" and trainer is not None:
             self.check_batches(trainer.world_size)
-
-    def rows_summary(self, trainer=None) -> dict:
-        """What ``check_same_rows`` compares between the processes: the training and validation rows' counts (after
-        ``max_train_rows`` / ``max_val_rows``, which pick rows by count alone), a digest of every set's count and
-        rows, and the data and trainer settings that decide the rows and each process's batches and steps (and the
-        validation sets' names); and where the process runs, to name it."""
-        counts = [len(self.train_rows), *map(len, self.val_set_rows.values())]
-        sets = json.dumps([counts, self.train_rows_sha256, self.val_rows_sha256])
-        settings = {f"data.{key}": self.hparams[key] for key in SAME_ON_EVERY_NODE}
-        settings["data.val_files"] = list(self.val_sets)  # names; paths may differ by node
-        if trainer is not None:
-            settings |= {f"trainer.{key}": getattr(trainer, key) for key in SAME_TRAINER_SETTINGS}
-        return {
-            "where": where(trainer.node_rank if trainer is not None else 0),
-            "training": counts[0],
-            "validation": sum(counts[1:]),
-            "digest": hashlib.sha256(sets.encode()).hexdigest(),
-            "settings": settings,
-        }
 
     @property
     def pad_id(self) -> int:
