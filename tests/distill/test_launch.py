@@ -7,6 +7,7 @@ import os
 import re
 import shutil
 import socket
+import time
 from datetime import timedelta
 
 import pytest
@@ -15,6 +16,7 @@ import yaml
 from torch.distributed import TCPStore
 
 from swiftkv_distill import launch
+from tests.conftest import free_port
 from tests.distill.test_distributed import _config, _fsdp2
 from tests.distill.test_distributed_data import _launch_nodes, _nodes
 
@@ -43,7 +45,9 @@ def _process(rank: int, ports: list[int], results) -> None:
             results[case, rank] = "returned"
         except Exception as error:
             results[case, rank] = f"{type(error).__name__}: {error}"
-        launch.meet_at_start(None)  # a second call (the command's own, as it stops) does nothing
+        launch.meet_at_start(
+            None, timeout=timedelta(seconds=5)
+        )  # a second call (the command's, as it stops): none
 
 
 @pytest.mark.distributed
@@ -108,18 +112,54 @@ def test_a_node_that_stops_before_the_run_starts_stops_the_other_with_its_reason
 
 @pytest.mark.distributed
 def test_validate_on_two_processes_of_a_node_stops_both_when_one_stops(tmp_path, tiny_model, text_file):
-    """``validate`` meets too (``fit`` meets after its own checks): one ``fabric run --devices 2`` on this node,
-    where process 1 alone lacks its model folder (the path read from each process's environment). Process 0 stops
-    with process 1's reason, where it would wait for process 1 to form the process group until the timeout."""
+    """``validate`` meets too (``fit`` meets after its own checks): one ``fabric run --devices 2`` on this node
+    validates the model's weights, its output free of Lightning's advice; then process 1 alone is given a
+    checkpoint that is not there (each process reads its path from its own environment). Lightning would open it
+    only once the process group exists: process 1 refuses it before the meeting, and process 0 stops with its
+    reason, where it would wait for process 1 until the timeout."""
     config, _ = _config(
         tmp_path, tiny_model, text_file, "validate", 2, _fsdp2(timeout="0:10:00"),
-        model={"compile_layers": False, "kv_init": "published",
-               "model": "${oc.env:SWIFTKV_TEST_MODEL_${oc.env:LOCAL_RANK}}"},
+        model={"compile_layers": False, "kv_init": "published"}, trainer={"limit_val_batches": 2},
     )  # fmt: skip
-    paths = {"SWIFTKV_TEST_MODEL_0": str(tiny_model), "SWIFTKV_TEST_MODEL_1": str(tmp_path / "no-model")}
+    settings = yaml.safe_load(config.read_text())
+    config.write_text(
+        yaml.safe_dump(settings | {"ckpt_path": "${oc.env:SWIFTKV_TEST_CKPT_${oc.env:LOCAL_RANK},null}"})
+    )
+    (output,) = _launch_nodes([config], tmp_path, [tmp_path / "tokens"], devices=2, command="validate")
+    assert output.startswith("exit 0\n") and re.search(r"val/agreement +│ +0\.\d+", output), output
+    # the metrics are summed over the processes: no advice to sync them
+    assert "sync_dist" not in output, output
+    # process 0 is given none (the model's weights)
+    paths = {"SWIFTKV_TEST_CKPT_1": str(tmp_path / "no-checkpoint.ckpt")}
     (output,) = _launch_nodes(
         [config], tmp_path, [tmp_path / "tokens"], devices=2, command="validate", env=paths
     )
     assert output.startswith("exit 1\n"), output
+    refused = f"--ckpt_path {paths['SWIFTKV_TEST_CKPT_1']}: no checkpoint there. Give a Lightning checkpoint"
     assert re.search(rf"swiftkv distill: process 1 on node 0 \({re.escape(HOST)}\) stopped, so this one does: "
-                     rf"\w+Error: {re.escape(paths['SWIFTKV_TEST_MODEL_1'])}", output), output  # fmt: skip
+                     rf"FileNotFoundError: {re.escape(refused)}", output), output  # fmt: skip
+    assert f"swiftkv distill: {refused}" in output, output
+
+
+def test_no_meeting_where_the_launch_has_no_store_of_its_own(monkeypatch):
+    """One process, a launcher without a store before the process group (SLURM's ``srun``, Lightning's own), or a
+    ``torchrun --max-restarts`` (its nodes count their attempts apart): ``meet_at_start`` returns at once, without
+    reaching for a store (here none listens at MASTER_PORT, which would fail after the timeout)."""
+    agent = {"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
+             "TORCHELASTIC_USE_AGENT_STORE": "True", "TORCHELASTIC_MAX_RESTARTS": "0"}  # fmt: skip
+    for change in (
+        {"WORLD_SIZE": "1"},
+        {"TORCHELASTIC_USE_AGENT_STORE": ""},
+        {"TORCHELASTIC_MAX_RESTARTS": "3"},
+    ):
+        for name, value in (agent | change).items():
+            monkeypatch.setenv(name, value)
+        monkeypatch.setattr(launch, "_met", False)
+        start = time.monotonic()
+        launch.meet_at_start((True, "ValueError: a bad setting"), timeout=timedelta(seconds=20))
+        assert time.monotonic() - start < 10, change
+    monkeypatch.setattr(launch, "_met", False)
+    for name, value in agent.items():
+        monkeypatch.setenv(name, value)
+    with pytest.raises(RuntimeError):  # the same, under torchrun: the store is reached for, and is not there
+        launch.meet_at_start((True, "ValueError: a bad setting"), timeout=timedelta(seconds=2))

@@ -145,36 +145,6 @@ def test_the_rows_are_made_once_and_read_after(tiny_model, tmp_path, monkeypatch
     assert len(made) == 4 and copied != upper and copied == rows(fresh)
 
 
-def test_another_torch_makes_new_rows_where_it_draws_the_validation_split(tiny_model, tmp_path, monkeypatch):
-    """Without validation files, torch draws the validation split (``torch.randperm``): a run after a torch
-    upgrade makes its rows again rather than reading a split another torch drew. With validation files given, torch
-    draws nothing, and the rows are read again."""
-    from swiftkv_distill import datamodule
-
-    made = []
-    tokenise = DistillDataModule._tokenise
-    monkeypatch.setattr(DistillDataModule, "_tokenise", lambda self, *a: made.append(1) or tokenise(self, *a))
-    data = write_jsonl(tmp_path / "text.jsonl", [{"text": t} for t in TEXTS])
-    held_out = write_jsonl(tmp_path / "held-out.jsonl", [{"text": t} for t in TEXTS[:4]])
-    versions = datamodule.stack_versions
-
-    def made_anew(torch_version: str, **settings) -> bool:
-        before = len(made)
-        with monkeypatch.context() as upgraded:
-            upgraded.setattr(
-                datamodule,
-                "stack_versions",
-                lambda names: versions(names) | ({"torch": torch_version} if "torch" in names else {}),
-            )
-            DistillDataModule(str(tiny_model), [str(data)], max_length=32, **settings).build()
-        return len(made) > before
-
-    assert made_anew("2.13.0", val_fraction=0.2) and not made_anew("2.13.0", val_fraction=0.2)
-    assert made_anew("2.14.0", val_fraction=0.2)
-    assert made_anew("2.13.0", val_files={"held-out": [str(held_out)]})
-    assert not made_anew("2.14.0", val_files={"held-out": [str(held_out)]})
-
-
 def test_validation_sets_in_another_order_keep_their_own_rows(tiny_model, text_file, chat_file):
     """The sets are kept by position: the same sets named in another order are other rows, not each other's."""
     rows = {}

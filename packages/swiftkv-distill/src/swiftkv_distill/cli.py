@@ -6,8 +6,7 @@ works from any folder. ``swiftkv-distill`` is the same command.
 
 from __future__ import annotations
 
-from .console import OutOfMemory
-from .launch import meet_at_start
+from .launch import bad_input, meet_at_start
 from .recipe import make_cli
 
 
@@ -35,16 +34,14 @@ def main(args=None) -> None:
 
 
 def _one_line(error: Exception) -> str | None:
-    """What the command prints for bad input (None: a traceback is worth more)."""
-    import argparse
-
+    """What the command prints for bad input (``launch.bad_input``; None: a traceback is worth more)."""
     from lightning.fabric.utilities.exceptions import MisconfigurationException
 
-    if isinstance(error, (ValueError, FileNotFoundError, argparse.ArgumentError, OutOfMemory)):
-        return " ".join(str(error).split())
+    if not bad_input(error):
+        return None
     if isinstance(error, MisconfigurationException):  # Lightning's: an accelerator this machine does not have
         return f"{_with_fix(str(error))} (SWIFTKV_DEBUG=1 shows where)"
-    return None
+    return " ".join(str(error).split())
 
 
 def _with_fix(message: str) -> str:

@@ -18,6 +18,8 @@ from swiftkv_core.runtime import device_description
 _WARNINGS = (
     r"Precision .* is not supported by the model summary",  # only the summary's "params size (MB)" line is off
     r"`isinstance\(treespec, LeafSpec\)` is deprecated",  # lightning.pytorch.utilities._pytree on torch 2.13
+    # on several processes: the validation metrics are torchmetrics', summed over the processes as they are computed
+    r"It is recommended to use `self.log\('val/.*sync_dist=True\)`",
 )
 # rank_zero_info's loggers (the pytorch one is the one in use once lightning.pytorch is imported)
 _INFO_LOGGERS = ("lightning.pytorch.utilities.rank_zero", "lightning.fabric.utilities.rank_zero")

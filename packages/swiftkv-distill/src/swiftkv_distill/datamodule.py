@@ -199,8 +199,6 @@ class DistillDataModule(L.LightningDataModule):
         val_files = {
             name: resolve_files(files, self.model_path) for name, files in self.val_sets.items() if files
         }
-        # without validation files torch draws the validation split (``torch.randperm``), by its version's rules
-        split = {"val_fraction": hp.val_fraction, "seed": hp.seed, "drawn_by": stack_versions(["torch"])}
         made_from = {
             "format": TOKEN_CACHE_FORMAT,
             "libraries": stack_versions(("transformers", "tokenizers", "jinja2")),
@@ -209,7 +207,10 @@ class DistillDataModule(L.LightningDataModule):
             "val_files": [[name, [file_identity(f) for f in files]] for name, files in val_files.items()],
             "tokenizer": tokenizer_identity(tokenizer),
             **{key: hp[key] for key in ("max_length", "pack", "chat_tokens")},
-            **({} if val_files else split),
+            # torch draws the split (``torch.randperm``) and is left out: a torch upgrade keeps the cached rows (a
+            # resume goes on, no corpus is tokenised again), and a node whose torch draws another split is refused
+            # by ``check_same_rows``
+            **({} if val_files else {"val_fraction": hp.val_fraction, "seed": hp.seed}),
         }
         key = hashlib.sha256(json.dumps(made_from, sort_keys=True).encode()).hexdigest()[:16]
         try:

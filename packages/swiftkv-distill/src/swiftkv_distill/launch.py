@@ -9,6 +9,7 @@ uses it too), and a process that stopped stops the others with its reason."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import socket
@@ -97,15 +98,29 @@ def check_world_size(trainer, environ) -> None:
 DEFAULT_TIMEOUT = timedelta(minutes=30)
 # how long a process that stopped waits quietly for the others to hear of it before it says so
 QUIET_WAIT = timedelta(seconds=10)
-_met = False
+_met, _timeout = False, DEFAULT_TIMEOUT
 
 
-def start_timeout(trainer) -> timedelta:
-    """How long the processes wait for each other at the start: the process group's own timeout."""
-    return getattr(trainer.strategy, "_timeout", None) or DEFAULT_TIMEOUT
+def wait_as(trainer) -> None:
+    """The processes wait for each other at the start as long as the process group would (``timeout``), from
+    here on: also a process that stops after the Trainer is made."""
+    global _timeout
+    _timeout = getattr(trainer.strategy, "_timeout", None) or DEFAULT_TIMEOUT
 
 
-def meet_at_start(stopped: tuple[bool, str] | None = None, timeout: timedelta = DEFAULT_TIMEOUT) -> None:
+def bad_input(error: BaseException) -> bool:
+    """Whether ``error`` is bad input, which the command prints in one line (``cli.main``), on every process."""
+    import argparse
+
+    from lightning.fabric.utilities.exceptions import MisconfigurationException
+
+    from .console import OutOfMemory
+
+    bad = (ValueError, FileNotFoundError, argparse.ArgumentError, OutOfMemory, MisconfigurationException)
+    return isinstance(error, bad)
+
+
+def meet_at_start(stopped: tuple[bool, str] | None = None, timeout: timedelta | None = None) -> None:
     """Where the processes of a ``torchrun`` / ``fabric run`` launch meet once, before the process group exists:
     each with ``stopped`` None once its checks passed (just before the Trainer runs), or ``(bad_input, message)``
     from the command as it stops. A process that reaches it well raises the first stop of another process
@@ -117,14 +132,19 @@ def meet_at_start(stopped: tuple[bool, str] | None = None, timeout: timedelta = 
     global _met
     if _met:
         return
-    _met = True
+    _met, timeout = True, timeout or _timeout
     store = _launch_store(timeout)
     if store is None:
         return
     rank, processes = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     store.set(f"outcome/{rank}", json.dumps(None if stopped is None else [*stopped, where()]))
     said = f"swiftkv distill: {stopped[1]}" if stopped else None
-    outcomes = _waited(store, "outcome", processes, timeout, said)
+    try:
+        outcomes = _waited(store, "outcome", processes, timeout, said)
+    except RuntimeError:
+        with contextlib.suppress(Exception):  # a process that comes later does not wait for this one to hear
+            store.set(f"heard/{rank}", "")
+        raise
     stops = [(other, outcome) for other, outcome in enumerate(outcomes) if outcome is not None]
     if not stops:
         return
@@ -188,7 +208,7 @@ def _waited(store, what: str, processes: int, timeout: timedelta, said: str | No
             f"launcher ended, as a process there stopped; its output says why. ({_said(error)})"
         ) from None
     except DistError as error:
-        missing = [str(rank) for rank, key in enumerate(keys) if not store.check([key])]
+        missing = [str(rank) for rank, key in enumerate(keys) if not _has(store, key)]
         named = f"process {missing[0]}" if len(missing) == 1 else f"processes {', '.join(missing)}"
         raise RuntimeError(
             f"{named} did not reach the start of the run within {timeout}: their node's output says why (a "
@@ -199,3 +219,10 @@ def _waited(store, what: str, processes: int, timeout: timedelta, said: str | No
 
 def _said(error: Exception) -> str:
     return f"{type(error).__name__}: {' '.join(str(error).split())}"
+
+
+def _has(store, key: str) -> bool:
+    try:
+        return store.check([key])
+    except Exception:  # the store is gone since: node 0's launcher ended
+        return False

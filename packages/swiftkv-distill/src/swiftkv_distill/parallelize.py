@@ -8,7 +8,7 @@ from typing import TypeVar
 
 import torch
 
-from .launch import raise_stop, where
+from .launch import bad_input, raise_stop, where
 from .step import DistillationStep
 
 T = TypeVar("T")
@@ -37,7 +37,7 @@ def on_every_process(work: Callable[[], T]) -> T:
     except Exception as error:
         failure = error
     if failure is not None:  # bad input or not, what it says, where it ran
-        gathered((isinstance(failure, ValueError), f"{type(failure).__name__}: {failure}", where()))
+        gathered((bad_input(failure), f"{type(failure).__name__}: {failure}", where()))
         raise failure
     for rank, told in enumerate(gathered(None)):
         if told is not None:

@@ -25,7 +25,7 @@ from .build import check_same_run, sized_step
 from .checkpointing import last_checkpoint, saved_run
 from .console import quiet_lightning, told_out_of_memory
 from .datamodule import DistillDataModule
-from .launch import check_launch, check_world_size, meet_at_start, start_timeout
+from .launch import check_launch, check_world_size, meet_at_start, wait_as
 from .module import SwiftKVDistillation
 
 RECIPES_DIR = Path(__file__).parent / "recipes"
@@ -52,10 +52,15 @@ class DistillCLI(LightningCLI):
         check_launch(trainer, os.environ)
         check_world_size(trainer, os.environ)
         super().instantiate_classes()
+        wait_as(self.trainer)
 
     def before_validate(self) -> None:
-        """Every process is up, or none goes on (``fit`` meets after its own checks)."""
-        meet_at_start(timeout=start_timeout(self.trainer))
+        """A checkpoint to evaluate that is not there refused, then every process is up, or none goes on (``fit``
+        meets after its own checks): Lightning reads the checkpoint once the process group exists."""
+        check_checkpoint(
+            self.config_init[self.subcommand].get("ckpt_path"), "Give a Lightning checkpoint to evaluate."
+        )
+        meet_at_start()
 
     before_test = before_predict = before_validate
 
@@ -82,7 +87,7 @@ class DistillCLI(LightningCLI):
                 f"resuming from {ckpt_path} (another --trainer.default_root_dir starts a new run)", flush=True
             )
         check_resume(ckpt_path, self.trainer, model, datamodule)
-        meet_at_start(timeout=start_timeout(self.trainer))  # every process's checks passed, or none goes on
+        meet_at_start()  # every process's checks passed, or none goes on
         with told_out_of_memory(self.trainer, model, datamodule):
             self.trainer.fit(model, datamodule=datamodule, ckpt_path=ckpt_path, **kwargs)
 
@@ -95,18 +100,26 @@ def check_resume(ckpt_path, trainer, module, datamodule) -> None:
     """Before the model is built or any weight read: refuse a checkpoint to resume from that is not there, or that
     a run with other settings wrote (``build.check_same_run``, checked again as Lightning restores it: a data module
     on several processes is set up only then, and the data files' row count with it)."""
+    fix = (
+        "Give the last.ckpt (file or folder) of an earlier run, or leave --ckpt_path out: a run resumes from its own "
+        "folder's last checkpoint by itself."
+    )
+    if check_checkpoint(ckpt_path, fix):
+        check_same_run(saved_run(ckpt_path), module.hparams, datamodule, trainer)
+
+
+def check_checkpoint(ckpt_path, fix: str) -> bool:
+    """Whether ``ckpt_path`` names a checkpoint file or folder, which must then be there (``FileNotFoundError``
+    with ``fix``); False for none, or for one Lightning finds by name (``last``, ``best``, a registry's)."""
     if (
         not ckpt_path
         or str(ckpt_path) in LIGHTNING_CHECKPOINT_NAMES
         or str(ckpt_path).startswith("registry:")
     ):
-        return
+        return False
     if not Path(ckpt_path).exists():
-        raise FileNotFoundError(
-            f"--ckpt_path {ckpt_path}: no checkpoint there. Give the last.ckpt (file or folder) of an earlier run, "
-            "or leave --ckpt_path out: a run resumes from its own folder's last checkpoint by itself."
-        )
-    check_same_run(saved_run(ckpt_path), module.hparams, datamodule, trainer)
+        raise FileNotFoundError(f"--ckpt_path {ckpt_path}: no checkpoint there. {fix}")
+    return True
 
 
 def with_recipe_paths(args: list[str]) -> list[str]:
