@@ -155,10 +155,10 @@ def meet_at_start(stopped: tuple[bool, str] | None = None, timeout: timedelta | 
         raise_stop(other, *told)
 
 
-def raise_stop(rank: int, bad_input: bool, message: str, there: str) -> None:
+def raise_stop(rank: int, bad: bool, message: str, there: str) -> None:
     """Stop this process because process ``rank`` (``where`` it ran) stopped, with its reason: a ``ValueError``
-    where that was bad input (the command prints it in one line), else a ``RuntimeError``."""
-    raise (ValueError if bad_input else RuntimeError)(
+    where that was bad input (``bad``: the command prints it in one line), else a ``RuntimeError``."""
+    raise (ValueError if bad else RuntimeError)(
         f"process {rank} on {there} stopped, so this one does: {message}"
     )
 
@@ -208,10 +208,11 @@ def _waited(store, what: str, processes: int, timeout: timedelta, said: str | No
             f"launcher ended, as a process there stopped; its output says why. ({_said(error)})"
         ) from None
     except DistError as error:
-        missing = [str(rank) for rank, key in enumerate(keys) if not _has(store, key)]
+        missing = [str(rank) for rank, key in enumerate(keys) if not _has(store, key)] or ["(unknown)"]
         named = f"process {missing[0]}" if len(missing) == 1 else f"processes {', '.join(missing)}"
+        did = "reach the start of the run" if what == "outcome" else "hear of the stop"
         raise RuntimeError(
-            f"{named} did not reach the start of the run within {timeout}: their node's output says why (a "
+            f"{named} did not {did} within {timeout}: their node's output says why (a "
             f"process killed, or a node started late). trainer.strategy.timeout sets the wait. ({_said(error)})"
         ) from None
     return [json.loads(value) if value else None for value in store.multi_get(keys)]
