@@ -46,12 +46,8 @@ def _launch_nodes(
                   str(ROOT / "apps" / "distill.py"), command, "--config", str(config)]  # fmt: skip
         log = Path(cwd) / f"{Path(config).stem}.log"  # a file, not a pipe: a node never waits for its reader
         with log.open("w") as output:
-            nodes.append(
-                (
-                    subprocess.Popen(launch, env=node_env, cwd=cwd, stdout=output, stderr=subprocess.STDOUT),
-                    log,
-                )
-            )
+            node = subprocess.Popen(launch, env=node_env, cwd=cwd, stdout=output, stderr=subprocess.STDOUT)
+        nodes.append((node, log))
     end = time.monotonic() + timeout
     try:
         for node, _ in nodes:
@@ -113,10 +109,8 @@ def test_nodes_whose_copies_of_the_data_make_other_rows_are_refused_on_both(tmp_
     stopped = f"The token cache {unwritable[1]} cannot be written"
     assert outputs[1].startswith("exit 1\n") and f"swiftkv distill: {stopped}" in outputs[1], outputs[1]
     assert outputs[0].startswith("exit 1\n"), outputs[0]
-    assert (
-        f"swiftkv distill: process 1 on node 1 ({HOST}) stopped, so this one does: DataError: {stopped}"
-        in (outputs[0])
-    ), outputs[0]
+    said = f"swiftkv distill: process 1 on node 1 ({HOST}) stopped, so this one does: DataError: {stopped}"
+    assert said in outputs[0], outputs[0]
 
     outputs = _launch_nodes(_nodes(tmp_path, tiny_model, "same", copies), tmp_path, caches)
     assert all(output.startswith("exit 0\n") for output in outputs), outputs

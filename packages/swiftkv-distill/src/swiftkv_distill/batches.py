@@ -203,10 +203,10 @@ def rows_summary(data, trainer=None) -> dict:
 def check_same_rows(summaries: list[dict]) -> None:
     """Refuse processes that hold other rows or settings (``rows_summary`` of each, in rank order): a node with
     its own token cache tokenises its own copies of the data files, with its own copy of the model's tokenizer and
-    its own libraries, and each node reads its settings from its own command. Other tokens
-    would train each node on other data, silently; another count of rows, another batch size or another number of
-    steps would give the processes other numbers of batches or steps, and they would wait on each other at the end
-    of an epoch, a validation or a step until the process group's timeout."""
+    its own libraries, and each node reads its settings from its own command. Other tokens would train each node on
+    other data, silently; another count of rows, another batch size or another number of steps would give the
+    processes other numbers of batches or steps, and they would wait on each other at the end of an epoch, a
+    validation or a step until the process group's timeout."""
     groups: dict[str, list[tuple[int, dict]]] = {}
     for rank, summary in enumerate(summaries):
         same = json.dumps({key: value for key, value in summary.items() if key != "where"}, sort_keys=True)
