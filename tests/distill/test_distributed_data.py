@@ -26,11 +26,18 @@ HOST = socket.gethostname()
 
 
 def _launch_nodes(
-    configs, cwd, token_caches, timeout: float = 240, devices: int = 1, command: str = "fit", env=None
+    configs,
+    cwd,
+    token_caches,
+    timeout: float = 240,
+    devices: int = 1,
+    command: str = "fit",
+    env=None,
+    during=None,
 ) -> list[str]:
     """Node ``r`` runs ``configs[r]`` with the token cache ``token_caches[r]``, as ``fabric run --num_nodes N
     --node_rank r`` on each of N machines would (``devices`` processes each); each node's output (and its exit
-    code) as it ended."""
+    code) as it ended. ``during(port)``, where given, runs once the nodes started, ``port`` their launch's store's."""
     fabric, port = shutil.which("fabric", path=str(Path(sys.executable).parent)), free_port()
     nodes = []
     for rank, (config, cache) in enumerate(zip(configs, token_caches, strict=True)):
@@ -50,6 +57,8 @@ def _launch_nodes(
         nodes.append((node, log))
     end = time.monotonic() + timeout
     try:
+        if during is not None:
+            during(port)
         for node, _ in nodes:
             node.wait(timeout=max(1.0, end - time.monotonic()))
     except subprocess.TimeoutExpired:

@@ -6,14 +6,16 @@ default) to fail on the store's "wait timeout", naming no reason."""
 import os
 import re
 import shutil
+import signal
 import socket
 import time
 from datetime import timedelta
+from pathlib import Path
 
 import pytest
 import torch.multiprocessing as mp
 import yaml
-from torch.distributed import TCPStore
+from torch.distributed import PrefixStore, TCPStore
 
 from swiftkv_distill import launch
 from tests.conftest import free_port
@@ -21,45 +23,75 @@ from tests.distill.test_distributed import _config, _fsdp2
 from tests.distill.test_distributed_data import _launch_nodes, _nodes
 
 HOST = socket.gethostname()
-# each case: what each of the three processes does (None: comes well, a string: stops with it, "away": never comes)
+# each case: what each of the three processes does (None: comes well, a string: stops with it, "away": never
+# starts, "killed": starts, then is killed before it comes, "stalls": its count stands still, then it comes), and how
+# long the meeting waits
 CASES = [
-    (None, None, None),
-    (None, "ValueError: no such model folder", None),
-    ("ValueError: no such checkpoint", None, "RuntimeError: out of host memory"),
-    (None, None, "away"),
+    ((None, None, None), 5),
+    ((None, "ValueError: no such model folder", None), 5),
+    (("ValueError: no such checkpoint", None, "RuntimeError: out of host memory"), 5),
+    ((None, None, "away"), 5),
+    ((None, None, "stalls"), 120),
+    ((None, None, "killed"), 120),  # the last: the process is gone
 ]
 
 
 def _process(rank: int, ports: list[int], results) -> None:
     """Process ``rank`` of three, each case a launch of its own, whose launcher's store this test holds."""
     os.environ |= {"RANK": str(rank), "WORLD_SIZE": "3", "GROUP_RANK": str(rank), "MASTER_ADDR": "127.0.0.1",
-                   "TORCHELASTIC_USE_AGENT_STORE": "True", "TORCHELASTIC_MAX_RESTARTS": "0"}  # fmt: skip
-    for case, does in enumerate(CASES):
+                   "TORCHELASTIC_USE_AGENT_STORE": "True", "TORCHELASTIC_MAX_RESTARTS": "0",
+                   "SWIFTKV_START_SILENCE": "2"}  # fmt: skip
+    for case, (does, timeout) in enumerate(CASES):
         os.environ["MASTER_PORT"] = str(ports[case])
-        launch._met = False
+        launch._met, launch._answering = False, None
         if does[rank] == "away":
             continue
-        stopped = None if does[rank] is None else (does[rank].startswith("ValueError"), does[rank])
+        launch.start_answering()
+        if does[rank] == "killed":  # as the out-of-memory killer would, before it says a word
+            time.sleep(1)
+            os.kill(os.getpid(), signal.SIGKILL)
+        if does[rank] == "stalls":  # as a process paused (SIGSTOP, a debugger) for longer than the silence
+            launch._stop_answering()
+            time.sleep(10)  # the others come up to 5 s later (case 3 waits for it), and wait 2 s more
+        stopped = (
+            None if does[rank] in (None, "stalls") else (does[rank].startswith("ValueError"), does[rank])
+        )
+        began = time.monotonic()
         try:
-            launch.meet_at_start(stopped, timeout=timedelta(seconds=5))
+            launch.meet_at_start(stopped, timeout=timedelta(seconds=timeout))
             results[case, rank] = "returned"
         except Exception as error:
             results[case, rank] = f"{type(error).__name__}: {error}"
-        launch.meet_at_start(
-            None, timeout=timedelta(seconds=5)
-        )  # a second call (the command's, as it stops): none
+        results[case, rank, "seconds"] = time.monotonic() - began
+        launch.meet_at_start(None, timeout=timedelta(seconds=timeout))  # a second call (the command's): none
 
 
 @pytest.mark.distributed
 def test_every_process_hears_of_a_stop_before_the_run_starts():
     """Three real processes meet through a real store: all come well and go on; one stops with bad input and the
     others stop with its reason (a ValueError, printed in one line); two stop and the others name the first; one
-    never comes and the others say so at the timeout, naming it."""
+    never starts and the others say so at the timeout, naming it; one is killed (SIGKILL) as it starts, and the
+    others stop once its count has stood still for SWIFTKV_START_SILENCE (2 s), long before the timeout (120 s);
+    one whose count stood still that long comes after all, and is told that it was taken as stopped."""
     stores = [TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False) for _ in CASES]
+    spawn = mp.get_context("spawn")
     with mp.Manager() as manager:
         results = manager.dict()
-        mp.spawn(_process, args=([store.port for store in stores], results), nprocs=3)
+        processes = [
+            spawn.Process(target=_process, args=(rank, [store.port for store in stores], results))
+            for rank in range(3)
+        ]
+        try:
+            for process in processes:
+                process.start()
+            for process in processes:
+                process.join(300)
+        finally:
+            for process in processes:  # none left behind, should a meeting hang
+                if process.is_alive():
+                    process.kill()
         results = dict(results)
+    assert [process.exitcode for process in processes] == [0, 0, -signal.SIGKILL]
     assert [results[0, rank] for rank in range(3)] == ["returned"] * 3
     stop = f"process 1 on node 1 ({HOST}) stopped, so this one does: ValueError: no such model folder"
     assert [results[1, rank] for rank in range(3)] == [
@@ -71,11 +103,21 @@ def test_every_process_hears_of_a_stop_before_the_run_starts():
     assert [results[2, rank] for rank in range(3)] == ["returned", f"ValueError: {stop}", "returned"]
     for rank in (0, 1):
         assert re.fullmatch(
-            r"RuntimeError: process 2 did not reach the start of the run within 0:00:05: their node's output says "
-            r"why \(a process killed, or a node started late\)\. trainer\.strategy\.timeout sets the wait\. .*",
+            r"LaunchError: process 2 did not reach the start of the run within 0:00:05: their node's output says "
+            r"why \(a process killed before it started, or a node started late\)\. trainer\.strategy\.timeout "
+            r"sets the wait\.",
             results[3, rank],
         ), results[3, rank]
     assert (3, 2) not in results
+    silent = f"LaunchError: process 2 on node 2 ({HOST}) stopped, so this one does: " + launch.SILENT.format(
+        silence=timedelta(seconds=2)
+    )
+    assert [results[5, rank] for rank in (0, 1)] == [silent, silent]
+    assert max(results[5, rank, "seconds"] for rank in (0, 1)) < 30
+    assert [results[4, rank] for rank in (0, 1)] == [silent, silent]
+    assert results[4, 2].startswith(
+        "LaunchError: process 0 took this one as stopped: no word from it for 0:00:02"
+    )
 
 
 @pytest.mark.distributed
@@ -108,6 +150,65 @@ def test_a_node_that_stops_before_the_run_starts_stops_the_other_with_its_reason
                 rf"\w+Error: {re.escape(reasons[-1])}")  # fmt: skip
         assert re.search(said, other), other
         assert "Loading weights" not in other
+
+
+@pytest.mark.distributed
+def test_a_process_killed_as_it_starts_stops_the_others_with_word_of_it(tmp_path, tiny_model, text_file):
+    """Two nodes, each a ``fabric run --num_nodes 2`` on this machine, the process group's timeout 10 minutes. Node
+    1's process is killed (SIGKILL, as the out-of-memory killer would) while it reads its checkpoint to resume from
+    (a named pipe that never gives a byte), before the run starts: it says nothing, and its node's launcher ends.
+    Node 0's process stops too once node 1's count stood still for SWIFTKV_START_SILENCE (5 s), naming it; before,
+    it waited for the process group's timeout."""
+    copies = [tmp_path / "node0.jsonl", tmp_path / "node1.jsonl"]
+    for copy in copies:
+        shutil.copy(text_file, copy)
+    caches = [tmp_path / "tokens0", tmp_path / "tokens1"]
+    configs = _nodes(tmp_path, tiny_model, "killed", copies)
+    os.mkfifo(tmp_path / "slow.ckpt")
+    for rank, config in enumerate(configs):
+        settings = yaml.safe_load(config.read_text())
+        settings["trainer"]["strategy"]["init_args"]["timeout"] = "0:10:00"
+        settings |= {"ckpt_path": str(tmp_path / "slow.ckpt")} if rank == 1 else {}
+        config.write_text(yaml.safe_dump(settings))
+    killed = []
+
+    def kill_node_1(port: int) -> None:
+        """Once node 1's process answers, kill it: it is still reading the pipe."""
+        store = PrefixStore(
+            "swiftkv/start", TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(minutes=2))
+        )
+        while store.add("beat/1", 0) == 0:  # process 0 makes the key as it looks: wait for a count
+            time.sleep(0.1)
+        (worker,) = [
+            pid for pid, env in _processes() if f"SWIFTKV_TOKENS_DIR={caches[1]}" in env and "RANK=1" in env
+        ]
+        assert not store.check(["outcome/1"])
+        os.kill(worker, signal.SIGKILL)
+        killed.append(time.monotonic())
+
+    outputs = _launch_nodes(configs, tmp_path, caches, env={"SWIFTKV_START_SILENCE": "5"}, during=kill_node_1)
+    assert killed and outputs[1].startswith("exit 1\n") and "Signal 9 (SIGKILL)" in outputs[1], outputs[1]
+    assert outputs[0].startswith("exit 1\n"), outputs[0]
+    said = (
+        f"\nswiftkv distill: process 1 on node 1 ({HOST}) stopped, so this one does: "
+        + launch.SILENT.format(silence=timedelta(seconds=5))
+    )
+    # in one line: this process's traceback would say nothing of the cause
+    assert said in outputs[0] and "swiftkv_distill/launch.py" not in outputs[0], outputs[0]
+    assert time.monotonic() - killed[0] < 60
+
+
+def _processes():
+    """Each process of this machine that this test may read, with its environment's entries."""
+    for entry in os.scandir("/proc"):
+        if entry.name.isdigit():
+            try:
+                yield (
+                    int(entry.name),
+                    (Path(entry.path) / "environ").read_bytes().decode(errors="replace").split("\0"),
+                )
+            except OSError:  # ended since, or another user's
+                continue
 
 
 @pytest.mark.distributed
@@ -144,7 +245,9 @@ def test_validate_on_two_processes_of_a_node_stops_both_when_one_stops(tmp_path,
 def test_no_meeting_where_the_launch_has_no_store_of_its_own(monkeypatch):
     """One process, a launcher without a store before the process group (SLURM's ``srun``, Lightning's own), or a
     ``torchrun --max-restarts`` (its nodes count their attempts apart): ``meet_at_start`` returns at once, without
-    reaching for a store (here none listens at MASTER_PORT, which would fail after the timeout)."""
+    reaching for a store (here none listens at MASTER_PORT, which would fail after the timeout), and a process does
+    not answer (``start_answering``)."""
+    monkeypatch.setattr(launch, "_silence", launch.SILENCE)
     agent = {"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
              "TORCHELASTIC_USE_AGENT_STORE": "True", "TORCHELASTIC_MAX_RESTARTS": "0"}  # fmt: skip
     for change in (
@@ -156,6 +259,8 @@ def test_no_meeting_where_the_launch_has_no_store_of_its_own(monkeypatch):
             monkeypatch.setenv(name, value)
         monkeypatch.setattr(launch, "_met", False)
         start = time.monotonic()
+        launch.start_answering()
+        assert launch._answering is None, change
         launch.meet_at_start((True, "ValueError: a bad setting"), timeout=timedelta(seconds=20))
         assert time.monotonic() - start < 10, change
     monkeypatch.setattr(launch, "_met", False)
@@ -163,3 +268,15 @@ def test_no_meeting_where_the_launch_has_no_store_of_its_own(monkeypatch):
         monkeypatch.setenv(name, value)
     with pytest.raises(RuntimeError):  # the same, under torchrun: the store is reached for, and is not there
         launch.meet_at_start((True, "ValueError: a bad setting"), timeout=timedelta(seconds=2))
+
+
+def test_a_start_silence_that_is_not_seconds_is_refused(monkeypatch):
+    """SWIFTKV_START_SILENCE is refused, with the fix, as the process starts: not a number of seconds, or under 2."""
+    monkeypatch.setattr(launch, "_silence", launch.SILENCE)
+    for value in ("soon", "1", "-5", "inf", "nan"):
+        monkeypatch.setenv("SWIFTKV_START_SILENCE", value)
+        with pytest.raises(
+            ValueError, match=rf"^SWIFTKV_START_SILENCE is '{value}': give the seconds .*\(default 180\)"
+        ):
+            launch.start_answering()
+        assert launch._silence == launch.SILENCE

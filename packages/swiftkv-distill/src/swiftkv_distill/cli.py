@@ -6,22 +6,24 @@ works from any folder. ``swiftkv-distill`` is the same command.
 
 from __future__ import annotations
 
-from .launch import bad_input, meet_at_start
+from .launch import LaunchError, bad_input, meet_at_start, start_answering
 from .recipe import make_cli
 
 
 def main(args=None) -> None:
     """``swiftkv-distill`` (``swiftkv distill``): bad input gets one line, no traceback (SWIFTKV_DEBUG=1 shows it).
-    A process of a launch that stops before the run starts tells the others why (``launch.meet_at_start``)."""
+    A process of a launch that stops before the run starts tells the others why (``launch.meet_at_start``); until
+    then it answers, so the others can tell it from one killed hard (``launch.start_answering``)."""
     import os
     import sys
 
     try:
+        start_answering()
         make_cli(args)
     except Exception as error:
         line = _one_line(error)
         try:
-            meet_at_start((line is not None, f"{type(error).__name__}: {line or error}"))
+            meet_at_start((bad_input(error), f"{type(error).__name__}: {line or error}"))
         except Exception as unheard:  # this process's own reason still comes last
             print(
                 f"swiftkv distill: the other processes may not hear why this one stops: {unheard}",
@@ -34,9 +36,12 @@ def main(args=None) -> None:
 
 
 def _one_line(error: Exception) -> str | None:
-    """What the command prints for bad input (``launch.bad_input``; None: a traceback is worth more)."""
+    """What the command prints for bad input (``launch.bad_input``) or a stop for another process or the launch
+    (``LaunchError``, whose traceback is this process's, not the cause's); None: a traceback is worth more."""
     from lightning.fabric.utilities.exceptions import MisconfigurationException
 
+    if isinstance(error, LaunchError):
+        return " ".join(str(error).split())
     if not bad_input(error):
         return None
     if isinstance(error, MisconfigurationException):  # Lightning's: an accelerator this machine does not have

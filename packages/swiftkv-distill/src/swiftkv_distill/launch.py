@@ -5,15 +5,22 @@ A process that stops before the process group exists (a setting, a path or a che
 the others waiting to form the group until its timeout (``trainer.strategy.timeout``, 30 min by default), to fail
 without its reason: the launcher of each node watches that node's processes alone. So every process says how its
 start went, through the store that the launcher of node 0 holds from before the processes start (the process group
-uses it too), and a process that stopped stops the others with its reason."""
+uses it too), and a process that stopped stops the others with its reason. A process killed hard before then (a
+signal, the out-of-memory killer, a lost node) says nothing: each process counts up a key of its own from a thread
+while it starts, and a process whose count stands still for ``SWIFTKV_START_SILENCE`` seconds is taken as stopped.
+(A start is seconds: the settings, the model's config, a checkpoint's settings. The weights load later, in the
+process group, whose own timeout applies there.)"""
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import json
 import os
 import socket
 import sys
+import threading
+import time
 from datetime import timedelta
 
 import torch
@@ -98,7 +105,17 @@ def check_world_size(trainer, environ) -> None:
 DEFAULT_TIMEOUT = timedelta(minutes=30)
 # how long a process that stopped waits quietly for the others to hear of it before it says so
 QUIET_WAIT = timedelta(seconds=10)
-_met, _timeout = False, DEFAULT_TIMEOUT
+# how often a waiting process looks at the store
+POLL_SECONDS = 1.0
+# how long a process whose count stands still is waited for (SWIFTKV_START_SILENCE, in seconds): well above the
+# longest a starting process holds Python's GIL, far below the process group's 30 minutes
+SILENCE = timedelta(minutes=3)
+# the reason given for a process whose count stood still
+SILENT = (
+    "no word from it for {silence} before the run started: killed (the out-of-memory killer, a signal) or its node "
+    "lost; its node's output and kernel log (`dmesg`) say which. SWIFTKV_START_SILENCE sets this wait, in seconds"
+)
+_met, _timeout, _silence, _answering = False, DEFAULT_TIMEOUT, SILENCE, None
 
 
 def wait_as(trainer) -> None:
@@ -120,36 +137,116 @@ def bad_input(error: BaseException) -> bool:
     return isinstance(error, bad)
 
 
+class LaunchError(RuntimeError):
+    """This process stops for another one (``raise_stop``) or for the launch (its store gone, a process that never
+    came): its own traceback tells nothing, so the command prints it in one line."""
+
+
+def start_answering() -> None:
+    """From the start of a process of a launch with a store (``_launch_store``) until its meeting: its ``where`` key
+    names its node, and a thread of its own counts up its ``beat`` key six times per ``SWIFTKV_START_SILENCE``, so
+    that a process still starting is told from one killed hard. The first thing a process does (``cli.main``); a
+    second call does nothing."""
+    global _silence, _answering
+    value = os.environ.get("SWIFTKV_START_SILENCE", str(SILENCE.total_seconds()))
+    try:
+        _silence = timedelta(seconds=float(value))
+    except (ValueError, OverflowError):
+        _silence = timedelta(0)
+    if _silence.total_seconds() < 2 * POLL_SECONDS:
+        _silence = SILENCE
+        raise ValueError(
+            f"SWIFTKV_START_SILENCE is {value!r}: give the seconds a process of a launch that stops answering before "
+            f"the run starts is waited for, at least {2 * POLL_SECONDS:.0f} (default {SILENCE.total_seconds():.0f}), "
+            "or leave it unset."
+        )
+    store = None if _answering is not None else _launch_store(timedelta(minutes=1))
+    if store is None:
+        return
+    rank = int(os.environ["RANK"])
+    store.set(f"where/{rank}", where())
+    stop = threading.Event()
+    answer = threading.Thread(
+        target=_answer, args=(store, f"beat/{rank}", stop, (_silence / 6).total_seconds()), daemon=True
+    )
+    _answering = (stop, answer)
+    answer.start()
+    atexit.register(_stop_answering)  # not in a store call as the interpreter ends (--help, Ctrl-C)
+
+
+def _answer(store, key: str, stop: threading.Event, every: float) -> None:
+    from torch.distributed import DistNetworkError
+
+    while not stop.is_set():
+        try:
+            store.add(key, 1)
+        except DistNetworkError:  # the store is gone (node 0's launcher ended): the meeting says so
+            return
+        except Exception:  # a store slow to answer: the next count makes up for it
+            pass
+        stop.wait(every)
+
+
+def _stop_answering() -> None:
+    if _answering is not None:
+        _answering[0].set()
+        _answering[1].join(timeout=5)
+
+
 def meet_at_start(stopped: tuple[bool, str] | None = None, timeout: timedelta | None = None) -> None:
     """Where the processes of a ``torchrun`` / ``fabric run`` launch meet once, before the process group exists:
     each with ``stopped`` None once its checks passed (just before the Trainer runs), or ``(bad_input, message)``
     from the command as it stops. A process that reaches it well raises the first stop of another process
     (``raise_stop``); one that stopped returns. Where one stopped, every process first waits until all have heard
     of it: a launcher stops its node's processes as soon as one of them ends, and node 0's, which holds the store,
-    ends then too. Once a process: a second call does nothing. Nor does one process, a launcher without a store of
-    its own (SLURM's ``srun``, Lightning's own), or one that restarts its processes (``--max-restarts``: the nodes
-    count their attempts apart, so no key is sure to be this attempt's)."""
+    ends then too. A process killed hard says nothing: process 0 stands in for one whose count stood still
+    (``start_answering``, ``_stand_in``); one on node 0 ends the store with it. Once a process: a second call does
+    nothing. Nor does one process, a launcher without a store of its own (SLURM's ``srun``, Lightning's own), or
+    one that restarts its processes (``--max-restarts``: the nodes count their attempts apart, so no key is sure to
+    be this attempt's)."""
+    from torch.distributed import DistNetworkError
+
     global _met
     if _met:
         return
     _met, timeout = True, timeout or _timeout
-    store = _launch_store(timeout)
-    if store is None:
-        return
+    try:
+        store = _launch_store(min(timeout, timedelta(minutes=1)))  # the store is there (or gone) before then
+        if store is not None:
+            _meet(store, stopped, timeout)
+    except DistNetworkError as error:
+        raise LaunchError(
+            f"the launcher's store ({os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}) is gone: node 0's "
+            f"launcher ended, as a process there stopped; its output says why. ({_said(error)})"
+        ) from None
+    finally:
+        _stop_answering()
+
+
+def _meet(store, stopped: tuple[bool, str] | None, timeout: timedelta) -> None:
     rank, processes = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    store.set(f"outcome/{rank}", json.dumps(None if stopped is None else [*stopped, where()]))
+    mine = json.dumps(None if stopped is None else [*stopped, where()])
+    if store.compare_set(f"outcome/{rank}", "", mine).decode() != mine:  # process 0 stood in for this one
+        if stopped is None:
+            raise LaunchError(
+                f"process 0 took this one as stopped: {SILENT.format(silence=_silence)}. Its count stood still "
+                "(this process was paused, or starved of Python's GIL): raise SWIFTKV_START_SILENCE."
+            )
+        return
     said = f"swiftkv distill: {stopped[1]}" if stopped else None
     try:
         outcomes = _waited(store, "outcome", processes, timeout, said)
-    except RuntimeError:
+    except LaunchError:
         with contextlib.suppress(Exception):  # a process that comes later does not wait for this one to hear
             store.set(f"heard/{rank}", "")
         raise
     stops = [(other, outcome) for other, outcome in enumerate(outcomes) if outcome is not None]
     if not stops:
         return
-    store.set(f"heard/{rank}", "")
-    _waited(store, "heard", processes, timeout, said)
+    # every process has the outcomes: a wait that fails now (process 0 left, and its store with it) changes nothing
+    with contextlib.suppress(Exception):
+        store.set(f"heard/{rank}", "")
+        _waited(store, "heard", processes, timeout, said)
     if stopped is None:
         other, told = stops[0]
         raise_stop(other, *told)
@@ -157,8 +254,8 @@ def meet_at_start(stopped: tuple[bool, str] | None = None, timeout: timedelta | 
 
 def raise_stop(rank: int, bad: bool, message: str, there: str) -> None:
     """Stop this process because process ``rank`` (``where`` it ran) stopped, with its reason: a ``ValueError``
-    where that was bad input (``bad``: the command prints it in one line), else a ``RuntimeError``."""
-    raise (ValueError if bad else RuntimeError)(
+    where that was bad input (``bad``), else a ``LaunchError``; the command prints either in one line."""
+    raise (ValueError if bad else LaunchError)(
         f"process {rank} on {there} stopped, so this one does: {message}"
     )
 
@@ -174,8 +271,9 @@ def where(node: int | None = None) -> str:
     return f"node {node} ({socket.gethostname()})"
 
 
-def _launch_store(timeout: timedelta):
-    """The store of this process's ``torchrun`` launch (``fabric run``'s too), None where there is none."""
+def _launch_store(connect: timedelta):
+    """The store of this process's ``torchrun`` launch (``fabric run``'s too), None where there is none; reached
+    within ``connect`` (the calls made on it do not wait)."""
     processes = int(os.environ.get("WORLD_SIZE", "1"))
     agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
     if processes <= 1 or not agent_store or os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0") != "0":
@@ -183,43 +281,64 @@ def _launch_store(timeout: timedelta):
     from torch.distributed import PrefixStore, TCPStore
 
     address, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
-    return PrefixStore("swiftkv/start", TCPStore(address, port, processes, is_master=False, timeout=timeout))
+    return PrefixStore("swiftkv/start", TCPStore(address, port, processes, is_master=False, timeout=connect))
 
 
 def _waited(store, what: str, processes: int, timeout: timedelta, said: str | None) -> list:
-    """Each process's ``what`` key, once all are set. A process that stopped says so first if that takes long."""
-    from torch.distributed import DistError, DistNetworkError
-
-    keys = [f"{what}/{rank}" for rank in range(processes)]
-    try:
-        if said is None:
-            store.wait(keys, timeout)
-        else:
-            try:
-                store.wait(keys, min(QUIET_WAIT, timeout))
-            except DistNetworkError:
-                raise
-            except DistError:
-                print(f"{said} (waiting for the other processes to hear of it)", file=sys.stderr, flush=True)
-                store.wait(keys, max(timeout - QUIET_WAIT, QUIET_WAIT))
-    except DistNetworkError as error:
-        raise RuntimeError(
-            f"the launcher's store ({os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}) is gone: node 0's "
-            f"launcher ended, as a process there stopped; its output says why. ({_said(error)})"
-        ) from None
-    except DistError as error:
-        missing = [str(rank) for rank, key in enumerate(keys) if not _has(store, key)] or ["(unknown)"]
-        named = f"process {missing[0]}" if len(missing) == 1 else f"processes {', '.join(missing)}"
-        did = "reach the start of the run" if what == "outcome" else "hear of the stop"
-        raise RuntimeError(
-            f"{named} did not {did} within {timeout}: their node's output says why (a "
-            f"process killed, or a node started late). trainer.strategy.timeout sets the wait. ({_said(error)})"
-        ) from None
+    """Each process's ``what`` key, once all are set. Process 0 looks at them every ``POLL_SECONDS``, stands in for
+    the silent ones meanwhile (``_stand_in``), and sets ``what/all`` once all are set: the others look at that one
+    key (a thousand processes each looking at a thousand keys a second would keep node 0's store busy). Looking,
+    not a store's wait: one that runs out prints c10d's warnings. A process that stopped (``said``) says so first
+    if that takes long."""
+    keys, watch = [f"{what}/{rank}" for rank in range(processes)], os.environ["RANK"] == "0"
+    start, counts, stand_in = time.monotonic(), {}, 0.0
+    while not store.check(keys if watch else [f"{what}/all"]):
+        waited = timedelta(seconds=time.monotonic() - start)
+        if waited >= timeout:
+            raise _not_in_time(store, what, keys, timeout)
+        if said is not None and waited >= QUIET_WAIT:
+            print(f"{said} (waiting for the other processes to hear of it)", file=sys.stderr, flush=True)
+            said = None
+        if watch and time.monotonic() >= stand_in:
+            _stand_in(store, keys, counts)
+            stand_in = time.monotonic() + (_silence / 6).total_seconds()
+        time.sleep(POLL_SECONDS)
+    if watch:
+        store.set(f"{what}/all", "")
     return [json.loads(value) if value else None for value in store.multi_get(keys)]
 
 
+def _stand_in(store, keys: list[str], counts: dict) -> None:
+    """Process 0's watch, while it waits for ``keys``: a process whose key is not set and whose count (``beat``) stood
+    still for ``_silence`` since process 0 first saw it is taken as stopped, with the reason ``SILENT``, and as having
+    heard, so that no one waits for it any longer. A count never begun is a process not yet started (a node started
+    late): the timeout waits for it. ``counts``: each process's count, and since when, kept between calls."""
+    now = time.monotonic()
+    for rank, key in enumerate(keys):
+        if store.check([key]):
+            continue
+        count = store.add(f"beat/{rank}", 0)
+        if counts.get(rank, (None,))[0] != count:
+            counts[rank] = (count, now)
+        elif count and now - counts[rank][1] >= _silence.total_seconds():
+            told = json.dumps([False, SILENT.format(silence=_silence), store.get(f"where/{rank}").decode()])
+            if store.compare_set(f"outcome/{rank}", "", told).decode() == told:
+                store.set(f"heard/{rank}", "")
+
+
+def _not_in_time(store, what: str, keys: list[str], timeout: timedelta) -> LaunchError:
+    missing = [str(rank) for rank, key in enumerate(keys) if not _has(store, key)] or ["(unknown)"]
+    named = f"process {missing[0]}" if len(missing) == 1 else f"processes {', '.join(missing)}"
+    did = "reach the start of the run" if what == "outcome" else "hear of the stop"
+    return LaunchError(
+        f"{named} did not {did} within {timeout}: their node's output says why (a process killed before it "
+        "started, or a node started late). trainer.strategy.timeout sets the wait."
+    )
+
+
 def _said(error: Exception) -> str:
-    return f"{type(error).__name__}: {' '.join(str(error).split())}"
+    """The error's type and first line (c10d's go on with C++ frames)."""
+    return f"{type(error).__name__}: {(str(error).strip().splitlines() or [''])[0]}"
 
 
 def _has(store, key: str) -> bool:
