@@ -36,11 +36,18 @@ CASES = [
 ]
 
 
+def _until(happened, seconds: float = 60) -> None:
+    end = time.monotonic() + seconds
+    while not happened():
+        assert time.monotonic() < end, "it never happened"
+        time.sleep(0.1)
+
+
 def _process(rank: int, ports: list[int], results) -> None:
     """Process ``rank`` of three, each case a launch of its own, whose launcher's store this test holds."""
     os.environ |= {"RANK": str(rank), "WORLD_SIZE": "3", "GROUP_RANK": str(rank), "MASTER_ADDR": "127.0.0.1",
                    "TORCHELASTIC_USE_AGENT_STORE": "True", "TORCHELASTIC_MAX_RESTARTS": "0",
-                   "SWIFTKV_START_SILENCE": "2"}  # fmt: skip
+                   "SWIFTKV_START_SILENCE": "3"}  # fmt: skip
     for case, (does, timeout) in enumerate(CASES):
         os.environ["MASTER_PORT"] = str(ports[case])
         launch._met, launch._answering = False, None
@@ -50,9 +57,11 @@ def _process(rank: int, ports: list[int], results) -> None:
         if does[rank] == "killed":  # as the out-of-memory killer would, before it says a word
             time.sleep(1)
             os.kill(os.getpid(), signal.SIGKILL)
-        if does[rank] == "stalls":  # as a process paused (SIGSTOP, a debugger) for longer than the silence
+        if does[rank] == "stalls":  # as a process paused (SIGSTOP, a debugger) until process 0 stands in
+            store = launch._launch_store(timedelta(seconds=10))
+            _until(lambda store=store: store.add(f"beat/{rank}", 0) > 0)
             launch._stop_answering()
-            time.sleep(10)  # the others come up to 5 s later (case 3 waits for it), and wait 2 s more
+            _until(lambda store=store: store.check([f"outcome/{rank}"]))
         stopped = (
             None if does[rank] in (None, "stalls") else (does[rank].startswith("ValueError"), does[rank])
         )
@@ -71,7 +80,7 @@ def test_every_process_hears_of_a_stop_before_the_run_starts():
     """Three real processes meet through a real store: all come well and go on; one stops with bad input and the
     others stop with its reason (a ValueError, printed in one line); two stop and the others name the first; one
     never starts and the others say so at the timeout, naming it; one is killed (SIGKILL) as it starts, and the
-    others stop once its count has stood still for SWIFTKV_START_SILENCE (2 s), long before the timeout (120 s);
+    others stop once its count has stood still for SWIFTKV_START_SILENCE (3 s), long before the timeout (120 s);
     one whose count stood still that long comes after all, and is told that it was taken as stopped."""
     stores = [TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False) for _ in CASES]
     spawn = mp.get_context("spawn")
@@ -110,13 +119,13 @@ def test_every_process_hears_of_a_stop_before_the_run_starts():
         ), results[3, rank]
     assert (3, 2) not in results
     silent = f"LaunchError: process 2 on node 2 ({HOST}) stopped, so this one does: " + launch.SILENT.format(
-        silence=timedelta(seconds=2)
+        silence=timedelta(seconds=3)
     )
     assert [results[5, rank] for rank in (0, 1)] == [silent, silent]
     assert max(results[5, rank, "seconds"] for rank in (0, 1)) < 30
     assert [results[4, rank] for rank in (0, 1)] == [silent, silent]
     assert results[4, 2].startswith(
-        "LaunchError: process 0 took this one as stopped: no word from it for 0:00:02"
+        "LaunchError: process 0 took this one as stopped: no word from it for 0:00:03"
     )
 
 
@@ -154,47 +163,51 @@ def test_a_node_that_stops_before_the_run_starts_stops_the_other_with_its_reason
 
 @pytest.mark.distributed
 def test_a_process_killed_as_it_starts_stops_the_others_with_word_of_it(tmp_path, tiny_model, text_file):
-    """Two nodes, each a ``fabric run --num_nodes 2`` on this machine, the process group's timeout 10 minutes. Node
-    1's process is killed (SIGKILL, as the out-of-memory killer would) while it reads its checkpoint to resume from
-    (a named pipe that never gives a byte), before the run starts: it says nothing, and its node's launcher ends.
-    Node 0's process stops too once node 1's count stood still for SWIFTKV_START_SILENCE (5 s), naming it; before,
-    it waited for the process group's timeout."""
+    """Two nodes of two processes, each node a ``fabric run --num_nodes 2 --devices 2`` on this machine, the process
+    group's timeout 10 minutes. Process 3 (node 1) is killed (SIGKILL, as the out-of-memory killer would) while it
+    reads its checkpoint to resume from (a named pipe that never gives a byte), after process 2 on its node came to
+    the meeting: it says nothing, and its node's launcher ends process 2 too. Node 0's processes stop once process
+    3's count stood still for SWIFTKV_START_SILENCE (5 s), naming it, without waiting for process 2 to hear of it;
+    before, they waited for the process group's timeout."""
     copies = [tmp_path / "node0.jsonl", tmp_path / "node1.jsonl"]
     for copy in copies:
         shutil.copy(text_file, copy)
     caches = [tmp_path / "tokens0", tmp_path / "tokens1"]
     configs = _nodes(tmp_path, tiny_model, "killed", copies)
     os.mkfifo(tmp_path / "slow.ckpt")
-    for rank, config in enumerate(configs):
+    for node, config in enumerate(configs):
         settings = yaml.safe_load(config.read_text())
-        settings["trainer"]["strategy"]["init_args"]["timeout"] = "0:10:00"
-        settings |= {"ckpt_path": str(tmp_path / "slow.ckpt")} if rank == 1 else {}
+        settings["trainer"]["devices"] = 2
+        settings["trainer"]["strategy"]["init_args"] |= {"data_parallel_size": 4, "timeout": "0:10:00"}
+        if node == 1:  # each process reads its own from its environment: process 3 alone the pipe
+            settings["ckpt_path"] = "${oc.env:SWIFTKV_TEST_CKPT_${oc.env:LOCAL_RANK},null}"
         config.write_text(yaml.safe_dump(settings))
     killed = []
 
-    def kill_node_1(port: int) -> None:
-        """Once node 1's process answers, kill it: it is still reading the pipe."""
+    def kill_process_3(port: int) -> None:
+        """Once process 3 answers, and process 2 came to the meeting, kill process 3: it is still reading the pipe."""
         store = PrefixStore(
             "swiftkv/start", TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(minutes=2))
         )
-        while store.add("beat/1", 0) == 0:  # process 0 makes the key as it looks: wait for a count
-            time.sleep(0.1)
-        (worker,) = [
-            pid for pid, env in _processes() if f"SWIFTKV_TOKENS_DIR={caches[1]}" in env and "RANK=1" in env
+        # process 0 makes the count's key as it looks: wait for a count
+        _until(lambda: store.add("beat/3", 0) > 0 and store.check(["outcome/2"]), seconds=120)
+        workers = [
+            pid for pid, env in _processes() if f"SWIFTKV_TOKENS_DIR={caches[1]}" in env and "RANK=3" in env
         ]
-        assert not store.check(["outcome/1"])
-        os.kill(worker, signal.SIGKILL)
+        assert len(workers) == 1 and not store.check(["outcome/3"]), workers
+        os.kill(workers[0], signal.SIGKILL)
         killed.append(time.monotonic())
 
-    outputs = _launch_nodes(configs, tmp_path, caches, env={"SWIFTKV_START_SILENCE": "5"}, during=kill_node_1)
+    env = {"SWIFTKV_START_SILENCE": "5", "SWIFTKV_TEST_CKPT_1": str(tmp_path / "slow.ckpt")}
+    outputs = _launch_nodes(configs, tmp_path, caches, devices=2, env=env, during=kill_process_3)
     assert killed and outputs[1].startswith("exit 1\n") and "Signal 9 (SIGKILL)" in outputs[1], outputs[1]
     assert outputs[0].startswith("exit 1\n"), outputs[0]
     said = (
-        f"\nswiftkv distill: process 1 on node 1 ({HOST}) stopped, so this one does: "
+        f"\nswiftkv distill: process 3 on node 1 ({HOST}) stopped, so this one does: "
         + launch.SILENT.format(silence=timedelta(seconds=5))
     )
-    # in one line: this process's traceback would say nothing of the cause
-    assert said in outputs[0] and "swiftkv_distill/launch.py" not in outputs[0], outputs[0]
+    # both of node 0's processes, each in one line: its traceback would say nothing of the cause
+    assert outputs[0].count(said) == 2 and "swiftkv_distill/launch.py" not in outputs[0], outputs[0]
     assert time.monotonic() - killed[0] < 60
 
 
@@ -266,7 +279,8 @@ def test_no_meeting_where_the_launch_has_no_store_of_its_own(monkeypatch):
     monkeypatch.setattr(launch, "_met", False)
     for name, value in agent.items():
         monkeypatch.setenv(name, value)
-    with pytest.raises(RuntimeError):  # the same, under torchrun: the store is reached for, and is not there
+    # the same, under torchrun: the store is reached for, and is not there
+    with pytest.raises(launch.LaunchError, match=r"the launcher's store \(127\.0\.0\.1:\d+\) is gone"):
         launch.meet_at_start((True, "ValueError: a bad setting"), timeout=timedelta(seconds=2))
 
 

@@ -105,10 +105,10 @@ def check_world_size(trainer, environ) -> None:
 DEFAULT_TIMEOUT = timedelta(minutes=30)
 # how long a process that stopped waits quietly for the others to hear of it before it says so
 QUIET_WAIT = timedelta(seconds=10)
-# how often a waiting process looks at the store
+# how often a waiting process looks at the store, and a starting one counts up its key
 POLL_SECONDS = 1.0
-# how long a process whose count stands still is waited for (SWIFTKV_START_SILENCE, in seconds): well above the
-# longest a starting process holds Python's GIL, far below the process group's 30 minutes
+# how long a process whose count stands still is waited for (SWIFTKV_START_SILENCE, in seconds; process 0's
+# decides): well above the longest a starting process holds Python's GIL, far below the process group's 30 minutes
 SILENCE = timedelta(minutes=3)
 # the reason given for a process whose count stood still
 SILENT = (
@@ -144,20 +144,20 @@ class LaunchError(RuntimeError):
 
 def start_answering() -> None:
     """From the start of a process of a launch with a store (``_launch_store``) until its meeting: its ``where`` key
-    names its node, and a thread of its own counts up its ``beat`` key six times per ``SWIFTKV_START_SILENCE``, so
-    that a process still starting is told from one killed hard. The first thing a process does (``cli.main``); a
-    second call does nothing."""
+    names its node, and a thread of its own counts up its ``beat`` key every ``POLL_SECONDS``, so that a process
+    still starting is told from one killed hard. The first thing a process does (``cli.main``); a second call does
+    nothing."""
     global _silence, _answering
     value = os.environ.get("SWIFTKV_START_SILENCE", str(SILENCE.total_seconds()))
     try:
         _silence = timedelta(seconds=float(value))
     except (ValueError, OverflowError):
         _silence = timedelta(0)
-    if _silence.total_seconds() < 2 * POLL_SECONDS:
+    if _silence.total_seconds() < 3 * POLL_SECONDS:
         _silence = SILENCE
         raise ValueError(
             f"SWIFTKV_START_SILENCE is {value!r}: give the seconds a process of a launch that stops answering before "
-            f"the run starts is waited for, at least {2 * POLL_SECONDS:.0f} (default {SILENCE.total_seconds():.0f}), "
+            f"the run starts is waited for, at least {3 * POLL_SECONDS:.0f} (default {SILENCE.total_seconds():.0f}), "
             "or leave it unset."
         )
     store = None if _answering is not None else _launch_store(timedelta(minutes=1))
@@ -166,9 +166,7 @@ def start_answering() -> None:
     rank = int(os.environ["RANK"])
     store.set(f"where/{rank}", where())
     stop = threading.Event()
-    answer = threading.Thread(
-        target=_answer, args=(store, f"beat/{rank}", stop, (_silence / 6).total_seconds()), daemon=True
-    )
+    answer = threading.Thread(target=_answer, args=(store, f"beat/{rank}", stop, POLL_SECONDS), daemon=True)
     _answering = (stop, answer)
     answer.start()
     atexit.register(_stop_answering)  # not in a store call as the interpreter ends (--help, Ctrl-C)
@@ -230,12 +228,12 @@ def _meet(store, stopped: tuple[bool, str] | None, timeout: timedelta) -> None:
         if stopped is None:
             raise LaunchError(
                 f"process 0 took this one as stopped: {SILENT.format(silence=_silence)}. Its count stood still "
-                "(this process was paused, or starved of Python's GIL): raise SWIFTKV_START_SILENCE."
+                "(this process was paused, or starved of Python's GIL): raise SWIFTKV_START_SILENCE on node 0."
             )
         return
-    said = f"swiftkv distill: {stopped[1]}" if stopped else None
+    said, counts = f"swiftkv distill: {stopped[1]}" if stopped else None, {}
     try:
-        outcomes = _waited(store, "outcome", processes, timeout, said)
+        outcomes = _waited(store, "outcome", processes, timeout, said, counts)
     except LaunchError:
         with contextlib.suppress(Exception):  # a process that comes later does not wait for this one to hear
             store.set(f"heard/{rank}", "")
@@ -246,7 +244,7 @@ def _meet(store, stopped: tuple[bool, str] | None, timeout: timedelta) -> None:
     # every process has the outcomes: a wait that fails now (process 0 left, and its store with it) changes nothing
     with contextlib.suppress(Exception):
         store.set(f"heard/{rank}", "")
-        _waited(store, "heard", processes, timeout, said)
+        _waited(store, "heard", processes, timeout, said, counts)
     if stopped is None:
         other, told = stops[0]
         raise_stop(other, *told)
@@ -284,55 +282,68 @@ def _launch_store(connect: timedelta):
     return PrefixStore("swiftkv/start", TCPStore(address, port, processes, is_master=False, timeout=connect))
 
 
-def _waited(store, what: str, processes: int, timeout: timedelta, said: str | None) -> list:
-    """Each process's ``what`` key, once all are set. Process 0 looks at them every ``POLL_SECONDS``, stands in for
-    the silent ones meanwhile (``_stand_in``), and sets ``what/all`` once all are set: the others look at that one
-    key (a thousand processes each looking at a thousand keys a second would keep node 0's store busy). Looking,
-    not a store's wait: one that runs out prints c10d's warnings. A process that stopped (``said``) says so first
-    if that takes long."""
-    keys, watch = [f"{what}/{rank}" for rank in range(processes)], os.environ["RANK"] == "0"
-    start, counts, stand_in = time.monotonic(), {}, 0.0
-    while not store.check(keys if watch else [f"{what}/all"]):
+def _waited(store, what: str, processes: int, timeout: timedelta, said: str | None, counts: dict) -> list:
+    """Each process's ``what`` key, once all are set. Process 0 decides: it looks at them every ``POLL_SECONDS``,
+    stands in for the silent ones meanwhile (``_stand_in``, ``counts`` kept between calls), and sets ``what/all``
+    once all are set, or at its ``timeout`` to the processes still missing. The others look at that one key (a
+    thousand processes each looking at a thousand keys a second would keep node 0's store busy), a minute longer.
+    Looking, not a store's wait: one that runs out prints c10d's warnings. A process that stopped (``said``) says
+    so first if that takes long."""
+    keys = [f"{what}/{rank}" for rank in range(processes)]
+    verdict, watch = f"{what}/all", os.environ["RANK"] == "0"
+    start, limit = time.monotonic(), timeout if watch else timeout + timedelta(minutes=1)
+    while not store.check(keys if watch else [verdict]):
         waited = timedelta(seconds=time.monotonic() - start)
-        if waited >= timeout:
-            raise _not_in_time(store, what, keys, timeout)
+        if waited >= limit:
+            missing = [rank for rank, key in enumerate(keys) if not _has(store, key)]
+            if watch:
+                store.set(verdict, json.dumps(missing))
+            raise _not_in_time(missing, what, timeout)
         if said is not None and waited >= QUIET_WAIT:
             print(f"{said} (waiting for the other processes to hear of it)", file=sys.stderr, flush=True)
             said = None
-        if watch and time.monotonic() >= stand_in:
-            _stand_in(store, keys, counts)
-            stand_in = time.monotonic() + (_silence / 6).total_seconds()
+        if watch:
+            _stand_in(store, what, keys, counts)
         time.sleep(POLL_SECONDS)
     if watch:
-        store.set(f"{what}/all", "")
+        store.set(verdict, "[]")
+    elif missing := json.loads(store.get(verdict)):
+        raise _not_in_time(missing, what, timeout)
     return [json.loads(value) if value else None for value in store.multi_get(keys)]
 
 
-def _stand_in(store, keys: list[str], counts: dict) -> None:
-    """Process 0's watch, while it waits for ``keys``: a process whose key is not set and whose count (``beat``) stood
-    still for ``_silence`` since process 0 first saw it is taken as stopped, with the reason ``SILENT``, and as having
-    heard, so that no one waits for it any longer. A count never begun is a process not yet started (a node started
-    late): the timeout waits for it. ``counts``: each process's count, and since when, kept between calls."""
+def _stand_in(store, what: str, keys: list[str], counts: dict) -> None:
+    """Process 0's watch, while it waits for ``keys``: a process whose key is not set and whose count (``beat``)
+    stood still for ``_silence`` since process 0 first saw it is taken as stopped, with the reason ``SILENT``, and as
+    having heard, so that no one waits for it any longer. Every count is kept (``counts``: the count, and since
+    when): a process killed after it came (its node's launcher ends the node's others as one ends) has stood still
+    as long by the time the others wait for it to hear. A count never begun is a process not yet started (a node
+    started late): the timeout waits for it."""
     now = time.monotonic()
     for rank, key in enumerate(keys):
-        if store.check([key]):
-            continue
         count = store.add(f"beat/{rank}", 0)
         if counts.get(rank, (None,))[0] != count:
             counts[rank] = (count, now)
-        elif count and now - counts[rank][1] >= _silence.total_seconds():
-            told = json.dumps([False, SILENT.format(silence=_silence), store.get(f"where/{rank}").decode()])
-            if store.compare_set(f"outcome/{rank}", "", told).decode() == told:
-                store.set(f"heard/{rank}", "")
+        elif count and now - counts[rank][1] >= _silence.total_seconds() and not store.check([key]):
+            if what == "outcome":
+                told = json.dumps(
+                    [False, SILENT.format(silence=_silence), store.get(f"where/{rank}").decode()]
+                )
+                if store.compare_set(key, "", told).decode() != told:
+                    continue  # it came as process 0 looked
+            store.set(f"heard/{rank}", "")
 
 
-def _not_in_time(store, what: str, keys: list[str], timeout: timedelta) -> LaunchError:
-    missing = [str(rank) for rank, key in enumerate(keys) if not _has(store, key)] or ["(unknown)"]
-    named = f"process {missing[0]}" if len(missing) == 1 else f"processes {', '.join(missing)}"
+def _not_in_time(missing: list[int], what: str, timeout: timedelta) -> LaunchError:
+    named = (
+        f"process{'es' if len(missing) > 1 else ''} {', '.join(map(str, missing))}"
+        if missing
+        else "a process"
+    )
     did = "reach the start of the run" if what == "outcome" else "hear of the stop"
     return LaunchError(
-        f"{named} did not {did} within {timeout}: their node's output says why (a process killed before it "
-        "started, or a node started late). trainer.strategy.timeout sets the wait."
+        f"{named} did not {did} within {timeout}: their node's output says why (a process killed "
+        "before it started, or a node started late). trainer.strategy.timeout sets the wait."
     )
 
 
