@@ -173,14 +173,21 @@ def start_answering() -> None:
 
 
 def _answer(store, key: str, stop: threading.Event, every: float) -> None:
+    """Count up ``key`` every ``every`` seconds until ``stop``."""
     from torch.distributed import DistNetworkError
 
     while not stop.is_set():
         try:
+            store = store or _launch_store(timedelta(minutes=1))
             store.add(key, 1)
-        except DistNetworkError:  # the store is gone (node 0's launcher ended): the meeting says so
-            return
-        except Exception:  # a store slow to answer: the next count makes up for it
+        except DistNetworkError:
+            if (
+                store is None
+            ):  # not reached again: the store is gone (node 0's launcher ended), the meeting says so
+                return
+            store = None  # a reply that took over a minute leaves the connection unusable: connect again
+            continue
+        except Exception:  # the next count makes up for it
             pass
         stop.wait(every)
 
@@ -313,9 +320,10 @@ def _waited(store, what: str, processes: int, timeout: timedelta, said: str | No
 
 
 def _stand_in(store, what: str, keys: list[str], counts: dict) -> None:
-    """Process 0's watch, while it waits for ``keys``: a process whose key is not set and whose count (``beat``)
-    stood still for ``_silence`` since process 0 first saw it is taken as stopped, with the reason ``SILENT``, and as
-    having heard, so that no one waits for it any longer. Every count is kept (``counts``: the count, and since
+    """Process 0's watch, while it waits for ``keys``: a process whose count (``beat``) stood still for ``_silence``
+    since process 0 first saw it is taken as stopped, with the reason ``SILENT``, and as having heard, so that no
+    one waits for it any longer: one that has not come, or one that came well and died waiting for the others (no
+    one reads the outcomes before process 0 has them all). Every count is kept (``counts``: the count, and since
     when): a process killed after it came (its node's launcher ends the node's others as one ends) has stood still
     as long by the time the others wait for it to hear. A count never begun is a process not yet started (a node
     started late): the timeout waits for it."""
@@ -324,13 +332,15 @@ def _stand_in(store, what: str, keys: list[str], counts: dict) -> None:
         count = store.add(f"beat/{rank}", 0)
         if counts.get(rank, (None,))[0] != count:
             counts[rank] = (count, now)
-        elif count and now - counts[rank][1] >= _silence.total_seconds() and not store.check([key]):
-            if what == "outcome":
-                told = json.dumps(
-                    [False, SILENT.format(silence=_silence), store.get(f"where/{rank}").decode()]
-                )
-                if store.compare_set(key, "", told).decode() != told:
-                    continue  # it came as process 0 looked
+            continue
+        if not count or now - counts[rank][1] < _silence.total_seconds():
+            continue
+        if what == "heard":
+            store.set(key, "")
+            continue
+        came = store.get(key).decode() if store.check([key]) else ""
+        told = json.dumps([False, SILENT.format(silence=_silence), store.get(f"where/{rank}").decode()])
+        if came in ("", "null") and store.compare_set(key, came, told).decode() == told:
             store.set(f"heard/{rank}", "")
 
 
