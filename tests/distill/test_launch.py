@@ -50,7 +50,7 @@ def _process(rank: int, cases: list, ports: list[int], results) -> None:
     """Process ``rank`` of three, each case a launch of its own, whose launcher's store this test holds."""
     os.environ |= {"RANK": str(rank), "WORLD_SIZE": "3", "GROUP_RANK": str(rank), "MASTER_ADDR": "127.0.0.1",
                    "TORCHELASTIC_USE_AGENT_STORE": "True", "TORCHELASTIC_MAX_RESTARTS": "0",
-                   "SWIFTKV_START_SILENCE": "3"}  # fmt: skip
+                   "SWIFTKV_START_SILENCE": "5"}  # fmt: skip
     for case, (does, timeout) in enumerate(cases):
         os.environ["MASTER_PORT"] = str(ports[case])
         launch._met, launch._answering = False, None
@@ -89,7 +89,7 @@ def test_every_process_hears_of_a_stop_before_the_run_starts():
     """Three real processes meet through a real store: all come well and go on; one stops with bad input and the
     others stop with its reason (a ValueError, printed in one line); two stop and the others name the first; one
     never starts and the others say so at the timeout, naming it; one is killed (SIGKILL) as it starts, and the
-    others stop once its count has stood still for SWIFTKV_START_SILENCE (3 s), long before the timeout (120 s);
+    others stop once its count has stood still for SWIFTKV_START_SILENCE (5 s), long before the timeout (120 s);
     one whose count stood still that long comes after all, and is told that it was taken as stopped. Then one comes
     well and is killed as it waits for another, which comes late: the others stop as well, naming it."""
     exits, results = _meetings(CASES)
@@ -112,13 +112,13 @@ def test_every_process_hears_of_a_stop_before_the_run_starts():
         ), results[3, rank]
     assert (3, 2) not in results
     silent = f"LaunchError: process 2 on node 2 ({HOST}) stopped, so this one does: " + launch.SILENT.format(
-        silence=timedelta(seconds=3)
+        silence=timedelta(seconds=5)
     )
     assert [results[5, rank] for rank in (0, 1)] == [silent, silent]
     assert max(results[5, rank, "seconds"] for rank in (0, 1)) < 30
     assert [results[4, rank] for rank in (0, 1)] == [silent, silent]
     assert results[4, 2].startswith(
-        "LaunchError: process 0 took this one as stopped: no word from it for 0:00:03"
+        "LaunchError: process 0 took this one as stopped: no word from it for 0:00:05"
     )
     exits, results = _meetings(DIES_WAITING)
     assert exits == [0, 0, -signal.SIGKILL]

@@ -181,11 +181,11 @@ def _answer(store, key: str, stop: threading.Event, every: float) -> None:
             store = store or _launch_store(timedelta(minutes=1))
             store.add(key, 1)
         except DistNetworkError:
-            if (
-                store is None
-            ):  # not reached again: the store is gone (node 0's launcher ended), the meeting says so
+            # not reached again: the store is gone (node 0's launcher ended), and the meeting says so; else a reply
+            # that took over a minute left the connection unusable: connect again
+            if store is None:
                 return
-            store = None  # a reply that took over a minute leaves the connection unusable: connect again
+            store = None
             continue
         except Exception:  # the next count makes up for it
             pass
@@ -345,11 +345,9 @@ def _stand_in(store, what: str, keys: list[str], counts: dict) -> None:
 
 
 def _not_in_time(missing: list[int], what: str, timeout: timedelta) -> LaunchError:
-    named = (
-        f"process{'es' if len(missing) > 1 else ''} {', '.join(map(str, missing))}"
-        if missing
-        else "a process"
-    )
+    named = "a process"
+    if missing:
+        named = f"process{'es' if len(missing) > 1 else ''} {', '.join(map(str, missing))}"
     did = "reach the start of the run" if what == "outcome" else "hear of the stop"
     return LaunchError(
         f"{named} did not {did} within {timeout}: their node's output says why (a process killed "
