@@ -150,16 +150,16 @@ def start_answering() -> None:
     global _silence, _answering
     value = os.environ.get("SWIFTKV_START_SILENCE", str(SILENCE.total_seconds()))
     try:
-        _silence = timedelta(seconds=float(value))
+        silence = timedelta(seconds=float(value))
     except (ValueError, OverflowError):
-        _silence = timedelta(0)
-    if _silence.total_seconds() < 3 * POLL_SECONDS:
-        _silence = SILENCE
+        silence = timedelta(0)
+    if silence.total_seconds() < 3 * POLL_SECONDS:
         raise ValueError(
             f"SWIFTKV_START_SILENCE is {value!r}: give the seconds a process of a launch that stops answering before "
             f"the run starts is waited for, at least {3 * POLL_SECONDS:.0f} (default {SILENCE.total_seconds():.0f}), "
             "or leave it unset."
         )
+    _silence = silence
     store = None if _answering is not None else _launch_store(timedelta(minutes=1))
     if store is None:
         return
@@ -193,6 +193,7 @@ def _answer(store, key: str, stop: threading.Event, every: float) -> None:
 
 
 def _stop_answering() -> None:
+    """Stop this process's counting thread, if it has one, and let it finish its call to the store."""
     if _answering is not None:
         _answering[0].set()
         _answering[1].join(timeout=5)
