@@ -49,16 +49,19 @@ def profile_prefill(model, length: int = 2048) -> None:
             print(
                 prof.key_averages().table(sort_by="cuda_time_total", row_limit=18, max_name_column_width=60)
             )
-    # a graph per layer and side (the cache's update is keyed on the layer's index), more than dynamo's default
-    # of 8 recompiles of the one layer code: below, all but the first 8 layers would run eagerly. Past the limit
-    # the run fails rather than time a mix of eager and compiled layers as compiled (the row once published so)
+    # a graph per layer and shape (the cache's update is keyed on the layer's index; with SwiftKV on, layers >= l
+    # see the kept row alone), more than dynamo's default of 8 recompiles of the one layer code: below, all but the
+    # first 8 layers would run eagerly. Past the limit the run fails rather than time a mix of eager and compiled
+    # layers as compiled (the row once published so). Static shapes, as the off side's first graphs: else dynamo
+    # makes the kept rows' graphs dynamic in the sequence (its automatic dynamic shapes), and the row would time
+    # static graphs off against symbolic ones on
     from torch._dynamo.utils import counters
 
-    recompiles = 2 * len(model.model.layers) + 8
+    recompiles = 3 * len(model.model.layers) + 8
     for compiled in (False, True):
         if compiled:
             for layer in model.model.layers:
-                layer.compile()
+                layer.compile(dynamic=False)
         with torch._dynamo.config.patch(
             recompile_limit=max(torch._dynamo.config.recompile_limit, recompiles),
             fail_on_recompile_limit_hit=True,

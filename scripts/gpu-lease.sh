@@ -19,8 +19,8 @@
 #               with dynamic shapes: compile times and timed forwards (benchmarks/results/prefill-compile-dynamic.py;
 #               not yet run on a GPU: about 4 by the H100's 55 s per static length)
 #   profile     benchmarks/gpu_profile.py: the 2k prefill's CUDA profile, off and on, then each decoder layer compiled
-#               (regional); its row in gpu-prefill-profile.md is to be measured again (not yet run with enough
-#               recompiles: up to 2 x 32 layer graphs, a few seconds each; about 5)
+#               (regional, static shapes); its row in gpu-prefill-profile.md is to be measured again (not yet run
+#               with enough recompiles: 50 layer graphs at 32 layers on the CPU, a few seconds each; about 5)
 #   distill     benchmarks/gpu.py: the 8B distillation step, bf16 frozen weights, eager, compiled layers, activation
 #               checkpointing (2 on an H200, about 3.4 on an H100); GPU_LEASE_DISTILL_FLAGS replaces the last two
 #               (e.g. '--compile_layers true' alone; empty: eager alone)
@@ -40,6 +40,8 @@
 # A 15-minute lease as spent on 2026-11-27 (H100): bash scripts/gpu-lease.sh run attention tests distill (7.2 min).
 # Never run yet, for the next lease: bash scripts/gpu-lease.sh run profile, then run prefill-dynamic (about 5 + 4 min).
 # The steps of one call share its 570 s (GPU_LEASE_CALL_SECONDS): a step gets at most what the ones before it left.
+# With under 10 minutes of device time left, the run tool's own limit is shorter and would cut the call before a step's
+# limit: give GPU_LEASE_CALL_SECONDS=(the seconds left - 30) on the command line.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
