@@ -30,8 +30,9 @@ def test_table_commands_run_through_their_own_parsers(capsys):
     assert exit_info.value.code == 0
     out = capsys.readouterr().out
     assert "--trainer.max_steps" in out and "--model.num_key_value_layers" in out
-    with pytest.raises(SystemExit):
+    with pytest.raises(SystemExit) as exit_info:
         main(["convert", "--help"])  # jsonargparse, from the typed signature
+    assert exit_info.value.code == 0
     assert "--num_key_value_layers" in capsys.readouterr().out
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -40,12 +41,13 @@ def test_the_cuda_build_context_needs_no_pip_on_the_host(tmp_path):
     is made all the same, where the script used to stop with exit 1 and no word (its pipeline under pipefail)."""
     (tmp_path / "scripts").mkdir()
     shutil.copy(ROOT / "scripts" / "docker-context.sh", tmp_path / "scripts")
-    (tmp_path / "bin").mkdir()
-    python = tmp_path / "bin" / "python3"
-    python.write_text("#!/bin/sh\necho '/usr/bin/python3: No module named pip' >&2\nexit 1\n")
-    python.chmod(0o755)
+    venv = tmp_path / "no-pip"  # a real interpreter without pip, first on the PATH
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
+    assert subprocess.run(
+        [venv / "bin" / "python3", "-m", "pip", "--version"], capture_output=True
+    ).returncode
     result = subprocess.run(["bash", str(tmp_path / "scripts" / "docker-context.sh"), "cuda"], capture_output=True,
-                            text=True, env={"PATH": f"{tmp_path / 'bin'}:/usr/bin:/bin"})  # fmt: skip
+                            text=True, env={"PATH": f"{venv / 'bin'}:/usr/bin:/bin"})  # fmt: skip
     assert result.returncode == 0, result.stderr
     context = tmp_path / "docker" / "context"
     # no proxy, so no CA bundle: nothing else to put there for a CUDA image

@@ -73,3 +73,5 @@ def test_validate_layers_says_what_is_valid(l, g, allow_no_skip, message):
 def test_validate_layers_accepts_no_skip_only_where_allowed():
     validate_layers(8, 8, 1)  # a SwiftKV checkpoint equal to its base model
     validate_layers(8, 7, 1, allow_no_skip=False)
+    with pytest.raises(ValueError, match="l=8 would skip nothing"):
+        validate_layers(8, 8, 1, allow_no_skip=False)

@@ -156,7 +156,14 @@ def test_a_save_never_replaces_a_folder_of_other_files(tmp_path):
         tmp_path / "file"
     ).read_text() == "x"
     save_checkpoint(model, tmp_path / "ckpt")
+    with torch.no_grad():
+        model.model.layers[2].self_attn.k_proj_swiftkv.weight.add_(1.0)
     save_checkpoint(model, tmp_path / "ckpt")  # an earlier checkpoint: replaced
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "ckpt")
+    assert_close(
+        reloaded.model.layers[2].self_attn.k_proj_swiftkv.weight,
+        model.model.layers[2].self_attn.k_proj_swiftkv.weight,
+    )
 
 
 def test_convert_from_a_path(tmp_path):

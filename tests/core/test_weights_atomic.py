@@ -52,7 +52,7 @@ def test_atomic_directory_replaces_only_on_success(tmp_path):
     with atomic_directory(target) as staging:
         _write(staging, "first")
     assert (target / "a.txt").read_text() == "first"
-    with pytest.raises(RuntimeError), atomic_directory(target) as staging:
+    with pytest.raises(RuntimeError, match="disk full"), atomic_directory(target) as staging:
         _write(staging, "half")
         raise RuntimeError("disk full")
     assert (target / "a.txt").read_text() == "first"
@@ -107,7 +107,7 @@ def test_a_writer_killed_between_its_two_moves_loses_nothing(tmp_path):
         other.wait()
     # the window this test is about: the old folder set aside, the new one not in place
     assert not target.exists() and len(list(tmp_path.glob(".out.old.*"))) == 1
-    with pytest.raises(RuntimeError), atomic_directory(target) as staging:
+    with pytest.raises(RuntimeError, match="disk full"), atomic_directory(target) as staging:
         raise RuntimeError("disk full")
     assert (target / "a.txt").read_text() == "first"
     (killed,) = tmp_path.glob(".out.staging.*")
@@ -183,7 +183,7 @@ def test_atomic_directory_keeps_the_old_folder_if_the_final_move_fails(tmp_path,
         real_replace(src, dst)
 
     monkeypatch.setattr(os, "replace", failing_second_move)
-    with pytest.raises(OSError), atomic_directory(target) as staging:
+    with pytest.raises(OSError, match="interrupted"), atomic_directory(target) as staging:
         _write(staging, "second")
     monkeypatch.undo()
     assert (target / "a.txt").read_text() == "first"
@@ -262,7 +262,7 @@ def test_swiftkv_mode_restores_also_on_errors(family):
         teacher = model(ids).logits
     assert model.config.swiftkv
     torch.testing.assert_close(teacher, tiny_base(family)(ids).logits)
-    with pytest.raises(RuntimeError), model.swiftkv_mode(False):
+    with pytest.raises(RuntimeError, match="boom"), model.swiftkv_mode(False):
         raise RuntimeError("boom")
     assert model.config.swiftkv
 

@@ -1,5 +1,6 @@
 """Token rows as flat arrays (``tokens.py``), made once into the token cache and memory-mapped by every process."""
 
+import errno
 import functools
 import json
 import multiprocessing
@@ -14,7 +15,7 @@ import torch
 from swiftkv_distill.batches import collate, pack, unpacked
 from swiftkv_distill.data import DataError
 from swiftkv_distill.datamodule import DistillDataModule
-from swiftkv_distill.tokens import RowWriter, TokenRows, read_sets, set_sha256, write_sets
+from swiftkv_distill.tokens import RowWriter, TokenRows, cache_unwritable, read_sets, set_sha256, write_sets
 from tests.distill.conftest import TEXTS, write_jsonl
 from tests.processes import children_of, running
 
@@ -172,6 +173,15 @@ def test_a_token_cache_that_cannot_be_written_is_refused_clearly(
         monkeypatch.setenv("SWIFTKV_TOKENS_DIR", str(folder))
         with pytest.raises(DataError, match="token cache .* cannot be written .* Set SWIFTKV_TOKENS_DIR"):
             DistillDataModule(str(tiny_model), [str(text_file)], max_length=16).build()
+    # the same errors, of a file outside the cache (a data file's, the datasets library's), are not the cache's
+    monkeypatch.setenv("SWIFTKV_TOKENS_DIR", str(tmp_path / "tokens"))
+    for code in (errno.ENOTDIR, errno.EACCES, errno.ENOSPC):
+        assert cache_unwritable(
+            OSError(code, os.strerror(code), str(tmp_path / "tokens" / "abc" / "tokens.npy"))
+        )
+        assert not cache_unwritable(OSError(code, os.strerror(code), str(tmp_path / "data" / "chat.jsonl")))
+        assert not cache_unwritable(OSError(code, os.strerror(code), str(tmp_path / "tokens-chat.jsonl")))
+    assert not cache_unwritable(OSError(errno.EISDIR, "Is a directory", str(tmp_path / "tokens" / "abc")))
 
 
 FULL_DISK = """

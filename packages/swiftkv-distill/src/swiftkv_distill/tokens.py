@@ -52,7 +52,7 @@ UNWRITABLE = (
 
 def cache_unwritable(error: OSError) -> bool:
     """Whether ``error`` says that the token cache cannot be written (a data file's error is not the cache's)."""
-    return error.errno in UNWRITABLE and str(error.filename or "").startswith(str(token_cache_dir()))
+    return error.errno in UNWRITABLE and Path(error.filename or "").is_relative_to(token_cache_dir())
 
 
 def tokenizer_identity(tokenizer) -> str:
