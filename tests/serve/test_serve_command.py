@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -103,16 +105,44 @@ def test_api_key_options(tmp_path):
             cli.server_environment(given, {"SWIFTKV_API_KEY": "k1"})
     options, env, line = cli.server_environment(["--port", "1"], {})
     assert options == ["--port", "1"] and env == {} and line.startswith("WARNING: no API key")
+    # a blank variable beside a key: the server has its key
+    options, env, _ = cli.server_environment(["--port", "1"], {"SWIFTKV_API_KEY": "", "VLLM_API_KEY": "k3"})
+    assert options == ["--port", "1", *middleware] and env == {auth.KEYS_VARIABLE: "k3"}
     (tmp_path / "empty").write_text("\n")
+    (tmp_path / "binary").write_bytes(b"\x9f\xffk\x00\n")  # `openssl rand 32` without -hex
     for environ, message in (
         ({"SWIFTKV_API_KEY": "a", "SWIFTKV_API_KEY_FILE": str(tmp_path / "key")}, "both"),
         ({"SWIFTKV_API_KEY_FILE": str(tmp_path / "missing")}, "cannot read it"),
         ({"SWIFTKV_API_KEY_FILE": str(tmp_path / "empty")}, "is empty"),
         ({"SWIFTKV_API_KEY": "a\nb"}, "line break"),
         ({"SWIFTKV_API_KEY": "pässwört"}, "outside printable ASCII"),
+        ({"SWIFTKV_API_KEY_FILE": str(tmp_path / "binary")}, "outside printable ASCII"),
+        # set but blank (docker run -e SWIFTKV_API_KEY="$KEY" with KEY unset): a key was meant, none came
+        ({"SWIFTKV_API_KEY": ""}, "SWIFTKV_API_KEY is set but empty, and the server would start open"),
+        ({"SWIFTKV_API_KEY": "  "}, "SWIFTKV_API_KEY is set but empty"),
+        ({"SWIFTKV_API_KEY_FILE": ""}, "SWIFTKV_API_KEY_FILE is set but empty"),
+        ({"VLLM_API_KEY": ""}, "VLLM_API_KEY is set but empty"),
     ):
         with pytest.raises(ValueError, match=message):
             cli.server_environment([], environ)
+
+
+def test_a_key_left_in_the_command_line_of_the_process_that_started_the_server_is_pointed_out():
+    """The serving image's tini (PID 1) keeps the container's arguments, ``--api-key KEY`` among them, where ``ps``
+    shows them: taking the key out of swiftkv-serve's own command line does not hide it. A real process with the key
+    in its command line stands for tini."""
+    parent = subprocess.Popen(
+        [sys.executable, "-c", "import time; time.sleep(60)", "/model", "--api-key", "k-123"]
+    )
+    try:
+        warning = auth.shown_by_parent(["k-123"], parent.pid)
+        assert warning and f"process {parent.pid} (python" in warning and "SWIFTKV_API_KEY_FILE" in warning
+        assert "k-123" not in warning
+        assert auth.shown_by_parent(["other"], parent.pid) is None
+    finally:
+        parent.kill()
+        parent.wait()
+    assert auth.shown_by_parent(["k-123"], parent.pid) is None  # gone: nothing to read
 
 
 def test_options_are_read_as_vllms_parser_reads_them(tmp_path):
@@ -130,8 +160,9 @@ def test_options_are_read_as_vllms_parser_reads_them(tmp_path):
         ("-1", None),
     ):
         assert cli.option_int(["--max-model-len", written], "--max-model-len") == number, written
-    with pytest.raises(ValueError, match="--max-model-len 4q: not a number"):
-        cli.option_int(["--max-model-len", "4q"], "--max-model-len")
+    for written in ("4q", "", " "):
+        with pytest.raises(ValueError, match=f"--max-model-len {written}: not a number"):
+            cli.option_int([f"--max-model-len={written}"], "--max-model-len")
     config = tmp_path / "serve.yaml"
     config.write_text("max_model_len: 1024\nkv-cache-memory-bytes: 2G\n")
     options = ["--config", str(config)]

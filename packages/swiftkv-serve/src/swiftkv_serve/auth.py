@@ -14,6 +14,7 @@ from __future__ import annotations
 import hashlib
 import os
 import secrets
+from pathlib import Path
 
 KEYS_VARIABLE = "SWIFTKV_SERVE_API_KEYS"
 # every variable a server started by swiftkv-serve takes a key from (cli.server_environment reads them)
@@ -31,6 +32,27 @@ def check_keys(keys: list[str]) -> None:
             "an API key holds a line break or a character outside printable ASCII, which HTTP clients do not send "
             "alike: give each key on one line, in ASCII letters, digits and punctuation (`openssl rand -hex 32`)."
         )
+
+
+def shown_by_parent(keys: list[str], pid: int | None = None) -> str | None:
+    """A warning where the process that started this one (``pid``, default the parent) holds one of ``keys`` (those
+    of this process's ``--api-key``) in its own command line, which ``ps`` shows to anyone on the machine: an
+    image's init (tini, PID 1, whose arguments are the container's command), a wrapper such as ``uv run``, or a
+    ``bash -c``. Taking the option out of this process's command line (``cli.server_environment``) leaves theirs as
+    it was. None where no key is shown there."""
+    pid = pid or os.getppid()
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as cmdline:
+            arguments = cmdline.read().decode(errors="replace").split("\0")
+    except OSError:  # no /proc (not Linux), or the parent is gone
+        return None
+    if not any(key and key in argument for key in keys for argument in arguments):
+        return None
+    return (
+        f"WARNING: --api-key's key is in the command line of process {pid} ({Path(arguments[0]).name}), which "
+        "started this one, and `ps` shows it to anyone on this machine: give the key by SWIFTKV_API_KEY_FILE (a "
+        "file readable by the server alone) instead."
+    )
 
 
 def _digest(key: str) -> bytes:

@@ -39,8 +39,11 @@ def describe(checkpoint: str | os.PathLike) -> str:
     path = Path(checkpoint) / "config.json"
     if not path.is_file():
         raise ValueError(f"{checkpoint} is not a HF checkpoint folder (no config.json).")
-    config = json.loads(path.read_text())
-    architecture = (config.get("architectures") or ["?"])[0]
+    try:
+        config = json.loads(path.read_text())
+        architecture = (config.get("architectures") or ["?"])[0]
+    except (ValueError, AttributeError, TypeError, IndexError) as error:  # not JSON, or not an object
+        raise ValueError(f"{path}: not a HF config, a JSON object ({error}).") from None
     if architecture not in ARCHITECTURES:
         raise ValueError(
             f"{checkpoint} has architectures={config.get('architectures')}, not a SwiftKV checkpoint "
@@ -48,10 +51,11 @@ def describe(checkpoint: str | os.PathLike) -> str:
         )
     if config.get("lora_rank"):
         raise ValueError(ADAPTERS_KEPT_APART.format(checkpoint=checkpoint, lora_rank=config["lora_rank"]))
-    if "num_hidden_layers" not in config:
-        raise ValueError(f"{path} has no num_hidden_layers: not a whole HF config; convert the model again.")
-    L = config["num_hidden_layers"]
+    L, sizes = config.get("num_hidden_layers"), (config.get("num_attention_heads"), config.get("hidden_size"))
     l, g = config.get("num_key_value_layers") or L, config.get("key_value_group_size") or 1
+    if not all(type(n) is int and n > 0 for n in (L, l, g, *sizes)):
+        raise ValueError(f"{path}: num_hidden_layers, num_key_value_layers, key_value_group_size, num_attention_heads "
+                         "and hidden_size must be whole numbers: not a whole HF config; convert the model again.")  # fmt: skip
     kv_layers = l + (L - l) // g  # as swiftkv_core.configuration.num_kv_cache_layers
     return (
         f"SwiftKV {architecture}: layers >= {l} of {L} skipped in prefill, AcrossKV group size {g}, "
@@ -101,6 +105,8 @@ def main(argv: list[str] | None = None) -> None:
     except ValueError as error:
         raise SystemExit(f"swiftkv-serve: {error}") from None
     print(authentication, flush=True)
+    if shown := auth.shown_by_parent(_without_api_key(list(args.vllm_options))[1]):
+        print(shown, file=sys.stderr, flush=True)
     command = serve_command(Path(args.checkpoint), options)
     os.execve(command[0], command, quiet_environment(environment))
 
@@ -200,7 +206,7 @@ def option_int(options: list[str], name: str) -> int | None:
     if value is None or value.strip() in ("auto", "-1"):
         return None
     number, suffix = value.strip(), ""
-    if number[-1:] in _SUFFIXES:
+    if number and number[-1] in _SUFFIXES:  # "": no number
         number, suffix = number[:-1], number[-1]
     try:
         return int(float(number) * _SUFFIXES[suffix]) if suffix.islower() else int(number) * _SUFFIXES[suffix]
@@ -365,7 +371,7 @@ def server_environment(options: list[str], environ) -> tuple[list[str], dict, st
                          "of the container's configuration).")  # fmt: skip
     if key_file:
         try:
-            key = Path(key_file).read_text().strip()
+            key = Path(key_file).read_bytes().decode(errors="replace").strip()  # not text: check_keys says so
         except OSError as error:
             raise ValueError(f"SWIFTKV_API_KEY_FILE={key_file}: cannot read it ({error.strerror}); mount the secret "
                              "file there, readable by the server's user.") from None  # fmt: skip
@@ -380,6 +386,11 @@ def server_environment(options: list[str], environ) -> tuple[list[str], dict, st
     everything = given or environment_keys
     keys = list(dict.fromkeys(k.strip() for k in everything if k and k.strip()))
     auth.check_keys(keys)
+    blank = [name for name in ("SWIFTKV_API_KEY", "SWIFTKV_API_KEY_FILE", "VLLM_API_KEY") if name in environ
+             and not environ[name].strip()]  # fmt: skip
+    if blank and not keys:  # `docker run -e SWIFTKV_API_KEY="$KEY"` where KEY is unset: a key was meant
+        raise ValueError(f"{blank[0]} is set but empty, and the server would start open: give the key, or unset "
+                         f"{blank[0]} to serve without one.")  # fmt: skip
     if not keys:
         warning = (
             "WARNING: no API key: anyone who can reach this server's port can use the model. Set SWIFTKV_API_KEY, "
@@ -427,14 +438,8 @@ def serve_command(checkpoint: Path, options: list[str]) -> list[str]:
 
     found = installed_vllm()
     if found is None or found[0] != "vllm":
-        return [
-            sys.executable,
-            "-m",
-            "vllm.entrypoints.launchers.api_server.entry",
-            "--model",
-            str(checkpoint),
-            *options,
-        ]
+        module = "vllm.entrypoints.launchers.api_server.entry"
+        return [sys.executable, "-m", module, "--model", str(checkpoint), *options]
     vllm = shutil.which("vllm") or str(Path(sys.executable).parent / "vllm")
     return [vllm, "serve", str(checkpoint), *options]
 
