@@ -145,6 +145,15 @@ def test_a_key_left_in_the_command_line_of_the_process_that_started_the_server_i
     assert auth.shown_by_parent(["k-123"], parent.pid) is None  # gone: nothing to read
 
 
+def test_a_key_file_every_user_can_read_is_pointed_out(tmp_path):
+    key = tmp_path / "api-key"
+    key.write_text("k\n")
+    key.chmod(0o640)
+    assert auth.readable_by_all(str(key)) is None and auth.readable_by_all(None) is None
+    key.chmod(0o644)
+    assert f"SWIFTKV_API_KEY_FILE={key} is readable by every user" in auth.readable_by_all(str(key))
+
+
 def test_options_are_read_as_vllms_parser_reads_them(tmp_path):
     """Underscore spellings, human-readable numbers, ``auto``, and a ``--config`` YAML file (the command line
     wins): a size the user chose is never overridden by the one the command would choose."""

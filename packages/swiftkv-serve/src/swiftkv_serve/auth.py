@@ -55,6 +55,16 @@ def shown_by_parent(keys: list[str], pid: int | None = None) -> str | None:
     )
 
 
+def readable_by_all(key_file: str | None) -> str | None:
+    """A warning where the key file (``SWIFTKV_API_KEY_FILE``) is readable by every user of the machine."""
+    if not key_file or not os.path.isfile(key_file) or not os.stat(key_file).st_mode & 0o004:
+        return None
+    return (
+        f"WARNING: SWIFTKV_API_KEY_FILE={key_file} is readable by every user of this machine: `chmod o-r` it "
+        "(the server's user, or its group, reading it is enough)."
+    )
+
+
 def _digest(key: str) -> bytes:
     return hashlib.sha256(key.encode()).digest()
 

@@ -105,8 +105,9 @@ def main(argv: list[str] | None = None) -> None:
     except ValueError as error:
         raise SystemExit(f"swiftkv-serve: {error}") from None
     print(authentication, flush=True)
-    if shown := auth.shown_by_parent(_without_api_key(list(args.vllm_options))[1]):
-        print(shown, file=sys.stderr, flush=True)
+    keys, key_file = _without_api_key(list(args.vllm_options))[1], os.environ.get("SWIFTKV_API_KEY_FILE")
+    for warning in filter(None, (auth.shown_by_parent(keys), auth.readable_by_all(key_file))):
+        print(warning, file=sys.stderr, flush=True)
     command = serve_command(Path(args.checkpoint), options)
     os.execve(command[0], command, quiet_environment(environment))
 
