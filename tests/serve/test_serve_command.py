@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from swiftkv_serve import auth, cli
+from swiftkv_serve import auth, cli, vllm_options
 from swiftkv_serve.server import free_port, running_server, swiftkv_serve_command
 
 
@@ -157,9 +157,9 @@ def test_a_key_file_every_user_can_read_is_pointed_out(tmp_path):
 def test_options_are_read_as_vllms_parser_reads_them(tmp_path):
     """Underscore spellings, human-readable numbers, ``auto``, and a ``--config`` YAML file (the command line
     wins): a size the user chose is never overridden by the one the command would choose."""
-    assert cli.option_value(["--max_model_len", "512"], "--max-model-len") == "512"
-    assert cli.option_value(["--max_model_len=512"], "--max-model-len") == "512"
-    assert cli.option_value(["--max-model_len", "512"], "--max-model-len") == "512"
+    assert vllm_options.option_value(["--max_model_len", "512"], "--max-model-len") == "512"
+    assert vllm_options.option_value(["--max_model_len=512"], "--max-model-len") == "512"
+    assert vllm_options.option_value(["--max-model_len", "512"], "--max-model-len") == "512"
     for written, number in (
         ("4096", 4096),
         ("4k", 4000),
@@ -168,20 +168,20 @@ def test_options_are_read_as_vllms_parser_reads_them(tmp_path):
         ("auto", None),
         ("-1", None),
     ):
-        assert cli.option_int(["--max-model-len", written], "--max-model-len") == number, written
+        assert vllm_options.option_int(["--max-model-len", written], "--max-model-len") == number, written
     for written in ("4q", "", " "):
         with pytest.raises(ValueError, match=f"--max-model-len {written}: not a number"):
-            cli.option_int([f"--max-model-len={written}"], "--max-model-len")
+            vllm_options.option_int([f"--max-model-len={written}"], "--max-model-len")
     config = tmp_path / "serve.yaml"
     config.write_text("max_model_len: 1024\nkv-cache-memory-bytes: 2G\n")
     options = ["--config", str(config)]
-    assert cli.option_int(options, "--max-model-len") == 1024
-    assert cli.option_int([*options, "--max-model-len", "2048"], "--max-model-len") == 2048
-    assert cli.option_value(options, "--kv-cache-memory-bytes") == "2G"
+    assert vllm_options.option_int(options, "--max-model-len") == 1024
+    assert vllm_options.option_int([*options, "--max-model-len", "2048"], "--max-model-len") == 2048
+    assert vllm_options.option_value(options, "--kv-cache-memory-bytes") == "2G"
     # vLLM's parser reads no --config=PATH form
-    assert cli.option_value([f"--config={config}"], "--kv-cache-memory-bytes") is None
+    assert vllm_options.option_value([f"--config={config}"], "--kv-cache-memory-bytes") is None
     with pytest.raises(ValueError, match="cannot read it"):
-        cli.config_file_settings(["--config", str(tmp_path / "missing.yaml")])
+        vllm_options.config_file_settings(["--config", str(tmp_path / "missing.yaml")])
     # a key in the file would reach vLLM's own /v1-only check; a broken line is placed, never quoted
     config.write_text("api-key: 12345\n")
     with pytest.raises(ValueError, match="holds an api-key"):
@@ -201,7 +201,7 @@ def test_abbreviations_of_the_options_read_here_are_refused(tmp_path):
 
     vllm_parser = make_arg_parser(FlexibleArgumentParser())
     vllm_names = {name for action in vllm_parser._actions for name in action.option_strings}
-    assert set(cli.READ_OPTIONS) <= vllm_names
+    assert set(vllm_options.READ_OPTIONS) <= vllm_names
     assert vllm_parser.parse_args(["--model", "m", "--max-model", "512"]).max_model_len == 512
     for given, message in (
         (["--max-model", "512"], "--max-model: write --max-model-len in full"),
@@ -210,19 +210,23 @@ def test_abbreviations_of_the_options_read_here_are_refused(tmp_path):
         (["--dt", "float32"], "--dt: write --dtype in full"),
         (["--kv-cache-mem", "1G"], "--kv-cache-mem: write --kv-cache-memory-bytes in full"),
         (["--device-mem", "0.5"], "--device-mem: write --device-memory-utilization in full"),
+        # misspelt, vLLM's "unrecognized arguments" would print the key
+        (["--api-keys", "secret"], "--api-keys is not an option: the key's is --api-key"),
+        (["--api_keys=secret"], "--api-keys is not an option"),
+        (["--apikey", "secret"], "--apikey is not an option"),
     ):
         with pytest.raises(ValueError, match=message):
-            cli.check_full_names(given)
+            vllm_options.check_full_names(given)
     config = tmp_path / "serve.yaml"
     config.write_text("max_num: 2\n")
     with pytest.raises(ValueError, match="--max-num: write --max-num-seqs in full"):
-        cli.check_full_names(["--config", str(config)])
+        vllm_options.check_full_names(["--config", str(config)])
     config.write_text("max_num_seqs: 2\n")
     for given in (
         ["--config", str(config), "--max_model_len", "512", "--kv-cache-dtype", "fp8", "--api-key=k"],
         ["--max-num-batched-tokens", "64", "--kv-cache-dtype-skip-layers", "0", "--", "--max"],
     ):
-        cli.check_full_names(given)
+        vllm_options.check_full_names(given)
 
 
 def test_available_memory_is_the_control_groups_where_it_has_a_limit(tmp_path):
@@ -322,7 +326,7 @@ def test_cuda_graphs_are_off_on_a_gpu_unless_the_user_chose_a_compile_setting(tm
     # after a bare "--" nothing is an option of vLLM's
     assert cli.gpu_graph_options(["--", "--enforce-eager"], on_cpu=False) == off
     with pytest.raises(ValueError, match="write --enforce-eager in full"):
-        cli.check_full_names(["--enforce"])
+        vllm_options.check_full_names(["--enforce"])
 
 
 def test_the_serving_benchmarks_engines_run_as_swiftkv_serve_serves():
