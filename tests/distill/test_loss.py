@@ -199,17 +199,22 @@ def test_a_failing_compiler_falls_back_to_the_eager_kl_with_one_warning(monkeypa
     from swiftkv_distill import loss
 
     monkeypatch.setattr(loss, "_compiled_kl_chunk", None)  # compiled again at the first call
-    monkeypatch.setattr(torch._inductor.config.cpp, "cxx", ("/nonexistent/c++",))
-    monkeypatch.setattr(torch._inductor.config, "fx_graph_cache", False)
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
     torch._dynamo.reset()
     torch.manual_seed(5)
     args = (torch.randn(4, 30), torch.randn(4, 30), torch.rand(4), 1.0)
+    # inductor's own patch: pytest's monkeypatch would delete these settings on undo (a config module's attributes)
+    no_compiler = torch._inductor.config.patch({"cpp.cxx": ("/nonexistent/c++",), "fx_graph_cache": False})
+    before = torch._inductor.config.fx_graph_cache, torch._inductor.config.cpp.cxx
     try:
-        with pytest.warns(UserWarning, match="uncompiled: torch.compile failed .*C\\+\\+ compiler"):
+        with (
+            no_compiler,
+            pytest.warns(UserWarning, match="uncompiled: torch.compile failed .*C\\+\\+ compiler"),
+        ):
             first = loss._kl_chunk(*args)
     finally:
         torch._dynamo.reset()  # nothing of this compile kept for the tests after it
+    assert (torch._inductor.config.fx_graph_cache, torch._inductor.config.cpp.cxx) == before  # restored
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # once only
         second = loss._kl_chunk(*args)

@@ -131,10 +131,12 @@ def test_a_key_left_in_the_command_line_of_the_process_that_started_the_server_i
     """The serving image's tini (PID 1) keeps the container's arguments, ``--api-key KEY`` among them, where ``ps``
     shows them: taking the key out of swiftkv-serve's own command line does not hide it. A real process with the key
     in its command line stands for tini."""
+    code = "import time; print('up', flush=True); time.sleep(60)"
     parent = subprocess.Popen(
-        [sys.executable, "-c", "import time; time.sleep(60)", "/model", "--api-key", "k-123"]
+        [sys.executable, "-c", code, "/model", "--api-key", "k-123"], stdout=subprocess.PIPE, text=True
     )
     try:
+        assert parent.stdout.readline() == "up\n"  # its own program runs: its command line is its own
         warning = auth.shown_by_parent(["k-123"], parent.pid)
         assert warning and f"process {parent.pid} (python" in warning and "SWIFTKV_API_KEY_FILE" in warning
         assert "k-123" not in warning
