@@ -182,6 +182,11 @@ def test_a_token_cache_that_cannot_be_written_is_refused_clearly(
         assert not cache_unwritable(OSError(code, os.strerror(code), str(tmp_path / "data" / "chat.jsonl")))
         assert not cache_unwritable(OSError(code, os.strerror(code), str(tmp_path / "tokens-chat.jsonl")))
     assert not cache_unwritable(OSError(errno.EISDIR, "Is a directory", str(tmp_path / "tokens" / "abc")))
+    monkeypatch.chdir(tmp_path)  # a relative cache folder, an error naming its absolute path (mkstemp's)
+    monkeypatch.setenv("SWIFTKV_TOKENS_DIR", "tokens")
+    assert cache_unwritable(
+        OSError(errno.ENOSPC, "No space left", str(tmp_path / "tokens" / "abc" / "t.npy"))
+    )
 
 
 FULL_DISK = """

@@ -57,15 +57,16 @@ def test_swiftkv_serve_checks_the_checkpoint_from_its_config_alone(tiny_swiftkv,
     config = json.loads((tiny_swiftkv / "config.json").read_text())
     for change, refusal in (
         ({"lora_rank": 16}, "keeps low-rank adapters apart"),
-        ({"num_hidden_layers": None}, "num_hidden_layers, .* must be whole numbers"),
-        ({"num_hidden_layers": "8"}, "num_hidden_layers, .* must be whole numbers"),
-        ({"num_attention_heads": None}, "num_attention_heads and hidden_size must be whole numbers"),
+        ({"num_hidden_layers": None}, "num_hidden_layers, .* must be\\s+whole numbers"),
+        ({"num_hidden_layers": "8"}, "num_hidden_layers, .* must be\\s+whole numbers"),
+        ({"num_attention_heads": None}, "num_attention_heads, hidden_size .* must be whole numbers"),
+        ({"num_key_value_heads": "2"}, "num_key_value_heads, head_dim, max_position_embeddings where given"),
     ):
         changed = {k: v for k, v in {**config, **change}.items() if v is not None}
         (tmp_path / "config.json").write_text(json.dumps(changed))
         with pytest.raises(ValueError, match=refusal):
             describe(tmp_path)
-    for written in ("[1, 2]", "{not json"):  # one line, not an AttributeError's or a decoder's traceback
+    for written in ("[1, 2]", "{not json", '{"architectures": {"a": 1}}'):  # one line, not a traceback
         (tmp_path / "config.json").write_text(written)
         with pytest.raises(ValueError, match="config.json: not a HF config, a JSON object"):
             describe(tmp_path)

@@ -153,7 +153,7 @@ def test_a_key_file_every_user_can_read_is_pointed_out(tmp_path):
     key.chmod(0o640)
     assert auth.readable_by_all(str(key)) is None and auth.readable_by_all(None) is None
     key.chmod(0o644)
-    assert f"SWIFTKV_API_KEY_FILE={key} is readable by every user" in auth.readable_by_all(str(key))
+    assert f"SWIFTKV_API_KEY_FILE={key} lets every user read it" in auth.readable_by_all(str(key))
 
 
 def test_options_are_read_as_vllms_parser_reads_them(tmp_path):
@@ -216,6 +216,7 @@ def test_abbreviations_of_the_options_read_here_are_refused(tmp_path):
         (["--api-keys", "secret"], "--api-keys is not an option: the key's is --api-key"),
         (["--api_keys=secret"], "--api-keys is not an option"),
         (["--apikey", "secret"], "--apikey is not an option"),
+        (["--apiKey=secret"], "--apiKey is not an option"),
     ):
         with pytest.raises(ValueError, match=message):
             vllm_options.check_full_names(given)

@@ -52,7 +52,8 @@ UNWRITABLE = (
 
 def cache_unwritable(error: OSError) -> bool:
     """Whether ``error`` says that the token cache cannot be written (a data file's error is not the cache's)."""
-    return error.errno in UNWRITABLE and Path(error.filename or "").is_relative_to(token_cache_dir())
+    named = Path(os.path.abspath(error.filename or "/"))  # as named, relative or not
+    return error.errno in UNWRITABLE and named.is_relative_to(token_cache_dir().absolute())
 
 
 def tokenizer_identity(tokenizer) -> str:

@@ -48,20 +48,25 @@ def shown_by_parent(keys: list[str], pid: int | None = None) -> str | None:
         return None
     if not any(key and key in argument for key in keys for argument in arguments):
         return None
+    try:  # its name as the kernel keeps it: a process title (setproctitle) may hold the whole command line
+        name = Path(f"/proc/{pid}/comm").read_text().strip()
+    except OSError:
+        name = "?"
     return (
-        f"WARNING: --api-key's key is in the command line of process {pid} ({Path(arguments[0]).name}), which "
+        f"WARNING: --api-key's key is in the command line of process {pid} ({name}), which "
         "started this one, and `ps` shows it to anyone on this machine: give the key by SWIFTKV_API_KEY_FILE (a "
         "file readable by the server alone) instead."
     )
 
 
 def readable_by_all(key_file: str | None) -> str | None:
-    """A warning where the key file (``SWIFTKV_API_KEY_FILE``) is readable by every user of the machine."""
+    """A warning where the key file (``SWIFTKV_API_KEY_FILE``) lets every user read it (its mode's o+r; a folder
+    above it, or a container's own secret volume, may keep others out all the same)."""
     if not key_file or not os.path.isfile(key_file) or not os.stat(key_file).st_mode & 0o004:
         return None
     return (
-        f"WARNING: SWIFTKV_API_KEY_FILE={key_file} is readable by every user of this machine: `chmod o-r` it "
-        "(the server's user, or its group, reading it is enough)."
+        f"WARNING: SWIFTKV_API_KEY_FILE={key_file} lets every user read it (mode o+r): `chmod o-r` it where other "
+        "users share this machine (the server's user, or its group, reading it is enough)."
     )
 
 

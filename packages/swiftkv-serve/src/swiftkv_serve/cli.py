@@ -42,8 +42,8 @@ def describe(checkpoint: str | os.PathLike) -> str:
         raise ValueError(f"{checkpoint} is not a HF checkpoint folder (no config.json).")
     try:
         config = json.loads(path.read_text())
-        architecture = (config.get("architectures") or ["?"])[0]
-    except (ValueError, AttributeError, TypeError, IndexError) as error:  # not JSON, or not an object
+        architecture = str((config.get("architectures") or ["?"])[0])
+    except (ValueError, LookupError, AttributeError, TypeError) as error:  # not JSON, or not an object
         raise ValueError(f"{path}: not a HF config, a JSON object ({error}).") from None
     if architecture not in ARCHITECTURES:
         raise ValueError(
@@ -54,9 +54,12 @@ def describe(checkpoint: str | os.PathLike) -> str:
         raise ValueError(ADAPTERS_KEPT_APART.format(checkpoint=checkpoint, lora_rank=config["lora_rank"]))
     L, sizes = config.get("num_hidden_layers"), (config.get("num_attention_heads"), config.get("hidden_size"))
     l, g = config.get("num_key_value_layers") or L, config.get("key_value_group_size") or 1
-    if not all(type(n) is int and n > 0 for n in (L, l, g, *sizes)):
-        raise ValueError(f"{path}: num_hidden_layers, num_key_value_layers, key_value_group_size, num_attention_heads "
-                         "and hidden_size must be whole numbers: not a whole HF config; convert the model again.")  # fmt: skip
+    optional = ("num_key_value_heads", "head_dim", "max_position_embeddings")  # null where not given
+    optional = [config[k] for k in optional if config.get(k) is not None]
+    if not all(type(n) is int and n > 0 for n in (L, l, g, *sizes, *optional)):
+        raise ValueError(f"{path}: num_hidden_layers, num_key_value_layers, key_value_group_size, num_attention_heads, "
+                         "hidden_size (and num_key_value_heads, head_dim, max_position_embeddings where given) must be "
+                         "whole numbers: not a whole HF config; convert the model again.")  # fmt: skip
     kv_layers = l + (L - l) // g  # as swiftkv_core.configuration.num_kv_cache_layers
     return (
         f"SwiftKV {architecture}: layers >= {l} of {L} skipped in prefill, AcrossKV group size {g}, "
@@ -107,7 +110,8 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(f"swiftkv-serve: {error}") from None
     print(authentication, flush=True)
     keys, key_file = _without_api_key(list(args.vllm_options))[1], os.environ.get("SWIFTKV_API_KEY_FILE")
-    for warning in filter(None, (auth.shown_by_parent(keys), auth.readable_by_all(key_file))):
+    warnings = auth.shown_by_parent(keys), None if keys else auth.readable_by_all(key_file)  # the file unused
+    for warning in filter(None, warnings):
         print(warning, file=sys.stderr, flush=True)
     command = serve_command(Path(args.checkpoint), options)
     os.execve(command[0], command, quiet_environment(environment))

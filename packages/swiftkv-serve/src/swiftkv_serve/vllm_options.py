@@ -49,7 +49,8 @@ def check_full_names(options: list[str]) -> None:
     given = options[: options.index("--")] if "--" in options else options
     names = [option_name(option.partition("=")[0]) for option in given if option.startswith("--")]
     for name in names + ["--" + key for key in config_file_settings(options)]:
-        if name != "--api-key" and name.replace("-", "").startswith("apikey"):  # vLLM would print its value
+        misspelt_key = name != "--api-key" and name.replace("-", "").lower().startswith("apikey")
+        if misspelt_key:  # vLLM's "unrecognized arguments" would print its value
             raise ValueError(f"{name} is not an option: the key's is --api-key (or SWIFTKV_API_KEY_FILE)")
         full = next((read for read in READ_OPTIONS if read.startswith(name) and read != name), None)
         if full is not None:
