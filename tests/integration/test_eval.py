@@ -12,6 +12,8 @@ from pathlib import Path
 import pytest
 
 from swiftkv_core.convert import convert, export_for_serving, save_checkpoint
+from swiftkv_serve import installed_vllm
+from swiftkv_serve.cli import on_vllm_cpu
 from tests.distill.conftest import tiny_llama
 
 pytest.importorskip("lm_eval")
@@ -144,14 +146,8 @@ def test_lm_evals_own_cli_runs_on_a_swiftkv_checkpoint(checkpoints, tmp_path):
     assert max(abs(a - b) for a, b in zip(theirs, loglikelihoods(ours, "teacher"), strict=True)) > 1e-2
 
 
-def vllm_distribution() -> str:
-    from swiftkv_serve import installed_vllm
-
-    return (installed_vllm() or ("",))[0]
-
-
 @pytest.mark.vllm
-@pytest.mark.skipif(vllm_distribution() != "vllm-cpu", reason="the refusal is vllm-cpu's")
+@pytest.mark.skipif(not on_vllm_cpu(), reason="the refusal is vllm-cpu's")
 def test_the_vllm_backend_is_refused_before_any_model_is_read_where_vllm_is_the_cpu_build(
     checkpoints, tmp_path
 ):
@@ -169,7 +165,7 @@ def test_the_vllm_backend_is_refused_before_any_model_is_read_where_vllm_is_the_
 @pytest.mark.vllm
 @pytest.mark.slow
 @pytest.mark.skipif(
-    vllm_distribution() != "vllm", reason="lm-eval's vLLM model needs the distribution 'vllm'"
+    installed_vllm() is None or on_vllm_cpu(), reason="lm-eval's vLLM model needs the distribution 'vllm'"
 )
 def test_the_vllm_backend_scores_prompts_with_fast_prefill_off(checkpoints, tmp_path, monkeypatch):
     from swiftkv.evaluate import main
