@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import resource
+import shlex
 import subprocess
 import sys
 import time
@@ -188,7 +189,7 @@ def main(
         "ours": ours,
         "prefix_twice": twice,
         "naive": naive,
-        "command": ".venv/bin/python benchmarks/distill.py",
+        "command": shlex.join([".venv/bin/python", "benchmarks/distill.py", *sys.argv[1:]]),
     }
     print(f"layers < l once instead of twice: {summary['prefix_once_speedup']:.2f}x tokens/s")
     print(

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import platform
+import shlex
 import sys
 from pathlib import Path
 
@@ -108,7 +109,7 @@ def main(
         "num_hidden_layers": model.config.num_hidden_layers,
         "torch_threads": torch.get_num_threads(),
         "machine": f"{where}, {torch.get_num_threads()} threads, torch {torch.__version__}",
-        "command": " ".join([".venv/bin/python", "benchmarks/prefill.py", *sys.argv[1:]]),
+        "command": shlex.join([".venv/bin/python", "benchmarks/prefill.py", *sys.argv[1:]]),
         "rows": rows,
     }
     write_results(result, Path(out_dir))
