@@ -189,3 +189,35 @@ def test_a_setting_one_stage_alone_reads_reruns_that_stage_and_keeps_the_rest(in
     del state["settings"]["min_agreement"]  # as a version before it wrote the run
     (out / "state.json").write_text(json.dumps(state))
     assert "frontier" in Run(out, check(**arguments | {"serve_workloads": ["40/2"]})[0], force=False).results
+
+
+def test_teacher_answers_gone_from_the_cache_are_made_again_for_a_stage_to_come(inputs, tmp_path, capsys):
+    """The teacher's answers live in the shared cache, not in the run folder: a run interrupted in its distillation
+    and continued after the cache was cleared (or in a container without its cache volume) would fail reading them.
+    The teacher answers stage runs again then, and only then; every other finished stage is kept."""
+    from swiftkv.quickstart.run import Run
+    from swiftkv.quickstart.settings import check
+
+    arguments = dict(
+        model=inputs["model"], out=tmp_path / "run", accelerator="cpu", num_key_value_layers=4, key_value_group_size=2,
+        budget_minutes=0.05, recipe=None, train_files=[inputs["train"]], heldout_text=[inputs["heldout"]],
+        heldout_chat_prompts="", max_eval_rows=4, prompt_lengths=[64], serve=False, serve_workloads=None,
+        serve_requests=2, serve_compile=False, threshold=0.9,
+    )  # fmt: skip
+    settings, out = check(**arguments)
+    answers = tmp_path / "cache" / "chat_answers-0123.jsonl"
+    answers.parent.mkdir()
+    answers.write_text('{"prompt": "Hi", "answer": "Hello"}\n')
+    run = Run(out, settings, force=False)
+    run.results = {
+        "teacher_answers": {"train_files": [str(answers), inputs["train"]]},
+        "frontier": {"chosen": 4},
+    }
+    run._save()
+    assert set(Run(out, settings, force=False).results) == {"teacher_answers", "frontier"}  # there: kept
+    answers.unlink()
+    assert set(Run(out, settings, force=False).results) == {"frontier"}
+    assert f"note: {answers} is gone (the cache cleared?)" in capsys.readouterr().out
+    run.results = {"teacher_answers": {"train_files": [str(answers)]}, "distill": {}, "evaluate": {}}
+    run._save()
+    assert "teacher_answers" in Run(out, settings, force=False).results  # no stage to run reads them

