@@ -113,6 +113,25 @@ def test_published_format_loads(tmp_path):
     assert loaded.config.architectures == ["LlamaSwiftKVForCausalLM"] and loaded.config.swiftkv
 
 
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_a_checkpoint_writes_rope_as_the_published_ones_do(family, tmp_path):
+    """Transformers 5 writes RoPE under ``rope_parameters`` alone; the published checkpoints (and every loader of
+    transformers 4, the published plugin's stack) read ``rope_theta`` and ``rope_scaling``, and without them take
+    theta 10000 and no scaling. Both are written; loaded again, the model's RoPE and logits are unchanged."""
+    llama3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+              "original_max_position_embeddings": 64}  # fmt: skip
+    scaling = {"rope_scaling": dict(llama3)} if family == "llama" else {}  # (a copy: transformers adds to it)
+    model = convert(tiny_base(family, rope_theta=500000.0, max_position_embeddings=512, **scaling), 2)
+    save_checkpoint(model, tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    assert config["rope_theta"] == 500000.0
+    assert config["rope_scaling"] == (llama3 if family == "llama" else None)
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path)
+    assert loaded.config.rope_parameters == model.config.rope_parameters
+    ids = torch.randint(0, 128, (1, 16))
+    assert torch.equal(loaded(ids).logits, model(ids).logits)
+
+
 def test_mismatched_weights_fail_at_load_time(tmp_path):
     save_checkpoint(convert(tiny_base("llama"), 2), tmp_path)
     config = json.loads((tmp_path / "config.json").read_text())

@@ -203,6 +203,21 @@ def test_needs_a_teacher_forward():
         fit_kv_projections(model, [])
 
 
+def test_a_serving_export_is_refused_and_left_without_hooks(tmp_path):
+    """A serving export has no teacher K/V to fit to: refused, and no hook of the fit is left on the model (one
+    would normalise layer l's input and keep it on every later forward)."""
+    from transformers import AutoModelForCausalLM
+
+    from swiftkv_core.convert import export_for_serving
+
+    export_for_serving(convert(tiny_base("llama"), 2, 1), tmp_path / "serving")
+    served = AutoModelForCausalLM.from_pretrained(tmp_path / "serving")
+    fit = KVLeastSquares(served)
+    with pytest.raises(ValueError, match="no teacher k_proj/v_proj \\(a serving export\\)"):
+        fit.__enter__()
+    assert not any(module._forward_pre_hooks or module._forward_hooks for module in served.modules())
+
+
 def _fit_in_process(rank: int, world: int, init: str, batches: list, out: str) -> None:
     torch.distributed.init_process_group(
         "gloo", init_method=f"file://{init}", rank=rank, world_size=world, timeout=timedelta(seconds=60)

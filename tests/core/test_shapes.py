@@ -28,3 +28,20 @@ def test_a_random_bf16_model_keeps_rope_frequencies_in_fp32():
     model, _ = random_swiftkv_model("tiny", num_hidden_layers=2, dtype=torch.bfloat16)
     assert model.lm_head.weight.dtype == torch.bfloat16
     assert {buffer.dtype for buffer in model.model.rotary_emb.buffers()} == {torch.float32}
+
+
+@pytest.mark.parametrize(
+    "shape, parameters",
+    [("smollm2-135m", 134_515_008), ("llama-3.1-8b", 8_030_261_248), ("qwen2.5-7b", 7_615_616_512),
+     ("llama-3.1-70b", 70_553_706_496)],
+)  # fmt: skip
+def test_a_shape_has_its_public_models_parameter_count(shape, parameters):
+    """The published checkpoints' parameter counts (their safetensors' totals): a figure of weight memory or size
+    taken from a shape is the real model's (SmolLM2 ties its LM head to its embeddings; the others do not)."""
+    from transformers import AutoModelForCausalLM
+
+    from swiftkv_core.shapes import shape_config
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(shape_config(shape))
+    assert sum(p.numel() for p in model.parameters()) == parameters

@@ -5,6 +5,7 @@ takes input, in one process."""
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import re
 import shutil
@@ -26,6 +27,10 @@ def files(tmp_path_factory):
     shutil.copytree(tiny, truncated)
     weights = (truncated / "model.safetensors").read_bytes()
     (truncated / "model.safetensors").write_bytes(weights[: len(weights) // 2])
+    bad_group = root / "bad-group"  # a SwiftKV config.json edited by hand: g = 3 does not divide L - l = 2
+    shutil.copytree(swiftkv, bad_group)
+    config = json.loads((bad_group / "config.json").read_text())
+    (bad_group / "config.json").write_text(json.dumps({**config, "key_value_group_size": 3}))
     no_config = root / "no-config"
     shutil.copytree(tiny, no_config)
     (no_config / "config.json").unlink()
@@ -48,7 +53,7 @@ def files(tmp_path_factory):
         "NOPROMPTS": str(root / "no-prompts.jsonl"), "TEXT": str(root / "text.jsonl"), "OUT": str(root / "out"),
         "BADVALUES": str(root / "bad-values.yaml"), "LONG": str(root / "long.jsonl"),
         "UNANSWERED": str(root / "unanswered.jsonl"), "FEWROWS": str(root / "few-rows.yaml"),
-        "NOEVAL": str(root / "no-eval.yaml"),
+        "NOEVAL": str(root / "no-eval.yaml"), "BADGROUP": str(bad_group),
     }  # fmt: skip
 
 
@@ -96,6 +101,7 @@ CASES = [  # (arguments, what the error must say)
     (["generate", "--model", "TINY", "--max_new_tokens", "-1"], "positive"),
     (["generate", "--model", "TINY", "--num_key_value_layers", "0"], "out of range"),
     (["generate", "--model", "MISSING"], "does not exist"),
+    (["generate", "--model", "BADGROUP"], r"bad-group: key_value_group_size=3 must divide .* = 2"),
     (["generate", "--model", "TINY", "--device", "tpu"], "choose 'auto'"),
     (
         ["generate", "--model", "TINY", "--device", "cuda:64"],

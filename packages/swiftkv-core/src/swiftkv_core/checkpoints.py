@@ -23,13 +23,16 @@ class CheckpointError(ValueError):
 
 def read_config(model: str | os.PathLike):
     """``(path, config)`` of ``model`` (``"default"``, a ``.gguf`` file or a HF folder), SwiftKV configs known."""
+    from huggingface_hub.errors import StrictDataclassError
     from transformers import AutoConfig
 
     try:
         path = resolve_model_path(model)
         return path, AutoConfig.from_pretrained(path)
-    except (OSError, ValueError) as error:
-        raise CheckpointError(f"{model}: {error}") from None
+    except (OSError, ValueError, StrictDataclassError) as error:
+        # transformers' config checks (ours among them) raise their ValueError wrapped in a StrictDataclassError
+        reason = error.__cause__ if isinstance(error, StrictDataclassError) and error.__cause__ else error
+        raise CheckpointError(f"{model}: {reason}") from None
 
 
 def check_checkpoint(

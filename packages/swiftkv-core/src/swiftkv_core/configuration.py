@@ -92,6 +92,18 @@ class SwiftKVConfigMixin:
                 "export_for_serving without them). Load the full checkpoint to run the original model."
             )
 
+    def to_dict(self) -> dict:
+        """As transformers 5 writes a config (RoPE under ``rope_parameters``), with RoPE also as transformers 4 and
+        the published checkpoints write it (``rope_theta``, ``rope_scaling``): a loader of that generation, the
+        published vLLM plugin's stack among them, would otherwise take its default theta and no scaling, and compute
+        every position wrong without a word. Transformers 5 reads either."""
+        output = super().to_dict()
+        rope = dict(output.get("rope_parameters") or {})
+        if "rope_theta" in rope:
+            output["rope_theta"] = rope.pop("rope_theta")
+            output["rope_scaling"] = rope if rope.get("rope_type", "default") != "default" else None
+        return output
+
     # --- layer bookkeeping, used by the model, the cache accounting, the FLOPs model and the vLLM model ---
     def is_swiftkv_layer(self, layer_idx: int) -> bool:
         """Whether layer ``layer_idx`` takes its K/V from the single input (``layer_idx >= l``)."""

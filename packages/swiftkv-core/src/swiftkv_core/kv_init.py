@@ -111,13 +111,13 @@ class KVLeastSquares:
         def keep(key):
             return lambda module, args, output: self._outputs.__setitem__(key, output)
 
+        if not all(hasattr(self.layers[j].self_attn, "k_proj") for j in range(self.l, self.L)):
+            raise ValueError(  # (before a hook is in place: a refused model is left as it was)
+                "This model has no teacher k_proj/v_proj (a serving export): fit from the full checkpoint."
+            )
         self._hooks.append(self.layers[self.l].register_forward_pre_hook(layer_input, with_kwargs=True))
         for j in range(self.l, self.L):
             attn = self.layers[j].self_attn
-            if not hasattr(attn, "k_proj"):
-                raise ValueError(
-                    "This model has no teacher k_proj/v_proj (a serving export): fit from the full checkpoint."
-                )
             self._hooks += [
                 attn.k_proj.register_forward_hook(keep((j, "k"))),
                 attn.v_proj.register_forward_hook(keep((j, "v"))),

@@ -17,7 +17,8 @@ SHAPES = {  # the public configs' shapes (config.json of each model); "tiny" is 
     "qwen2.5-7b": dict(family="qwen2", hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
                        num_attention_heads=28, num_key_value_heads=4, vocab_size=152064, rope_theta=1000000.0),
     "smollm2-135m": dict(family="llama", hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
-                         num_attention_heads=9, num_key_value_heads=3, vocab_size=49152, rope_theta=100000.0),
+                         num_attention_heads=9, num_key_value_heads=3, vocab_size=49152, rope_theta=100000.0,
+                         tie_word_embeddings=True),
     "tiny": dict(family="llama", hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
                  num_key_value_heads=2, vocab_size=49152, rope_theta=10000.0),
 }  # fmt: skip
@@ -31,7 +32,7 @@ def shape_config(shape: str, num_hidden_layers: int | None = None):
         raise ValueError(f"unknown shape {shape!r}: choose one of {sorted(SHAPES)}.")
     spec = dict(SHAPES[shape], **({"num_hidden_layers": num_hidden_layers} if num_hidden_layers else {}))
     config_class = LlamaConfig if spec.pop("family") == "llama" else Qwen2Config
-    return config_class(**spec, max_position_embeddings=131072, tie_word_embeddings=False)
+    return config_class(**{"tie_word_embeddings": False, **spec}, max_position_embeddings=131072)
 
 
 def random_swiftkv_model(
