@@ -19,6 +19,7 @@ from weakref import proxy
 
 import torch
 from lightning.fabric.utilities.load import _METADATA_FILENAME
+from lightning.fabric.utilities.rank_zero import rank_zero_info
 from lightning.pytorch.callbacks import ModelCheckpoint as LightningModelCheckpoint
 from lightning.pytorch.trainer.states import TrainerFn
 
@@ -49,6 +50,19 @@ class ModelCheckpoint(LightningModelCheckpoint):
         the checkpoint counts the window's batches as done, and a run resumed from it would skip them untrained."""
         if not trainer.fit_loop.epoch_loop._should_accumulate():
             super().on_train_batch_end(trainer, *args, **kwargs)
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        """Lightning's last checkpoint of a run that saved none yet, but not inside an accumulation window either: a
+        stop may come at any batch (``trainer.max_time``'s Timer). The last checkpoint saved then stays the one a
+        rerun resumes from."""
+        if not trainer.fit_loop.epoch_loop._should_accumulate():
+            super().on_train_end(trainer, pl_module)
+        elif self.save_last and not self._last_checkpoint_saved:
+            rank_zero_info(
+                "The run stopped inside a gradient-accumulation window (trainer.max_time stops at any batch): no "
+                "checkpoint at its end, whose window's untrained batches would count as done; a rerun resumes "
+                "from the last one saved before it."
+            )
 
     def _save_checkpoint(self, trainer, filepath: str) -> None:
         target = Path(filepath)

@@ -31,7 +31,7 @@ from .build import (
 )
 from .checkpointing import TrainedWeightsOnly
 from .parallelize import check_data_parallel_only, shard_from_rank0, sum_over_processes
-from .schedule import StepSchedule, check_optimizer_settings, total_steps
+from .schedule import StepSchedule, check_optimizer_settings, check_run_length, total_steps
 from .step import (
     AccumulationWindow,
     DistillationStep,
@@ -273,6 +273,8 @@ class SwiftKVDistillation(TrainedWeightsOnly, L.LightningModule):
         hp = self.hparams
         optimizer = torch.optim.AdamW(self.trainable_parameters(), lr=hp.learning_rate, betas=tuple(hp.betas),
                                       weight_decay=hp.weight_decay)  # fmt: skip
+        if self._trainer is not None:
+            check_run_length(self._trainer)  # (refused before the weights are read by `swiftkv distill fit`)
         total = max(1, int(total_steps(self._trainer))) if self._trainer is not None else 1
 
         def elapsed() -> float | None:

@@ -27,6 +27,7 @@ from .console import quiet_lightning, told_out_of_memory
 from .datamodule import DistillDataModule
 from .launch import check_launch, check_world_size, meet_at_start, wait_as
 from .module import SwiftKVDistillation
+from .schedule import check_run_length
 
 RECIPES_DIR = Path(__file__).parent / "recipes"
 
@@ -75,6 +76,7 @@ class DistillCLI(LightningCLI):
         if ckpt_path in (None, "last"):  # found here, for the checks below
             ckpt_path = last_checkpoint(self.trainer)
         model.resume_from = ckpt_path  # a resume fits no K/V init
+        check_run_length(self.trainer)
         if self.trainer.world_size == 1:
             sized_step(model, self.trainer)
             # the run's GPU (--trainer.devices [1]) generates any teacher answers the data needs, not GPU 0

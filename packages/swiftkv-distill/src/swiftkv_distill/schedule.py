@@ -81,6 +81,17 @@ def total_steps(trainer) -> float:
     return steps if trainer.max_steps == -1 else min(steps, trainer.max_steps)
 
 
+def check_run_length(trainer) -> None:
+    """Refuse a run with no end in steps or epochs (``trainer.max_time`` alone: Lightning then trains for ever, and
+    stops on time): the learning-rate schedule needs a number of steps to span."""
+    if trainer.max_steps == -1 and trainer.max_epochs in (-1, None):
+        raise ValueError(
+            "trainer.max_steps is -1 and no trainer.max_epochs is set: the run has no end but trainer.max_time, and "
+            "the learning-rate schedule no length. Set --trainer.max_steps (an upper bound will do: with "
+            "--model.schedule_seconds the schedule follows the training time, whichever is further)."
+        )
+
+
 class StepSchedule(torch.optim.lr_scheduler.LambdaLR):
     """The run's learning rate per optimizer step: ``lr_factor`` of its progress through ``total_steps`` (or through
     ``schedule_seconds`` of training, ``elapsed()`` of them spent, whichever is further), the warm-up's first step
