@@ -78,7 +78,13 @@ def export_checkpoints(
     if module.device_mesh is not None:
         # the in-memory step is sharded: rebuild a plain one, load what trained
         step = module.build_step()
-        step.load_state_dict(state, strict=False)
+        keys = step.load_state_dict(state, strict=False)
+        missing = [name for name in keys.missing_keys if is_trained_name(name)]
+        if missing or keys.unexpected_keys:  # the export would hold the untrained init of those weights
+            raise RuntimeError(
+                f"the gathered trained weights do not match the rebuilt model's: missing {missing[:4]}, unexpected "
+                f"{keys.unexpected_keys[:4]}; nothing was written."
+            )
     model, head = step.model, step.early_exit_head
     if tokenizer is None:
         from transformers import AutoTokenizer
