@@ -199,6 +199,14 @@ CASES = [  # (arguments, what the error must say)
         ["eval", "--model", "SWIFTKV", "--tasks", "[swiftkv_capitals, capitols]"],
         r"--tasks: \['capitols'\] name no",
     ),
+    (
+        ["eval", "--model", "SWIFTKV", "--out", "TEXT/eval"],
+        r"--out .*text.jsonl/eval: its folder cannot be written",
+    ),
+    (
+        ["eval", "--model", "SWIFTKV", "--tasks", "swiftkv_capitals,swiftkv_arithmetic"],
+        r"name no lm-eval task here \(several tasks are a list: '\[arc_challenge, hellaswag\]', not a,b\)",
+    ),
     (["quickstart", "--model", "TINY", "--out", "OUT", "--serve_workloads", '["2000"]'], "PROMPT/OUTPUT"),
     (["quickstart", "--model", "TINY", "--out", "OUT", "--serve_workloads", '["100/0"]'], "each >= 1"),
     ([*QUICK, "--heldout_chat_prompts", "NOPROMPTS"], r"no-prompts.jsonl: no \{'prompt': ...\} record"),

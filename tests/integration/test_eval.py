@@ -105,7 +105,9 @@ def test_eval_writes_teacher_and_swiftkv_side_by_side(checkpoints, tmp_path, cap
     with pytest.raises(ValueError, match="serving export.*--teacher"):
         main(model=serving, limit=6, device="cpu", out=tmp_path / "x")
     again = main(model=serving, teacher=base, limit=4, batch_size=4, device="cpu", log_samples=True,
-                 out=tmp_path / "serving")  # fmt: skip
+                 out=tmp_path / "eval-Llama-3.1-8B")  # fmt: skip
+    assert again == tmp_path / "eval-Llama-3.1-8B.md"  # the prefix whole: not eval-Llama-3.md
+    assert (tmp_path / "eval-Llama-3.1-8B.json").is_file() and report.exists()
     logged_again = samples(again)
     # Every choice's loglikelihood: the teacher side of the full checkpoint (SwiftKV off) as lm-eval scores the base
     # model itself, its SwiftKV side as the serving export's SwiftKV weights (the other run's SwiftKV side), and

@@ -11,7 +11,8 @@ no download: ``swiftkv_capitals`` (multiple choice) and ``swiftkv_arithmetic`` (
 tasks (``arc_challenge``, ``hellaswag``, ``mmlu``, ...) are lm-eval's own and download their data.
 
 ``swiftkv lm-eval ARGS`` is lm-eval's own command line with the SwiftKV configs registered, e.g.
-``swiftkv lm-eval --model hf --model_args pretrained=RUN/distilled --tasks swiftkv_capitals --include_path ...``.
+``swiftkv lm-eval --model hf --model_args pretrained=RUN/distilled --tasks swiftkv_capitals`` (your own
+``--include_path`` takes the local tasks' place: lm-eval reads one).
 """
 
 from __future__ import annotations
@@ -123,6 +124,7 @@ def main(
         check_checkpoint(teacher, kind="base")
     if include_path is not None and not Path(include_path).is_dir():
         raise ValueError(f"--include_path {include_path}: not a folder of lm-eval task YAMLs.")
+    out = output_prefix(model, out)
     device = choose_device(device)
     dtype = choose_dtype(dtype, device)
     # one index of lm-eval's task files for both models (building it takes 10-20 s on a 2-core CPU)
@@ -134,18 +136,35 @@ def main(
             "SwiftKV": evaluate(model, True, *settings),
         }
     table = side_by_side({side: output["results"] for side, output in outputs.items()})
-    # not MODEL/../eval: the quickstart's own task accuracy is there, which its report cites
-    out = (
-        Path(out) if out is not None else Path(model).resolve().parent / f"eval-{Path(model).resolve().name}"
-    )
     if log_samples:
-        write_samples(out.with_suffix(".samples.jsonl"), outputs)
+        write_samples(beside(out, ".samples.jsonl"), outputs)
     else:  # an earlier run's, beside this run's table, would pass for this run's
-        out.with_suffix(".samples.jsonl").unlink(missing_ok=True)
+        beside(out, ".samples.jsonl").unlink(missing_ok=True)
     write(out, table, {"model": str(model), "teacher": str(teacher or model), "tasks": tasks, "limit": limit,
                        "num_fewshot": num_fewshot, "device": str(device), "dtype": str(dtype).removeprefix("torch."),
                        "backend": backend})  # fmt: skip
-    return out.with_suffix(".md")
+    return beside(out, ".md")
+
+
+def output_prefix(model: Path, out: Path | None) -> Path:
+    """OUT, or MODEL/../eval-NAME (not MODEL/../eval: the quickstart's own task accuracy is there, which its report
+    cites), checked writable before any compute: a folder beside a read-only model would fail after hours."""
+    out = (
+        Path(out) if out is not None else Path(model).resolve().parent / f"eval-{Path(model).resolve().name}"
+    )
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tempfile.TemporaryFile(dir=out.parent).close()
+    except OSError as error:
+        raise PermissionError(
+            f"--out {out}: its folder cannot be written ({error.strerror}); give --out in a folder you can write."
+        ) from None
+    return out
+
+
+def beside(out: Path, suffix: str) -> Path:
+    """OUT + suffix (not ``with_suffix``: a prefix such as eval-Llama-3.1-8B would lose its '.1-8B')."""
+    return out.with_name(out.name + suffix)
 
 
 @contextmanager
@@ -162,8 +181,10 @@ def check_task_names(tasks: list[str], task_manager, option: str) -> None:
     """Refuse task names (or glob patterns) that name no task, group or tag lm-eval knows."""
     unknown = [t for t in tasks if not Path(t).is_file() and not task_manager.match_tasks([t])]
     if unknown:
+        comma = any("," in t for t in unknown)
+        listed = " (several tasks are a list: '[arc_challenge, hellaswag]', not a,b)" if comma else ""
         raise ValueError(
-            f"{option}: {unknown} name no lm-eval task here. `swiftkv lm-eval ls tasks` lists them (e.g. "
+            f"{option}: {unknown} name no lm-eval task here{listed}. `swiftkv lm-eval ls tasks` lists them (e.g. "
             f"{', '.join(LOCAL_TASKS)}, arc_challenge, hellaswag); your own YAMLs: --include_path."
         )
 
@@ -197,9 +218,17 @@ def evaluate(
         with _without(HFLM_NOTICES, "lm_eval.models.huggingface"):
             harness = HFLM(pretrained=lm, tokenizer=tokenizer, batch_size=batch_size, device=str(device),
                            backend="causal")  # fmt: skip
-    output = simple_evaluate(model=harness, tasks=tasks, limit=limit, num_fewshot=num_fewshot,
-                             task_manager=task_manager, log_samples=log_samples)  # fmt: skip
-    return output
+    try:
+        return simple_evaluate(model=harness, tasks=tasks, limit=limit, num_fewshot=num_fewshot,
+                               task_manager=task_manager, log_samples=log_samples)  # fmt: skip
+    finally:
+        # two engines in one process: the first one's GPU memory given back before the other side starts
+        if backend == "vllm":
+            from vllm.distributed import cleanup_dist_env_and_memory
+
+            harness.model.llm_engine.engine_core.shutdown()
+            del harness
+            cleanup_dist_env_and_memory()
 
 
 # what lm-eval's HFLM logs when it is given a loaded model (which ``evaluate`` does on purpose)
@@ -288,8 +317,8 @@ def write(out: Path, rows: list[dict], settings: dict) -> None:
           f"{'-' if r['difference'] is None else format(r['difference'], '+.3f')} |" for r in rows),
         "",
     ]  # fmt: skip
-    atomic_write_text(out.with_suffix(".md"), "\n".join(lines))
-    atomic_write_text(out.with_suffix(".json"), json.dumps({"settings": settings, "rows": rows}, indent=2))
+    atomic_write_text(beside(out, ".md"), "\n".join(lines))
+    atomic_write_text(beside(out, ".json"), json.dumps({"settings": settings, "rows": rows}, indent=2))
     print("\n".join(lines))
 
 
@@ -320,8 +349,8 @@ def lm_eval_cli(args: list[str]) -> None:
 
     import swiftkv_core  # noqa: F401  (registers llama_swiftkv / qwen2_swiftkv with transformers' Auto classes)
 
-    folder = local_task_folder(Path(tempfile.mkdtemp(prefix="swiftkv-lm-eval-")))
-    if "--include_path" not in args:
-        args = [*args, "--include_path", str(folder)]
-    sys.argv = ["lm_eval", *args]
-    cli_evaluate()
+    with tempfile.TemporaryDirectory(prefix="swiftkv-lm-eval-") as folder:
+        if not any(arg.split("=")[0] == "--include_path" for arg in args):  # lm-eval reads one folder
+            args = [*args, "--include_path", str(local_task_folder(Path(folder)))]
+        sys.argv = ["lm_eval", *args]
+        cli_evaluate()

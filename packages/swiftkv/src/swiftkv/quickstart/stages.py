@@ -296,12 +296,13 @@ def task_accuracy(run: Run) -> dict:
     s = run.settings
     if not s.eval_tasks:
         return {"skipped": "no --eval_tasks (offline: --eval_tasks '[swiftkv_capitals, swiftkv_arithmetic]')"}
+    from ..evaluate import beside
     from ..evaluate import main as evaluate
 
     markdown = evaluate(run.path("distilled"), s.eval_tasks, device=run.device.type, out=run.path("eval"))
     return {
         "file": str(markdown.relative_to(run.root)),
-        **json.loads(markdown.with_suffix(".json").read_text()),
+        **json.loads(beside(run.path("eval"), ".json").read_text()),
     }
 
 
