@@ -123,7 +123,9 @@ def test_eval_writes_teacher_and_swiftkv_side_by_side(checkpoints, tmp_path, cap
         if key[1] == "swiftkv_arithmetic":  # the generated answers too
             assert sample["responses"] == logged_again[key]["responses"]
     # a later run to the same prefix without samples leaves none of the earlier run's beside its table
-    main(model=full, tasks=["swiftkv_capitals"], limit=1, device="cpu", out=tmp_path / "eval")
+    main(
+        model=full, tasks=["swiftkv_capitals"], limit=1, device="cpu", out=tmp_path / "eval.md"
+    )  # its prefix
     assert report.exists() and not report.with_suffix(".samples.jsonl").exists()
 
 

@@ -191,33 +191,27 @@ def test_a_setting_one_stage_alone_reads_reruns_that_stage_and_keeps_the_rest(in
     assert "frontier" in Run(out, check(**arguments | {"serve_workloads": ["40/2"]})[0], force=False).results
 
 
-def test_teacher_answers_gone_from_the_cache_are_made_again_for_a_stage_to_come(inputs, tmp_path, capsys):
-    """The teacher's answers live in the shared cache, not in the run folder: a run interrupted in its distillation
-    and continued after the cache was cleared (or in a container without its cache volume) would fail reading them.
-    The teacher answers stage runs again then, and only then; every other finished stage is kept."""
+def test_the_teacher_answers_a_run_trains_on_are_kept_in_the_run(inputs, tmp_path, capsys):
+    """The teacher's answers are cached outside the run folder, and sampled: a run continued after the cache was
+    cleared (or in a container without its cache volume) would make other answers, and its distillation could not
+    resume on them. The stage copies the answers the training reads into the run, which reads them from there."""
     from swiftkv.quickstart.run import Run
     from swiftkv.quickstart.settings import check
+    from swiftkv.quickstart.stages import teacher_answers
+    from swiftkv_distill.answers import write_jsonl
+    from swiftkv_distill.corpora import dataset_path
 
     arguments = dict(
         model=inputs["model"], out=tmp_path / "run", accelerator="cpu", num_key_value_layers=4, key_value_group_size=2,
-        budget_minutes=0.05, recipe=None, train_files=[inputs["train"]], heldout_text=[inputs["heldout"]],
-        heldout_chat_prompts="", max_eval_rows=4, prompt_lengths=[64], serve=False, serve_workloads=None,
-        serve_requests=2, serve_compile=False, threshold=0.9,
+        budget_minutes=0.05, recipe=None, train_files=["dataset:chat_answers", inputs["train"]],
+        heldout_text=[inputs["heldout"]], heldout_chat_prompts="", max_eval_rows=4, prompt_lengths=[64], serve=False,
+        serve_workloads=None, serve_requests=2, serve_compile=False, threshold=0.9,
     )  # fmt: skip
     settings, out = check(**arguments)
-    answers = tmp_path / "cache" / "chat_answers-0123.jsonl"
-    answers.parent.mkdir()
-    answers.write_text('{"prompt": "Hi", "answer": "Hello"}\n')
+    cached = dataset_path("chat_answers", settings.model_identity["path"], "cpu")  # as if answered before
+    write_jsonl(cached, [{"prompt": "Where is the harbour?", "answer": "By the old lighthouse."}])
     run = Run(out, settings, force=False)
-    run.results = {
-        "teacher_answers": {"train_files": [str(answers), inputs["train"]]},
-        "frontier": {"chosen": 4},
-    }
-    run._save()
-    assert set(Run(out, settings, force=False).results) == {"teacher_answers", "frontier"}  # there: kept
-    answers.unlink()
-    assert set(Run(out, settings, force=False).results) == {"frontier"}
-    assert f"note: {answers} is gone (the cache cleared?)" in capsys.readouterr().out
-    run.results = {"teacher_answers": {"train_files": [str(answers)]}, "distill": {}, "evaluate": {}}
-    run._save()
-    assert "teacher_answers" in Run(out, settings, force=False).results  # no stage to run reads them
+    files = teacher_answers(run)["train_files"]
+    assert files == [str(out / cached.name), inputs["train"]]
+    assert (out / cached.name).read_bytes() == cached.read_bytes()
+    assert "teacher answers ready in" in capsys.readouterr().out

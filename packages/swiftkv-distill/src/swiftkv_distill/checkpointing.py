@@ -61,7 +61,7 @@ class ModelCheckpoint(LightningModelCheckpoint):
             rank_zero_info(
                 "The run stopped inside a gradient-accumulation window (trainer.max_time stops at any batch): no "
                 "checkpoint at its end, whose window's untrained batches would count as done; a rerun resumes "
-                "from the last one saved before it."
+                "from an earlier run's last checkpoint, where there is one, or starts over."
             )
 
     def _save_checkpoint(self, trainer, filepath: str) -> None:

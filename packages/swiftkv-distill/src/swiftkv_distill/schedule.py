@@ -82,13 +82,17 @@ def total_steps(trainer) -> float:
 
 
 def check_run_length(trainer) -> None:
-    """Refuse a run with no end in steps or epochs (``trainer.max_time`` alone: Lightning then trains for ever, and
-    stops on time): the learning-rate schedule needs a number of steps to span."""
-    if trainer.max_steps == -1 and trainer.max_epochs in (-1, None):
+    """Refuse a run with no end in steps or epochs (``trainer.max_epochs`` -1, or unset beside ``max_time``, which
+    Lightning reads as -1: it trains until the time is up): the learning-rate schedule needs a number of steps."""
+    from lightning.pytorch.callbacks import Timer
+
+    timed = any(isinstance(callback, Timer) for callback in trainer.callbacks)
+    if trainer.max_steps == -1 and (trainer.max_epochs == -1 or (trainer.max_epochs is None and timed)):
         raise ValueError(
-            "trainer.max_steps is -1 and no trainer.max_epochs is set: the run has no end but trainer.max_time, and "
-            "the learning-rate schedule no length. Set --trainer.max_steps (an upper bound will do: with "
-            "--model.schedule_seconds the schedule follows the training time, whichever is further)."
+            "trainer.max_steps is -1 and trainer.max_epochs is not set: the run has no end in steps or epochs (at "
+            "most trainer.max_time), and the learning-rate schedule no length. Set --trainer.max_steps (an upper "
+            "bound will do: with --model.schedule_seconds the schedule follows the training time, whichever is "
+            "further)."
         )
 
 

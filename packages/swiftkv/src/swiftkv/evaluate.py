@@ -147,17 +147,19 @@ def main(
 
 
 def output_prefix(model: Path, out: Path | None) -> Path:
-    """OUT, or MODEL/../eval-NAME (not MODEL/../eval: the quickstart's own task accuracy is there, which its report
-    cites), checked writable before any compute: a folder beside a read-only model would fail after hours."""
+    """OUT (a '.md' or '.json' given with it dropped), or MODEL/../eval-NAME (not MODEL/../eval: the quickstart's own
+    task accuracy is there, which its report cites). Checked writable before any compute, creating nothing: a
+    folder beside a read-only model would fail after hours."""
     out = (
         Path(out) if out is not None else Path(model).resolve().parent / f"eval-{Path(model).resolve().name}"
     )
+    out = out.with_suffix("") if out.suffix in (".md", ".json") else out
+    existing = next(folder for folder in (out.parent, *out.parent.parents) if folder.exists())
     try:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        tempfile.TemporaryFile(dir=out.parent).close()
+        tempfile.TemporaryFile(dir=existing).close()  # (a file there fails too: not a folder)
     except OSError as error:
         raise PermissionError(
-            f"--out {out}: its folder cannot be written ({error.strerror}); give --out in a folder you can write."
+            f"--out {out}: {existing} cannot be written ({error.strerror}); give --out in a folder you can write."
         ) from None
     return out
 

@@ -42,7 +42,6 @@ class Run:
             earlier = json.loads(state_file.read_text())
             again = self._check_same_run(earlier)
             self.results = {name: r for name, r in earlier["results"].items() if name not in again}
-            self._answers_made_again_if_gone()
         elif root.exists() and any(root.iterdir()):
             raise QuickstartError(
                 f"--out {root} exists and is not a quickstart run (no state.json): choose another --out, or --force "
@@ -97,17 +96,6 @@ class Run:
             stages = ", ".join(sorted(s.replace("_", " ") for s in again))
             print(f"note: {changes}: the {stages} stage and the report run again, every other one is kept")
         return again | ({"report"} if again else set())
-
-    def _answers_made_again_if_gone(self) -> None:
-        """The teacher's answers live in the shared cache, outside the run folder: where they are gone since (the
-        cache cleared, a container run without its cache volume) and a stage that reads them is still to run, the
-        teacher answers stage runs again."""
-        answers = self.results.get("teacher_answers")
-        if answers is None or "distill" in self.results:  # the distillation is the last stage to read them
-            return
-        if gone := [f for f in answers.get("train_files", []) if not Path(f).is_file()]:
-            print(f"note: {gone[0]} is gone (the cache cleared?): the teacher answers stage runs again")
-            del self.results["teacher_answers"]
 
     def path(self, name: str) -> Path:
         return self.root / name

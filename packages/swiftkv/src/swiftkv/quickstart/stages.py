@@ -103,7 +103,10 @@ def convert(run: Run) -> dict:
 def teacher_answers(run: Run) -> dict:
     """The teacher's own answers to chat prompts (vLLM where installed, on its own device; else HF on the run's
     device; cached by the teacher's identity): the training files' ``dataset:chat_answers`` and the held-out chat
-    set the evaluations compare against."""
+    set the evaluations compare against, both copied into the run (a run continued without the cache, cleared or
+    in a container without its volume, trains on the same rows: a sampled answer made again would differ)."""
+    import shutil
+
     from swiftkv_distill.answers import answer_backend, write_jsonl
     from swiftkv_distill.answers import teacher_answers as answer_prompts
     from swiftkv_distill.corpora import dataset_name, prepare, resolve_files
@@ -114,6 +117,10 @@ def teacher_answers(run: Run) -> dict:
     started = time.perf_counter()
     # dataset:chat_answers is answered by the teacher, once (cached)
     train_files = resolve_files(s.train_files, teacher, device)
+    answered = [i for i, entry in enumerate(s.train_files) if dataset_name(entry) == "chat_answers"]
+    for i in answered:
+        shutil.copyfile(train_files[i], run.path(Path(train_files[i]).name))
+        train_files[i] = str(run.path(Path(train_files[i]).name))
     result = {"train_files": train_files}
     if s.heldout_chat_prompts:
         if s.heldout_chat_prompts == HELDOUT_CHAT_PROMPTS:  # answered with the training prompts, in one go
@@ -123,12 +130,11 @@ def teacher_answers(run: Run) -> dict:
             answers = answer_prompts([r for r in prompts if r.get("prompt")], model=teacher, device=device)
         write_jsonl(run.path("chat_heldout.jsonl"), answers)
         result.update(file="chat_heldout.jsonl", answers=len(answers))
-    # answered by vLLM where installed (on the device its build targets), else by HF generate on the run's device
-    by = "vLLM, on its build's device" if answer_backend() == "vllm" else f"HF generate on {device}"
-    if s.heldout_chat_prompts or any(dataset_name(f) == "chat_answers" for f in s.train_files):
+    if s.heldout_chat_prompts or answered:
+        # answered by vLLM where installed (on the device its build targets), else by HF generate on the run's device
+        by = "vLLM, on its build's device" if answer_backend() == "vllm" else f"HF generate on {device}"
         took = time.perf_counter() - started
-        print(f"   teacher answers ready in {took:.0f} s ({by}; cached for later runs)")
-        result["answered_by"] = by
+        print(f"   teacher answers ready in {took:.0f} s (those not in the cache answered by {by})")
     return result
 
 
