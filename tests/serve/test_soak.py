@@ -25,7 +25,8 @@ def test_a_short_soak_keeps_serving_right(tiny_swiftkv, tmp_path, monkeypatch):
     assert summary["answers_equal"], (run["quiet_answers"], run["answers_after"])
     assert summary["kv_usage_idle"] == 0
     assert summary["preemptions"] > 0  # the KV budget was small enough to preempt
-    assert len(run["samples"]) >= 5 and all(s["rss"] > 0 for s in run["samples"])
+    # every 5 s, a sample where /metrics answers in time under the load (a gap is said, and not fatal), and one after
+    assert len(run["samples"]) >= 3 and all(s["rss"] > 0 for s in run["samples"])
     write_soak_report({"tiny": run}, tmp_path / "soak", "test")
     markdown = (tmp_path / "soak.md").read_text()
     assert "| tiny |" in markdown and (tmp_path / "soak.png").read_bytes()[:4] == b"\x89PNG"

@@ -110,12 +110,18 @@ def generate_in_process(
             use_tqdm=_progress_tqdm() if report_progress else False,
         )
     finally:
-        from vllm.distributed import cleanup_dist_env_and_memory
-
         llm.llm_engine.engine_core.shutdown()
         del llm
-        cleanup_dist_env_and_memory()
+        release_engine_memory()
     return [output.outputs[0].text for output in outputs]
+
+
+def release_engine_memory() -> None:
+    """After a ``vllm.LLM``'s engine is shut down and its last reference dropped: its process group and cached
+    device memory given back, so that a second engine in the same process (another model) finds the GPU free."""
+    from vllm.distributed import cleanup_dist_env_and_memory
+
+    cleanup_dist_env_and_memory()
 
 
 def generate_answers(

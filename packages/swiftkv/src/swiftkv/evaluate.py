@@ -226,11 +226,11 @@ def evaluate(
     finally:
         # two engines in one process: the first one's GPU memory given back before the other side starts
         if backend == "vllm":
-            from vllm.distributed import cleanup_dist_env_and_memory
+            from swiftkv_serve.answers import release_engine_memory
 
             harness.model.llm_engine.engine_core.shutdown()
             del harness
-            cleanup_dist_env_and_memory()
+            release_engine_memory()
 
 
 # what lm-eval's HFLM logs when it is given a loaded model (which ``evaluate`` does on purpose)
