@@ -12,6 +12,7 @@ from transformers import AutoModelForCausalLM
 
 from swiftkv_core.early_exit import EarlyExitHead, generate_with_early_exit
 from swiftkv_distill import DistillDataModule, SwiftKVDistillation, export
+from swiftkv_distill.checkpointing import ModelCheckpoint
 from swiftkv_distill.schedule import total_steps
 from tests.distill.runs import fit
 
@@ -357,6 +358,18 @@ def test_a_resumed_budgeted_fit_keeps_the_metrics_logged_before_it(tmp_path, tin
     assert len(first) == 3 and len(both) == 5 and {s: both[s] for s in first} == first
 
 
+class RecordingCheckpoint(ModelCheckpoint):
+    """The project's checkpoint, recording the batches done at each save (``saved_after``)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.saved_after = []
+
+    def _save_checkpoint(self, trainer, filepath):
+        self.saved_after.append(trainer.fit_loop.epoch_loop.batch_progress.current.processed)
+        super()._save_checkpoint(trainer, filepath)
+
+
 def test_a_checkpoint_by_time_is_never_saved_inside_an_accumulation_window(tmp_path, tiny_model, text_file):
     """Saved by time, a checkpoint may fall on any batch; inside a window of accumulated batches it would count them
     as done, and the resumed run would skip them untrained. Ours waits for the window's optimizer step. The hour
@@ -364,16 +377,7 @@ def test_a_checkpoint_by_time_is_never_saved_inside_an_accumulation_window(tmp_p
     import time
     from datetime import timedelta
 
-    from swiftkv_distill.checkpointing import ModelCheckpoint as OurCheckpoint
-
-    saved_after = []  # the batches done at each save
-
-    class Recording(OurCheckpoint):
-        def _save_checkpoint(self, trainer, filepath):
-            saved_after.append(trainer.fit_loop.epoch_loop.batch_progress.current.processed)
-            super()._save_checkpoint(trainer, filepath)
-
-    hourly = Recording(
+    hourly = RecordingCheckpoint(
         dirpath=tmp_path / "ckpt", save_last=True, save_top_k=0, train_time_interval=timedelta(hours=1)
     )
 
@@ -390,7 +394,9 @@ def test_a_checkpoint_by_time_is_never_saved_inside_an_accumulation_window(tmp_p
         extra_callbacks=[AnHourPasses(), hourly],
         accumulate_grad_batches=2,
     )
-    assert saved_after == [4], saved_after  # at the 2nd window's end (Lightning's: [3], mid-window)
+    assert hourly.saved_after == [4], (
+        hourly.saved_after
+    )  # at the 2nd window's end (Lightning's: [3], mid-window)
 
 
 @pytest.mark.parametrize("stop_after, saved", [(3, []), (4, [4])])
@@ -400,21 +406,13 @@ def test_a_stop_inside_an_accumulation_window_saves_no_last_checkpoint(
     """trainer.max_time's Timer stops a run at any batch; Lightning then writes the last checkpoint of a run that
     saved none, which would count the window's untrained batches as done. Stopped at the 3rd batch (the middle of
     the 2nd window of 2), ours writes none; stopped at the 4th (a window's end), it does."""
-    from swiftkv_distill.checkpointing import ModelCheckpoint as OurCheckpoint
-
-    saved_after = []  # the batches done at each save
-
-    class Recording(OurCheckpoint):
-        def _save_checkpoint(self, trainer, filepath):
-            saved_after.append(trainer.fit_loop.epoch_loop.batch_progress.current.processed)
-            super()._save_checkpoint(trainer, filepath)
 
     class TimeIsUp(L.Callback):  # as the Timer does
         def on_train_batch_end(self, trainer, *args):
             if trainer.fit_loop.epoch_loop.batch_progress.current.processed == stop_after:
                 trainer.should_stop = True
 
-    last = Recording(dirpath=tmp_path / "last", save_last=True, save_top_k=0)
+    last = RecordingCheckpoint(dirpath=tmp_path / "last", save_last=True, save_top_k=0)
     fit(
         tiny_model,
         text_file,
@@ -423,4 +421,4 @@ def test_a_stop_inside_an_accumulation_window_saves_no_last_checkpoint(
         extra_callbacks=[TimeIsUp(), last],
         accumulate_grad_batches=2,
     )
-    assert saved_after == saved
+    assert last.saved_after == saved

@@ -119,8 +119,7 @@ def teacher_answers(run: Run) -> dict:
     train_files = resolve_files(s.train_files, teacher, device)
     answered = [i for i, entry in enumerate(s.train_files) if dataset_name(entry) == "chat_answers"]
     for i in answered:
-        shutil.copyfile(train_files[i], run.path(Path(train_files[i]).name))
-        train_files[i] = str(run.path(Path(train_files[i]).name))
+        train_files[i] = str(shutil.copyfile(train_files[i], run.path(Path(train_files[i]).name)))
     result = {"train_files": train_files}
     if s.heldout_chat_prompts:
         if s.heldout_chat_prompts == HELDOUT_CHAT_PROMPTS:  # answered with the training prompts, in one go
