@@ -215,3 +215,26 @@ def test_the_teacher_answers_a_run_trains_on_are_kept_in_the_run(inputs, tmp_pat
     assert files == [str(out / cached.name), inputs["train"]]
     assert (out / cached.name).read_bytes() == cached.read_bytes()
     assert "teacher answers ready in" in capsys.readouterr().out
+
+
+def test_a_model_shorter_than_every_default_length_is_timed_and_served_within_its_context(inputs, tmp_path):
+    """The default prefill lengths (256..4096) and workloads (2000/200, 500/500) that fit the model's context are
+    kept; a model whose context none fits is timed at its whole context and served a 10:1 split of it, not given an
+    empty table (and a plot of nothing)."""
+    import shutil
+
+    from swiftkv.quickstart.settings import check
+
+    short = Path(shutil.copytree(inputs["model"], tmp_path / "short"))
+    config = json.loads((short / "config.json").read_text())
+    (short / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 128}))
+    arguments = dict(
+        out=tmp_path / "run", accelerator="cpu", num_key_value_layers=4, key_value_group_size=2, budget_minutes=0.05,
+        recipe=None, train_files=[inputs["train"]], heldout_text=[inputs["heldout"]], heldout_chat_prompts="",
+        max_eval_rows=4, prompt_lengths=None, serve=False, serve_workloads=None, serve_requests=2,
+        serve_compile=False, threshold=0.9,
+    )  # fmt: skip
+    settings, _ = check(model=inputs["model"], **arguments)  # its context: 1024
+    assert (settings.prompt_lengths, settings.serve_workloads) == ([256, 512, 1024], ["500/500"])
+    settings, _ = check(model=str(short), **arguments)
+    assert (settings.prompt_lengths, settings.serve_workloads) == ([128], ["116/12"])

@@ -79,9 +79,11 @@ def main(
         heldout_chat_prompts: Held-out chat prompts (a jsonl of {"prompt": ...} or dataset:NAME) that the teacher
             answers for the chat evaluation; '' to skip the chat evaluation.
         max_eval_rows: Held-out rows (of the recipe's row length) per evaluation.
-        prompt_lengths: Prompt lengths of the HF prefill timing (default 256..4096, within the model's context).
+        prompt_lengths: Prompt lengths of the HF prefill timing (default 256..4096 within the model's context; a
+            context under 256: the context).
         serve: Measure vLLM serving (base vs SwiftKV export); needs swiftkv-serve. Default: where it is installed.
-        serve_workloads: Prompt/output token workloads, e.g. 2000/200 500/500.
+        serve_workloads: Prompt/output token workloads (default 2000/200 500/500 within the model's context; a
+            context under 1000: its 10:1 split, e.g. 232/24 for 256).
         serve_requests: Requests per workload burst.
         serve_compile: vLLM's default torch.compile mode (False: eager, faster start, slower steps).
         threshold: The similarity threshold whose rule the analysis plot shows (the paper's recommendation).

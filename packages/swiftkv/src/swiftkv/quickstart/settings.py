@@ -219,8 +219,13 @@ def check(
         raise QuickstartError(
             f"--prompt_lengths {too_long}: beyond the model's context ({context} tokens); give shorter prompts."
         )
-    lengths = sorted(n for n in (prompt_lengths or DEFAULT_PROMPT_LENGTHS) if n <= context)
-    workloads = list(serve_workloads or [w for w in DEFAULT_WORKLOADS if _workload_tokens(w) <= context])
+    # a model whose context is shorter than every default: its whole context, prompt-heavy (10:1) to serve
+    lengths = sorted(n for n in (prompt_lengths or DEFAULT_PROMPT_LENGTHS) if n <= context) or [context]
+    workloads = list(
+        serve_workloads
+        or [w for w in DEFAULT_WORKLOADS if _workload_tokens(w) <= context]
+        or [f"{context * 10 // 11}/{context - context * 10 // 11}"]
+    )
     for workload in workloads if serve is not False else []:
         prompt, _, output = workload.partition("/")
         if not (prompt.isdigit() and output.isdigit()) or min(int(prompt), int(output)) < 1:
