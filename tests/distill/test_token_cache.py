@@ -137,11 +137,13 @@ def test_the_rows_are_made_once_and_read_after(tiny_model, tmp_path, monkeypatch
     write_jsonl(data, [{"text": t.upper()} for t in TEXTS])
     upper = rows()
     assert upper != first and len(made) == 3
-    # a copy that keeps the older file's modification time (cp -p): its own rows, not the older copy's
+    # a copy that keeps the older file's modification time (cp -p) and size: its own rows, not the older copy's
+    # (only the change time tells them apart)
     stat = data.stat()
-    write_jsonl(data, [{"text": f"{t.lower()} again"} for t in TEXTS])
+    write_jsonl(data, [{"text": t.lower()} for t in TEXTS])
     os.utime(data, ns=(stat.st_atime_ns, stat.st_mtime_ns))
-    fresh = write_jsonl(tmp_path / "fresh.jsonl", [{"text": f"{t.lower()} again"} for t in TEXTS])
+    assert (data.stat().st_size, data.stat().st_mtime_ns) == (stat.st_size, stat.st_mtime_ns)
+    fresh = write_jsonl(tmp_path / "fresh.jsonl", [{"text": t.lower()} for t in TEXTS])
     copied = rows()
     assert len(made) == 4 and copied != upper and copied == rows(fresh)
 
