@@ -166,6 +166,7 @@ def test_the_vllm_backend_is_refused_before_any_model_is_read_where_vllm_is_the_
     assert not (tmp_path / "vllm.md").exists()
 
 
+@pytest.mark.gpu  # the CUDA vLLM is there: selected by the GPU image's `pytest -m gpu`
 @pytest.mark.vllm
 @pytest.mark.slow
 @pytest.mark.skipif(
