@@ -231,8 +231,10 @@ CASES = [  # (arguments, what the error must say)
 def test_bad_input_gets_one_line_with_the_fix_and_writes_nothing(
     files, arguments, message, capsys, monkeypatch
 ):
-    monkeypatch.chdir(files["OUT"].rsplit("/", 1)[0])
+    root = files["OUT"].rsplit("/", 1)[0]  # every input and output of the cases, and their working folder
+    monkeypatch.chdir(root)
     argv = [_fill(a, files) for a in arguments]
+    before = _snapshot(root)
     with pytest.raises(SystemExit) as exit_info:
         main(argv)
     captured = capsys.readouterr()
@@ -245,6 +247,20 @@ def test_bad_input_gets_one_line_with_the_fix_and_writes_nothing(
     else:  # a parser's: its usage, then one line with the error
         assert _matches(message, error.splitlines()[-1]) and error.startswith("usage:"), error
     assert not os.path.exists(files["OUT"]), f"{argv} wrote {files['OUT']}"
+    after = _snapshot(root)  # nothing else written either: no input changed, nothing left beside them
+    assert after == before, f"{argv} changed {sorted(set(after.items()) ^ set(before.items()))}"
+
+
+def _snapshot(root: str) -> dict[str, tuple]:
+    """Every file and folder under ``root``: a file's size and modification time, a folder's name."""
+    found = {}
+    for folder, dirs, names in os.walk(root):
+        for name in dirs:
+            found[os.path.relpath(os.path.join(folder, name), root)] = ("folder",)
+        for name in names:
+            stat = os.stat(os.path.join(folder, name))
+            found[os.path.relpath(os.path.join(folder, name), root)] = (stat.st_size, stat.st_mtime_ns)
+    return found
 
 
 def test_the_serve_command_refuses_a_kv_cache_that_cannot_fit(files, monkeypatch):
