@@ -267,7 +267,7 @@ def test_teacher_answers_are_reproducible_chat_data(tiny_model, tmp_path, monkey
     assert greedy == teacher_answers(
         prompts, str(tiny_model), 6, batch_size=1, temperature=0, backend="hf", cache=False
     )
-    assert [r["prompt"] for r in first] == ["What is rain?", "Name a colour."][: len(first)] and first
+    assert [r["prompt"] for r in first] == ["What is rain?", "Name a colour."]  # both answered, in order
     tokenizer = AutoTokenizer.from_pretrained(tiny_model)
     for record in first:
         # 6 new tokens at most (re-tokenising the decoded text may split it differently, hence the slack)
