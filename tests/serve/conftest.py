@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import os
 import random
+import shutil
 from pathlib import Path
 
 import pytest
@@ -87,6 +88,15 @@ def checkpoints(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def tiny_llama(checkpoints) -> Path:
     return tiny_base(checkpoints / "tiny-llama")
+
+
+def without_weights(checkpoint: Path, folder: Path) -> Path:
+    """A copy of ``checkpoint`` without its weights files: an error it gets was raised before any weight is read."""
+    copy = folder / f"{checkpoint.name}-without-weights"
+    shutil.copytree(
+        checkpoint, copy, ignore=shutil.ignore_patterns("*.safetensors", "*.safetensors.index.json")
+    )
+    return copy
 
 
 @pytest.fixture(scope="session")

@@ -8,7 +8,13 @@ import torch
 
 from swiftkv_serve.engine_config import fp8_kv_cache_problem
 from tests.serve.checkpoints import swiftkv_checkpoint
-from tests.serve.conftest import greedy, random_prompts, teacher_forced_agreement, vllm_engine
+from tests.serve.conftest import (
+    greedy,
+    random_prompts,
+    teacher_forced_agreement,
+    vllm_engine,
+    without_weights,
+)
 
 pytestmark = pytest.mark.vllm
 
@@ -26,12 +32,14 @@ def test_the_reason_names_the_missing_instructions():
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU backend (a CUDA machine serves on its GPU)")
-def test_cpu_without_avx512_or_amx_refuses_fp8_before_loading(tiny_swiftkv, monkeypatch):
+def test_cpu_without_avx512_or_amx_refuses_fp8_before_loading(tiny_swiftkv, tmp_path, monkeypatch):
     """The engine's own check, where the engine core runs in this process (``vllm_engine``): on any CPU, as if it
-    lacked both instruction sets (torch's own probes, which the check reads, say so)."""
+    lacked both instruction sets (torch's own probes, which the check reads, say so). Before the weights are read:
+    a checkpoint without them gets this error, not theirs."""
     monkeypatch.setattr(torch.cpu, "_is_avx512_supported", lambda: False)
     monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False)
-    with pytest.raises(ValueError, match="AVX-512 or AMX"), vllm_engine(tiny_swiftkv, kv_cache_dtype="fp8"):
+    weightless = without_weights(tiny_swiftkv, tmp_path)
+    with pytest.raises(ValueError, match="AVX-512 or AMX"), vllm_engine(weightless, kv_cache_dtype="fp8"):
         pass
 
 

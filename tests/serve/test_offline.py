@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from tests.serve.checkpoints import hf_greedy, swiftkv_checkpoint
-from tests.serve.conftest import PROMPT_LENGTHS, greedy, random_prompts, vllm_engine
+from tests.serve.conftest import PROMPT_LENGTHS, greedy, random_prompts, vllm_engine, without_weights
 
 pytestmark = pytest.mark.vllm
 
@@ -128,10 +128,13 @@ def test_fast_prefill_off_serves_prompt_logprobs_of_the_swiftkv_model(tiny_swift
         ({"swiftkv_fastprefill": False}, "unknown SwiftKV option"),
     ],
 )
-def test_bad_fast_prefill_option_is_refused_before_loading(tiny_swiftkv, additional_config, message):
+def test_bad_fast_prefill_option_is_refused_before_loading(
+    tiny_swiftkv, tmp_path, additional_config, message
+):
+    """A checkpoint without its weights: the option's error, not the weights' (read later, so never reached)."""
     with (
         pytest.raises(ValueError, match=re.escape(message)),
-        vllm_engine(tiny_swiftkv, additional_config=additional_config),
+        vllm_engine(without_weights(tiny_swiftkv, tmp_path), additional_config=additional_config),
     ):
         pass
 
