@@ -10,13 +10,21 @@ from pathlib import Path
 
 import pytest
 
-# In-process engine core (about 6 s to start instead of 40 s) and a small CPU KV cache (GiB).
-os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-
-from tests.serve.checkpoints import smollm2_path, swiftkv_checkpoint, tiny_base  # noqa: E402
+from tests.serve.checkpoints import smollm2_path, swiftkv_checkpoint, tiny_base
 
 pytest.importorskip("vllm")
+
+
+@pytest.fixture(scope="package", autouse=True)
+def in_process_engines():
+    """These tests' engines: the engine core in-process (about 6 s to start instead of 40 s) and a small CPU KV
+    cache (GiB), a user's own settings kept. For this package's tests only: set at import, they reached the other
+    packages' engines in a whole run (the main job's serving children) but not when those ran alone."""
+    with pytest.MonkeyPatch.context() as patch:
+        for name, value in (("VLLM_ENABLE_V1_MULTIPROCESSING", "0"), ("VLLM_CPU_KVCACHE_SPACE", "1")):
+            patch.setenv(name, os.environ.get(name, value))
+        yield
+
 
 # Prompt lengths around the chunk size below (48): short, split in two, split in several.
 PROMPT_LENGTHS = (5, 37, 70, 130)
