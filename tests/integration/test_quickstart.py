@@ -62,6 +62,7 @@ def run_quickstart(inputs, out: Path, **overrides):
     kwargs = dict(
         model=inputs["model"],
         out=out,
+        accelerator="cpu",  # the figures below are a CPU's (eager prefill); a GPU's are gpu-lease.sh's
         num_key_value_layers=4,
         key_value_group_size=2,
         budget_minutes=0.05,
@@ -404,24 +405,35 @@ def test_quiet_silences_only_while_it_runs():
     from swiftkv.quickstart.run import quiet
 
     lightning_logger = logging.getLogger("lightning.pytorch")
+    level, bars = lightning_logger.level, datasets.are_progress_bars_disabled()
+    transformers_bar = transformers_logging.is_progress_bar_enabled()
     lightning_logger.setLevel(logging.INFO)
     datasets.enable_progress_bars()
     transformers_logging.enable_progress_bar()
     filters_before = list(warnings.filters)
     harmless = "Checkpoint directory /x exists and is not empty."
-    with quiet():
-        assert lightning_logger.level == logging.ERROR
-        assert datasets.are_progress_bars_disabled() and not transformers_logging.is_progress_bar_enabled()
+    try:
+        with quiet():
+            assert lightning_logger.level == logging.ERROR
+            assert (
+                datasets.are_progress_bars_disabled() and not transformers_logging.is_progress_bar_enabled()
+            )
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.warn(harmless, UserWarning, stacklevel=1)
+            assert caught == []
+        assert lightning_logger.level == logging.INFO
+        assert warnings.filters == filters_before
+        assert not datasets.are_progress_bars_disabled() and transformers_logging.is_progress_bar_enabled()
         with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
             warnings.warn(harmless, UserWarning, stacklevel=1)
-        assert caught == []
-    assert lightning_logger.level == logging.INFO
-    assert warnings.filters == filters_before
-    assert not datasets.are_progress_bars_disabled() and transformers_logging.is_progress_bar_enabled()
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        warnings.warn(harmless, UserWarning, stacklevel=1)
-    assert [str(w.message) for w in caught] == [harmless]
+        assert [str(w.message) for w in caught] == [harmless]
+    finally:  # this worker's later tests log and show bars as before this one
+        lightning_logger.setLevel(level)
+        if bars:
+            datasets.disable_progress_bars()
+        if not transformers_bar:
+            transformers_logging.disable_progress_bar()
 
 
 def test_a_slow_down_is_reported_as_one(tmp_path):
