@@ -79,7 +79,15 @@ def model_and_kernels(swift, implementation: str):
         return swift, contextlib.nullcontext()
     if FLASH_ATTN and implementation == "flash_attention_2":
         return copy.deepcopy(swift).to("cuda", torch.bfloat16), contextlib.nullcontext()
-    return swift, flash_attention_2_on_the_reference()
+    return swift, reached(flash_attention_2_on_the_reference())
+
+
+@contextlib.contextmanager
+def reached(kernels):
+    """``kernels``, and at the end the check that the forward called them (not a path around flash-attn)."""
+    with kernels as seen:
+        yield seen
+    assert seen, "the flash_attention_2 path never called its kernels"
 
 
 @pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
