@@ -19,6 +19,7 @@ from swiftkv_core.weights import (
     swiftkv_parameter_names,
 )
 from tests.conftest import tiny_base
+from tests.processes import readline
 
 
 def test_weight_names():
@@ -72,7 +73,7 @@ def test_a_live_writers_staging_folder_is_left_alone_and_a_killed_ones_cleared(t
         [sys.executable, "-c", code, str(target)], env=env, stderr=subprocess.PIPE, text=True
     )
     try:
-        assert other.stderr.readline().startswith("SWIFTKV_PAUSED atomic-directory")
+        assert readline(other.stderr).startswith("SWIFTKV_PAUSED atomic-directory")
         (theirs,) = tmp_path.glob(".out.staging.*")
         os.utime(theirs, (0, 0))  # old enough to be taken for abandoned, were it not locked
         with atomic_directory(target) as staging:
@@ -101,7 +102,7 @@ def test_a_writer_killed_between_its_two_moves_loses_nothing(tmp_path):
         [sys.executable, "-c", code, str(target)], env=env, stderr=subprocess.PIPE, text=True
     )
     try:
-        assert other.stderr.readline().startswith("SWIFTKV_PAUSED replace-directory")
+        assert readline(other.stderr).startswith("SWIFTKV_PAUSED replace-directory")
     finally:
         other.send_signal(signal.SIGKILL)
         other.wait()

@@ -10,7 +10,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -18,6 +17,7 @@ import torch
 from safetensors.torch import load_file
 
 from tests.distill.conftest import TEXTS, tiny_llama, write_jsonl
+from tests.processes import lines as output_lines
 
 pytestmark = pytest.mark.slow
 BIN = Path(sys.executable).parent
@@ -77,15 +77,19 @@ def run(command: list[str], pause: str | None = None, after: int = 1, timeout: f
         env |= {"SWIFTKV_PAUSE_AT": pause, "SWIFTKV_PAUSE_AFTER": str(after)}
     proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
                             start_new_session=True)  # fmt: skip
-    lines, deadline = [], time.monotonic() + timeout
-    for line in proc.stdout:
-        lines.append(line)
-        if pause and line.startswith(f"SWIFTKV_PAUSED {pause}"):
+    lines, ended = [], False
+    try:
+        for line in output_lines(proc.stdout, timeout):
+            lines.append(line)
+            if pause and line.startswith(f"SWIFTKV_PAUSED {pause}"):
+                return "".join(lines)
+        ended = True
+    except AssertionError as error:  # past the time limit: with what it printed last
+        raise AssertionError(f"{error}:\n" + "".join(lines[-40:])) from None
+    finally:
+        if not ended:  # stopped where it was told, or past the time limit
             os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-            return "".join(lines)
-        assert time.monotonic() < deadline, "".join(lines[-40:])
-    proc.wait()
+        proc.wait()
     assert not pause, f"never reached {pause}:\n" + "".join(lines[-40:])
     assert proc.returncode == 0, "".join(lines[-60:])
     return "".join(lines)

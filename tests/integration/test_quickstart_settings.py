@@ -10,6 +10,7 @@ import pytest
 
 from tests.conftest import use_data_cache
 from tests.integration.test_quickstart import make_inputs, run_quickstart
+from tests.processes import readline
 
 
 @pytest.fixture(scope="module")
@@ -152,7 +153,7 @@ def test_a_second_run_in_a_folder_a_run_is_writing_is_refused(inputs, tmp_path):
         stdout=subprocess.PIPE, text=True,
     )  # fmt: skip
     try:
-        assert holder.stdout.readline().strip() == "held"
+        assert readline(holder.stdout).strip() == "held"
         for force in (False, True):
             with pytest.raises(QuickstartError, match="another swiftkv quickstart is running in this folder"):
                 run_quickstart(inputs, out, serve=False, force=force)

@@ -14,6 +14,7 @@ from swiftkv.cli import main
 from swiftkv_core.atomic import atomic_directory, exclusive
 from swiftkv_core.convert import convert, export_for_serving
 from swiftkv_core.flops import ModelShape, count_flops, prefill_flops_total
+from tests.processes import lines as output_lines
 
 PROMPTS = ["What is the capital of France?", "Write a haiku about the sea.", "List three prime numbers."]
 
@@ -55,7 +56,7 @@ def test_a_process_finding_the_default_model_being_materialised_waits_and_takes_
         later = subprocess.Popen([sys.executable, "-c", code], env=env, text=True, stdout=subprocess.PIPE,
                                  stderr=subprocess.STDOUT)  # fmt: skip
         lines = []
-        for line in later.stdout:  # until it says it waits (or ends)
+        for line in output_lines(later.stdout, timeout=120):  # until it says it waits (or ends)
             lines.append(line)
             if line.startswith("Waiting for another process materialising"):
                 break

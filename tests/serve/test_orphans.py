@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from swiftkv_serve.server import free_port
-from tests.processes import children_of, group_members
+from tests.processes import children_of, group_members, readline
 
 pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="PR_SET_PDEATHSIG is Linux's")
 
@@ -86,7 +86,7 @@ def test_a_killed_runs_child_ends_with_the_processes_it_started(tmp_path, native
         """
     )
     parent = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
-    assert parent.stdout.readline().strip() == "started"
+    assert readline(parent.stdout).strip() == "started"
     child = children_of(parent.pid)[0]
     assert len(group_members(child)) == 2  # the child and the process it started
     kill_parent_and_expect_group_gone(parent, child, timeout_s=20 if native else 10)
@@ -117,6 +117,6 @@ def test_a_killed_runs_server_ends_with_it(tmp_path):
         """
     )
     parent = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
-    server = int(parent.stdout.readline())
+    server = int(readline(parent.stdout))
     assert group_members(server) == [server]  # up, answering /health, alone in its group
     kill_parent_and_expect_group_gone(parent, server, timeout_s=10)

@@ -17,6 +17,7 @@ import pytest
 
 from swiftkv_serve import auth, cli, vllm_options
 from swiftkv_serve.server import free_port, running_server, swiftkv_serve_command
+from tests.processes import readline
 
 
 def request(base: str, path: str, body=None, key: str | None = None, method: str | None = None) -> int:
@@ -136,7 +137,7 @@ def test_a_key_left_in_the_command_line_of_the_process_that_started_the_server_i
         [sys.executable, "-c", code, "/model", "--api-key", "k-123"], stdout=subprocess.PIPE, text=True
     )
     try:
-        assert parent.stdout.readline() == "up\n"  # its own program runs: its command line is its own
+        assert readline(parent.stdout) == "up\n"  # its own program runs: its command line is its own
         warning = auth.shown_by_parent(["k-123"], parent.pid)
         assert warning and f"process {parent.pid} (python" in warning and "SWIFTKV_API_KEY_FILE" in warning
         assert "k-123" not in warning
