@@ -37,21 +37,24 @@ def test_generate_answers_reproducible_and_independent_of_batching(tiny_llama, c
     assert states[-1].startswith("teacher answers (vLLM): 100%") and " 3/3 " in states[-1], states
 
 
+@pytest.mark.vllm
 def test_teacher_answers_cache_is_reused_and_keyed_by_model(tmp_path, monkeypatch, tiny_llama):
     """A second call reads the cache (no generation); another model, backend or setting gets its own file, and the
-    metadata beside each file says what it holds. Generation is a counting stand-in that names its model: the real
-    vLLM answers are the test above's, and four more engine starts would test only what this one does."""
+    metadata beside each file says what it holds. vLLM answers each, counted, in this process (the child the
+    backend starts is the test above's: four more of them would test only what it does)."""
     import swiftkv_serve.answers
     from swiftkv_distill import answers
 
     use_data_cache(monkeypatch, tmp_path / "data")
     calls = []
 
-    def fake_generate(model, prompts, max_new_tokens, temperature, top_p, seed):
+    def counted(model, prompts, max_new_tokens, temperature, top_p, seed):
         calls.append((str(model), max_new_tokens))
-        return [f"{model.name} says {i}" for i in range(len(prompts))]
+        return swiftkv_serve.answers.generate_in_process(
+            model, prompts, max_new_tokens, temperature, top_p, seed
+        )
 
-    monkeypatch.setattr(swiftkv_serve.answers, "generate_answers", fake_generate)
+    monkeypatch.setattr(swiftkv_serve.answers, "generate_answers", counted)
     other = tiny_base(tmp_path / "other-llama", seed=3)
     records = [{"prompt": p, "source": "t"} for p in PROMPTS] + [{"x": 1}, {"prompt": " "}]
 
@@ -61,7 +64,7 @@ def test_teacher_answers_cache_is_reused_and_keyed_by_model(tmp_path, monkeypatc
     assert len(calls) == 1  # the second call read the cache
 
     theirs = answers.teacher_answers(records, str(other), max_new_tokens=8, backend="vllm")
-    assert len(calls) == 2 and theirs != first and theirs[0]["response"].startswith("other-llama")
+    assert len(calls) == 2 and calls[1][0] == str(other) and theirs != first
     answers.teacher_answers(records, str(tiny_llama), max_new_tokens=9, backend="vllm")
     assert len(calls) == 3
     answers.teacher_answers(records, str(tiny_llama), max_new_tokens=8, backend="vllm", cache=False)
