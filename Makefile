@@ -1,5 +1,5 @@
 # The two promises of the README: `make quickstart` (main job) and `make test` (tests), each doing its own set-up.
-.PHONY: setup quickstart test test-fast lint bench
+.PHONY: setup quickstart test test-fast lint
 
 setup:
 	@scripts/setup.sh

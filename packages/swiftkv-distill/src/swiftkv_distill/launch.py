@@ -46,7 +46,7 @@ def check_launch(trainer, environ) -> None:
         f"trainer.num_nodes is {num_nodes}, and no multi-node launcher started this process: it would start this "
         "node's processes only and wait for the others' for 30 minutes. On each node run `fabric run --num_nodes "
         f"{num_nodes} --node_rank RANK --main_address FIRST_NODE --accelerator cuda --devices {devices} "
-        "apps/distill.py --config ...` (Lightning 2.6's name for `lightning run`; torchrun and SLURM's `srun "
+        "apps/distill.py --config ...` (`lightning run model` before Lightning 2.3; torchrun and SLURM's `srun "
         f"--kill-on-bad-exit=1` work too); on one node pass --trainer.num_nodes 1 "
         f"--trainer.strategy.data_parallel_size {devices} {same_global_batch(trainer, num_nodes)}."
     )
