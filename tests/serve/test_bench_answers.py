@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from pathlib import Path
 
 import pytest
 
@@ -125,3 +126,28 @@ def test_bad_settings_are_refused_before_a_child_starts(tmp_path):
             compare_serving(
                 tmp_path / "a", tmp_path / "b", workloads, requests, max_num_seqs=4, compile=False
             )
+
+
+def test_checkpoints_the_comparisons_cannot_serve_are_refused_before_the_stock_run(
+    tmp_path, tiny_llama, tiny_swiftkv, tiny_swiftkv_lora
+):
+    """A SwiftKV checkpoint vLLM cannot serve (adapters kept apart), or none at all, is refused before the stock
+    model's child runs its whole benchmark (it was refused after); the feature comparison checks its workload names
+    and counts too, paths given as strings."""
+    from swiftkv_serve.comparison import compare_serving, write_serving_report
+    from swiftkv_serve.features import compare_features
+
+    for swiftkv, refusal in ((tiny_swiftkv_lora, "lora_rank"), (tiny_llama, "not a SwiftKV checkpoint")):
+        with pytest.raises(ValueError, match=refusal):
+            compare_serving(tiny_llama, swiftkv, {"8/2": (8, 2)}, 1, max_num_seqs=1, compile=False)
+        with pytest.raises(ValueError, match=refusal):
+            compare_features(str(tiny_llama), str(swiftkv), 1, 1, False)
+    with pytest.raises(ValueError, match=r"workload_names \['chat'\] \(known: \["):
+        compare_features(str(tiny_llama), str(tiny_swiftkv), 1, 1, False, workload_names=["chat"])
+    with pytest.raises(ValueError, match="num_requests 0"):
+        compare_features(str(tiny_llama), str(tiny_swiftkv), 0, 1, False)
+    # the report of compare_serving's own results (benchmarks/serve.py adds the command it ran; a library call has none)
+    results = json.loads((Path(__file__).parents[2] / "benchmarks/results/serve.json").read_text())
+    del results["command"]
+    write_serving_report(results, tmp_path / "serving")
+    assert "(a library call: compare_serving)" in (tmp_path / "serving.md").read_text()

@@ -22,6 +22,7 @@ from .bench import (
     device_name,
     run_in_child,
 )
+from .cli import describe
 
 KV_CACHE_GIB = 4  # each engine's KV cache space: the same for both models (vLLM's CPU backend would take 92%)
 _DTYPES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
@@ -113,10 +114,9 @@ def compare_serving(
             f"max_model_len={max_model_len} is shorter than workloads {too_long} (prompt + output)."
         )
     dtype = dtype or default_dtype()
+    describe(swiftkv)  # a SwiftKV checkpoint vLLM serves (not one with adapters apart): before the stock run
     swiftkv_config = AutoConfig.from_pretrained(swiftkv)
-    l = getattr(swiftkv_config, "num_key_value_layers", None)
-    if l is None:
-        raise ValueError(f"{swiftkv} is not a SwiftKV checkpoint (no num_key_value_layers in its config).")
+    l = swiftkv_config.num_key_value_layers
 
     runs = {}
     for label, path in ((STOCK_LABEL, base), (f"SwiftKV l={l}", swiftkv)):
@@ -261,7 +261,7 @@ def write_serving_report(results: dict, out: Path) -> None:
         "",
         "Command:",
         "",
-        f"    {results['command']}",
+        f"    {results.get('command', '(a library call: compare_serving)')}",  # benchmarks/serve.py records its own
         "",
     ]
     atomic_write_text(out.with_suffix(".md"), "\n".join(lines))

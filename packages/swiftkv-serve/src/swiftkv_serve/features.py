@@ -19,6 +19,7 @@ import random
 from pathlib import Path
 
 from .bench import STOCK_LABEL, default_dtype, device_name, make_prompts, run_in_child
+from .cli import describe
 from .comparison import KV_CACHE_GIB
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
@@ -129,6 +130,14 @@ def compare_features(
     import swiftkv_core  # noqa: F401  (registers the SwiftKV configs with AutoConfig)
     from swiftkv_core.flops import ModelShape, prefill_flops_total
 
+    base, swiftkv = Path(base), Path(swiftkv)
+    describe(swiftkv)  # a SwiftKV checkpoint vLLM serves, before any engine starts
+    unknown = sorted(set(workload_names or []) - set(FEATURE_WORKLOADS))
+    if unknown or num_requests < 1 or max_num_seqs < 1:
+        raise ValueError(
+            f"workload_names {unknown or workload_names} (known: {list(FEATURE_WORKLOADS)}), num_requests "
+            f"{num_requests}, max_num_seqs {max_num_seqs}: name known workloads, and >= 1 request and sequence."
+        )
     config = AutoConfig.from_pretrained(swiftkv)
     l, g = config.num_key_value_layers, config.key_value_group_size
     tokenizer = AutoTokenizer.from_pretrained(base)

@@ -137,7 +137,7 @@ def write_features_report(results: dict, out: Path) -> None:
         "",
         "Command:",
         "",
-        f"    {results['command']}",
+        f"    {results.get('command', '(a library call: compare_features)')}",  # benchmarks/serve.py records its own
         "",
     ]
     atomic_write_text(out.with_suffix(".md"), "\n".join(lines))
