@@ -76,7 +76,9 @@ def main(
     runs = {}
     for label, path in targets.items():
         print(f"== soak {label}: {path}", flush=True)
-        workdir = Path(tempfile.gettempdir()) / "swiftkv-soak" / label.replace(" ", "-")  # the servers' logs
+        workdir = Path(
+            tempfile.mkdtemp(prefix=f"swiftkv-soak-{label.replace(' ', '-')}-")
+        )  # the server's log
         runs[label] = run_soak(Path(path), minutes, clients, drop_fraction, kv_cache_mib, compile=compile,
                                workdir=workdir)  # fmt: skip
         print({k: v for k, v in runs[label]["summary"].items() if k != "per_minute"}, flush=True)

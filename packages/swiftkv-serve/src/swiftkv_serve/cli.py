@@ -341,7 +341,9 @@ def serve_command(checkpoint: Path, options: list[str]) -> list[str]:
     if found is None or found[0] != "vllm":
         module = "vllm.entrypoints.launchers.api_server.entry"
         return [sys.executable, "-m", module, "--model", str(checkpoint), *options]
-    vllm = shutil.which("vllm") or str(Path(sys.executable).parent / "vllm")
+    # this environment's (where the plugin and the vLLM found above are) before any other on PATH
+    own = Path(sys.executable).parent / "vllm"
+    vllm = str(own) if own.is_file() else shutil.which("vllm") or str(own)
     return [vllm, "serve", str(checkpoint), *options]
 
 

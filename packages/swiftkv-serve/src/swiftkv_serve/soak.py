@@ -19,6 +19,7 @@ import json
 import os
 import random
 import statistics
+import tempfile
 import time
 import urllib.request
 from pathlib import Path
@@ -133,9 +134,11 @@ async def _load(base: str, model: str, headers: dict, clients: int, drop_fractio
 
 def run_soak(checkpoint: Path, minutes: float = 5.0, clients: int = 64, drop_fraction: float = 0.25,
              kv_cache_mib: int = 64, max_model_len: int = 512, sample_s: float = 10.0, compile: bool = False,
-             workdir: Path = Path("/tmp/swiftkv-soak")) -> dict:  # fmt: skip
+             workdir: Path | None = None) -> dict:  # fmt: skip
     """Serve ``checkpoint`` with a small KV cache and prefix caching, load it for ``minutes`` with ``clients``
-    streaming clients, and return every record, sample and check (JSON-able)."""
+    streaming clients, and return every record, sample and check (JSON-able). The server's log goes to
+    ``workdir`` (default: a new private temporary folder, never one another user or soak could have made)."""
+    workdir = Path(tempfile.mkdtemp(prefix="swiftkv-soak-")) if workdir is None else workdir
     workdir.mkdir(parents=True, exist_ok=True)
     # bf16, as the soak's figures were measured (vLLM's auto for these fp32 checkpoints; swiftkv serve now keeps a
     # float32 checkpoint in float32 on a CPU, and the KV budget would then hold half the tokens)
