@@ -79,10 +79,11 @@ def _forbidden_names(package: str) -> dict[str, re.Pattern]:
 
 
 def test_every_package_names_only_packages_below_it():
+    """In its sources and its pyproject.toml (an entry point's group is a name too)."""
     wrong = []
     for package in LEVELS:
         forbidden = _forbidden_names(package)
-        for path in package_sources(package):
+        for path in [*package_sources(package), package_root(package) / "pyproject.toml"]:
             for number, line in enumerate(path.read_text().splitlines(), 1):
                 wrong += [
                     f"{path.relative_to(ROOT)}:{number} names {name}: {line.strip()}"

@@ -6,6 +6,11 @@ from __future__ import annotations
 
 import math
 
+# The entry-point group of the packages that answer chat prompts for the distillation's data (a backend:
+# (checkpoint folder, prompts, max_new_tokens, temperature, top_p, seed) -> one answer per prompt). Named here, below
+# both: swiftkv-distill reads it, swiftkv-serve provides "vllm" (its pyproject.toml).
+ANSWER_BACKENDS = "swiftkv_core.answer_backends"
+
 
 def require_chat_template(tokenizer, what: str = "prompts") -> None:
     """Raise ``ValueError`` (with the fix) when ``tokenizer`` has no chat template, so ``what`` cannot be posed."""

@@ -3,7 +3,7 @@
 ``teacher_answers(prompts, model)`` poses each prompt as one user turn (``swiftkv_core.chat``) to the ORIGINAL
 model and samples an answer (seeded: the same answers on every run). The generation is a backend: ``"hf"``
 (transformers ``generate`` in batches, built in) or one that another package provides through the entry-point
-group ``swiftkv_distill.answer_backends`` (swiftkv-serve provides ``"vllm"``: batched, several times faster);
+group ``swiftkv_core.answer_backends`` (swiftkv-serve provides ``"vllm"``: batched, several times faster);
 ``"auto"`` takes vLLM where its backend and vLLM are installed. Answers are cached under a key of the teacher's
 identity (its weights, config and the files that shape its text), the backend and the settings (another teacher or
 setting gets a file of its own).
@@ -21,11 +21,11 @@ from importlib.metadata import entry_points
 from pathlib import Path
 
 from swiftkv_core.atomic import atomic_file
-from swiftkv_core.chat import check_sampling
+from swiftkv_core.chat import ANSWER_BACKENDS, check_sampling
 from swiftkv_core.checkpoints import model_identity
 
-BACKEND_GROUP = "swiftkv_distill.answer_backends"
-# A backend: (checkpoint folder, prompts, max_new_tokens, temperature, top_p, seed) -> one answer per prompt.
+# A backend (an entry point of swiftkv_core.chat.ANSWER_BACKENDS, or "hf"): (checkpoint folder, prompts,
+# max_new_tokens, temperature, top_p, seed) -> one answer per prompt.
 Backend = Callable[[Path, list[str], int, float, float, int], list[str]]
 # Beside the weights and config (``model_identity``), the files of a model folder that decide the text it answers
 # with: the tokenizer and its special tokens, the chat template (the prompt), the generation config (where it stops).
@@ -103,7 +103,7 @@ def hf_dtype(device: str = "auto") -> str:
 
 def backends() -> dict[str, object]:
     """Every answer backend by name: ``"hf"`` and those of installed packages (entry points, loaded on use)."""
-    return {"hf": hf_answers, **{entry.name: entry for entry in entry_points(group=BACKEND_GROUP)}}
+    return {"hf": hf_answers, **{entry.name: entry for entry in entry_points(group=ANSWER_BACKENDS)}}
 
 
 def answer_backend(backend: str = "auto") -> str:

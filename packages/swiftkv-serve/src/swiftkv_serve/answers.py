@@ -1,5 +1,5 @@
-"""A teacher's answers to chat prompts, generated with vLLM in batches (distillation data): the distillation's
-``vllm`` answer backend (an entry point in this package's pyproject.toml).
+"""A teacher's answers to chat prompts, generated with vLLM in batches (distillation data): the ``vllm`` answer
+backend (an entry point of ``swiftkv_core.chat.ANSWER_BACKENDS`` in this package's pyproject.toml).
 
 ``generate_answers(model, prompts)`` poses each prompt to ``model`` as one user turn (the tokenizer's chat
 template, with the generation prompt, exactly as ``transformers`` would) and samples an answer. Every request
