@@ -151,3 +151,15 @@ def test_checkpoints_the_comparisons_cannot_serve_are_refused_before_the_stock_r
     del results["command"]
     write_serving_report(results, tmp_path / "serving")
     assert "(a library call: compare_serving)" in (tmp_path / "serving.md").read_text()
+
+
+def test_a_prompt_longer_than_the_models_context_is_refused_before_the_engine(tiny_llama):
+    """One prompt that, with its answer, exceeds the model's context: refused naming it, before any child or engine
+    starts (vLLM refused the engine, so every answer of the run was lost, with a traceback)."""
+    from swiftkv_serve.answers import generate_answers, generate_in_process
+
+    prompts = ["Say hi.", "rain " * 1100, "Name a colour."]  # the tiny model's context: 1024 tokens
+    for generate in (generate_answers, generate_in_process):
+        with pytest.raises(ValueError, match=r"1 prompt\(s\) \(indices \[1\]; the longest 11\d\d tokens\) plus "
+                                             r"max_new_tokens=8 exceed .*context of 1024 tokens"):  # fmt: skip
+            generate(tiny_llama, prompts, max_new_tokens=8)

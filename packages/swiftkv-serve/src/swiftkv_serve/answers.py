@@ -90,6 +90,7 @@ def generate_in_process(
     prompt_ids = chat_prompt_ids(tokenizer, prompts)
     if not prompt_ids:
         return []
+    check_context(model, [len(ids) for ids in prompt_ids], max_new_tokens)
     options = dict(
         dtype="float32" if not torch.cuda.is_available() else "auto",
         enforce_eager=True,
@@ -114,6 +115,21 @@ def generate_in_process(
         del llm
         release_engine_memory()
     return [output.outputs[0].text for output in outputs]
+
+
+def check_context(model: str | Path, prompt_lengths: list[int], max_new_tokens: int) -> None:
+    """Raise ``ValueError`` naming the prompts that, with their answers, exceed ``model``'s context: before the
+    engine starts (vLLM refuses its whole run then, for one prompt)."""
+    from transformers import AutoConfig
+
+    context = getattr(AutoConfig.from_pretrained(model), "max_position_embeddings", None)
+    too_long = [i for i, n in enumerate(prompt_lengths) if context and n + max_new_tokens > context]
+    if too_long:
+        raise ValueError(
+            f"{len(too_long)} prompt(s) (indices {too_long[:5]}{' ...' if len(too_long) > 5 else ''}; the longest "
+            f"{max(prompt_lengths[i] for i in too_long)} tokens) plus max_new_tokens={max_new_tokens} exceed {model}'s "
+            f"context of {context} tokens: shorten or leave out those prompts, or lower max_new_tokens."
+        )
 
 
 def release_engine_memory() -> None:
@@ -147,8 +163,9 @@ def generate_answers(
         engine_options: extra ``vllm.LLM`` arguments (e.g. ``max_num_seqs``).
     """
     from tqdm.auto import tqdm
+    from transformers import AutoTokenizer
 
-    from swiftkv_core.chat import check_sampling
+    from swiftkv_core.chat import chat_prompt_ids, check_sampling
 
     from .child import run_module_in_child
 
@@ -156,6 +173,8 @@ def generate_answers(
     prompts = list(prompts)
     if not prompts:
         return []
+    lengths = [len(ids) for ids in chat_prompt_ids(AutoTokenizer.from_pretrained(model), prompts)]
+    check_context(model, lengths, max_new_tokens)  # here too: before the child starts
     spec = dict(
         model=str(model),
         prompts=prompts,
