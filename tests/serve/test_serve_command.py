@@ -279,6 +279,18 @@ def test_kv_cache_options_on_a_cpu(tiny_swiftkv, capsys):
     per_token = cli.kv_bytes_per_token(config, None, None)
     assert chosen == ["--kv-cache-memory-bytes", str(per_token * 256 * 2)]
     assert "512 tokens" in capsys.readouterr().out
+    # vLLM gives each worker the bytes asked for: a tensor-parallel worker holds half the heads' K/V, a
+    # data-parallel one all of its copy's (the machine's room shared by the workers)
+    for parallel, shards, processes in (
+        (["-tp", "2"], 2, 2),
+        (["--tensor-parallel-size=2", "--data-parallel-size", "2"], 2, 4),
+        (["--data-parallel-size", "2"], 1, 2),
+    ):
+        sized = cli.cpu_kv_cache_options(
+            tiny_swiftkv, ["--max-model-len=256", "--max-num-seqs", "2", *parallel], {}
+        )
+        assert sized == ["--kv-cache-memory-bytes", str(-(-per_token // shards) * 256 * 2)], parallel
+        assert f"in each of {processes} workers" in capsys.readouterr().out
     assert (
         cli.cpu_kv_cache_options(tiny_swiftkv, [], {"VLLM_CPU_KVCACHE_SPACE": "1"}) == []
     )  # the user's choice
@@ -291,6 +303,15 @@ def test_kv_cache_options_on_a_cpu(tiny_swiftkv, capsys):
         assert cli.cpu_kv_cache_options(tiny_swiftkv, chosen, {}) == []
     with pytest.raises(ValueError, match="give a smaller --max-model-len"):
         cli.cpu_kv_cache_options(tiny_swiftkv, ["--max-model-len", str(10**12)], {})
+    for auto in (
+        "auto",
+        "-1",
+    ):  # vLLM's own choice of the length, to what the cache holds: the machine's room
+        (_, size) = cli.cpu_kv_cache_options(tiny_swiftkv, ["--max-model-len", auto], {})
+        assert (
+            int(size) > 10**6
+            and "--max-model-len auto: vLLM fits the context to it" in capsys.readouterr().out
+        )
     # a float32 checkpoint is served in float32 on vllm-cpu, unless the user chose a dtype
     assert json.loads((tiny_swiftkv / "config.json").read_text())["dtype"] == "float32"
     assert cli.cpu_dtype_options(tiny_swiftkv, []) == ["--dtype", "float32"]

@@ -25,7 +25,14 @@ import sys
 from pathlib import Path
 
 from . import auth
-from .vllm_options import check_full_names, config_file_settings, option_int, option_name, option_value
+from .vllm_options import (
+    check_full_names,
+    config_file_settings,
+    option_int,
+    option_name,
+    option_value,
+    workers,
+)
 
 
 def describe(checkpoint: str | os.PathLike) -> str:
@@ -163,11 +170,21 @@ def cpu_kv_cache_options(checkpoint: Path, options: list[str], environ) -> list[
     config = json.loads((checkpoint / "config.json").read_text())
     max_model_len = option_int(options, "--max-model-len") or config.get("max_position_embeddings") or 4096
     sequences = option_int(options, "--max-num-seqs") or DEFAULT_SEQUENCES
-    per_token = kv_bytes_per_token(
+    # vLLM gives EACH worker the bytes asked for; a worker holds its shard's K/V, a data-parallel copy all weights
+    processes, shards = workers(options)
+    whole = kv_bytes_per_token(
         config, option_value(options, "--dtype"), option_value(options, "--kv-cache-dtype")
     )
-    weights = sum(f.stat().st_size for f in checkpoint.glob("*.safetensors"))
-    room = max(available_memory() - weights, 0) // 2
+    per_token = -(-whole // shards)  # a worker's share, rounded up
+    weights = sum(f.stat().st_size for f in checkpoint.glob("*.safetensors")) * (processes // shards)
+    room = max(available_memory() - weights, 0) // 2 // processes
+    if (option_value(options, "--max-model-len") or "").strip() in (
+        "auto",
+        "-1",
+    ):  # vLLM fits the length to it
+        print(f"KV cache: {room / 2**30:.2f} GiB{' a worker' if processes > 1 else ''} (--max-model-len auto: "
+              "vLLM fits the context to it); --kv-cache-memory-bytes to choose another size", flush=True)  # fmt: skip
+        return ["--kv-cache-memory-bytes", str(room)]
     one_request = per_token * max_model_len
     if one_request > room:
         raise ValueError(
@@ -176,8 +193,9 @@ def cpu_kv_cache_options(checkpoint: Path, options: list[str], environ) -> list[
             "give a smaller --max-model-len, free memory, or set --kv-cache-memory-bytes yourself."
         )
     size = min(one_request * sequences, room)
+    each = f" in each of {processes} workers" if processes > 1 else ""
     print(
-        f"KV cache: {size / 2**30:.2f} GiB ({size // per_token:,} tokens: --max-model-len {max_model_len} x "
+        f"KV cache: {size / 2**30:.2f} GiB{each} ({size // per_token:,} tokens: --max-model-len {max_model_len} x "
         f"{min(sequences, size // one_request)} sequences at {per_token:,} bytes a token); --kv-cache-memory-bytes "
         "or VLLM_CPU_KVCACHE_SPACE to choose another size",
         flush=True,

@@ -11,7 +11,9 @@ def option_value(options: list[str], name: str) -> str | None:
     vLLM's parser reads them: dashes or underscores in the name, and after the keys of a ``--config`` YAML file.
     Not argparse's abbreviations (``--max-model 512``), which vLLM's parser also takes: ``check_full_names``
     refuses those of the names read here."""
-    value = config_file_settings(options).get(name[2:])
+    value = (
+        config_file_settings(options).get(name[2:]) if name.startswith("--") else None
+    )  # "-tp": none there
     value = None if value is None else str(value)
     for i, option in enumerate(options):
         given, equals, after = option.partition("=")
@@ -37,6 +39,9 @@ READ_OPTIONS = (
     "--max-model-len",
     "--max-num-seqs",
     "--optimization-level",
+    "--tensor-parallel-size",
+    "--pipeline-parallel-size",
+    "--data-parallel-size",
 )
 
 
@@ -85,6 +90,17 @@ def config_file_settings(options: list[str]) -> dict:
     if not isinstance(settings, dict):
         raise ValueError(f"--config {path}: expected option: value lines (a YAML mapping)")
     return {str(key).replace("_", "-"): value for key, value in settings.items()}
+
+
+def workers(options: list[str]) -> tuple[int, int]:
+    """``(processes, shards)``: how many engine workers vLLM starts (tensor x pipeline x data parallel), and in how
+    many shards each model's K/V is split among them (tensor x pipeline: heads and layers)."""
+    tp, pp, dp = (
+        option_int(options, long) or option_int(options, short) or 1
+        for long, short in (("--tensor-parallel-size", "-tp"), ("--pipeline-parallel-size", "-pp"),
+                            ("--data-parallel-size", "-dp"))
+    )  # fmt: skip
+    return tp * pp * dp, tp * pp
 
 
 def option_int(options: list[str], name: str) -> int | None:
