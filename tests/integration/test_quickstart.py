@@ -84,12 +84,15 @@ def numbers(text: str) -> list[float]:
 
 @pytest.mark.slow
 @pytest.mark.vllm
-def test_quickstart_report_is_complete_and_consistent(inputs, tmp_path, capsys):
+def test_quickstart_report_is_complete_and_consistent(inputs, tmp_path, capsys, monkeypatch):
     from transformers import AutoConfig
 
     from swiftkv.quickstart.stages import GREEDY_TOKENS
     from swiftkv_core.flops import ModelShape, prefill_flops_total
 
+    # the serving stage's engines run their core in their own process: one process start fewer each, ~16 s (the
+    # workers' layout users run is tests/serve/test_server.py's and test_soak.py's)
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     report = run_quickstart(inputs, tmp_path / "run")
     printed, bars = capsys.readouterr()
     # live progress inside a frontier point too (minutes each with a GPU recipe on a CPU): the fit, each held-out set
