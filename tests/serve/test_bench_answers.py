@@ -163,3 +163,22 @@ def test_a_prompt_longer_than_the_models_context_is_refused_before_the_engine(ti
         with pytest.raises(ValueError, match=r"1 prompt\(s\) \(indices \[1\]; the longest 11\d\d tokens\) plus "
                                              r"max_new_tokens=8 exceed .*context of 1024 tokens"):  # fmt: skip
             generate(tiny_llama, prompts, max_new_tokens=8)
+
+
+@pytest.mark.vllm
+def test_a_model_shorter_than_the_rounded_length_is_served_within_its_context(
+    tmp_path, tiny_llama, tiny_swiftkv
+):
+    """The comparison's default length rounds up to 256 tokens; a model whose context is shorter (128, as the main
+    job serves such a model its 10:1 split, 116/12) is served at its context: vLLM refused the rounded length."""
+    from swiftkv_serve.comparison import compare_serving
+
+    short = {}
+    for name, checkpoint in (("base", tiny_llama), ("swiftkv", tiny_swiftkv)):
+        short[name] = Path(shutil.copytree(checkpoint, tmp_path / name))
+        config = json.loads((short[name] / "config.json").read_text())
+        (short[name] / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 128}))
+    results = compare_serving(
+        short["base"], short["swiftkv"], {"116/12": (116, 12)}, 1, max_num_seqs=1, compile=False
+    )
+    assert results["max_model_len"] == 128 and set(results["ratios_swiftkv_over_stock"]) == {"116/12"}

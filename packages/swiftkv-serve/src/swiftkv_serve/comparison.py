@@ -9,6 +9,7 @@ report of that comparison: ``compare_serving``, ``plot_serving``, ``write_servin
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Callable
 from pathlib import Path
 
@@ -107,16 +108,18 @@ def compare_serving(
             f"workloads {bad or workloads}, num_requests {num_requests}, max_num_seqs {max_num_seqs}: each must be "
             ">= 1 (a workload: prompt and output tokens)."
         )
-    max_model_len = max_model_len or default_max_model_len(workloads)
+    describe(swiftkv)  # a SwiftKV checkpoint vLLM serves (not one with adapters apart): before the stock run
+    swiftkv_config = AutoConfig.from_pretrained(swiftkv)
+    l = swiftkv_config.num_key_value_layers
+    # the default rounds up to 256 tokens, past the context of a model shorter than that (vLLM refuses more)
+    context = getattr(swiftkv_config, "max_position_embeddings", None) or math.inf
+    max_model_len = max_model_len or min(default_max_model_len(workloads), context)
     too_long = [name for name, (p, o) in workloads.items() if p + o > max_model_len]
     if too_long:
         raise ValueError(
             f"max_model_len={max_model_len} is shorter than workloads {too_long} (prompt + output)."
         )
     dtype = dtype or default_dtype()
-    describe(swiftkv)  # a SwiftKV checkpoint vLLM serves (not one with adapters apart): before the stock run
-    swiftkv_config = AutoConfig.from_pretrained(swiftkv)
-    l = swiftkv_config.num_key_value_layers
 
     runs = {}
     for label, path in ((STOCK_LABEL, base), (f"SwiftKV l={l}", swiftkv)):
