@@ -273,7 +273,7 @@ def test_options_before_the_checkpoint_are_refused_without_their_values(tmp_path
 
 
 @pytest.mark.vllm
-def test_kv_cache_options_on_a_cpu(tiny_swiftkv, capsys):
+def test_kv_cache_options_on_a_cpu(tiny_swiftkv, tmp_path, capsys):
     chosen = cli.cpu_kv_cache_options(tiny_swiftkv, ["--max-model-len=256", "--max-num-seqs", "2"], {})
     config = json.loads((tiny_swiftkv / "config.json").read_text())
     per_token = cli.kv_bytes_per_token(config, None, None)
@@ -291,6 +291,15 @@ def test_kv_cache_options_on_a_cpu(tiny_swiftkv, capsys):
         )
         assert sized == ["--kv-cache-memory-bytes", str(-(-per_token // shards) * 256 * 2)], parallel
         assert f"in each of {processes} workers" in capsys.readouterr().out
+    # the last one given counts, the short and the long name alike, over the --config file's (as in vLLM's parser)
+    config_file = tmp_path / "serve.yaml"
+    config_file.write_text("tensor-parallel-size: 1\n")
+    for parallel in (["--config", str(config_file), "-tp", "2"], ["--tensor-parallel-size", "1", "-tp=2"]):
+        assert cli.workers(parallel) == (2, 2), parallel
+    with pytest.raises(
+        ValueError, match="--pipeline-parallel-size 2: SwiftKV models do not support pipeline"
+    ):
+        cli.cpu_kv_cache_options(tiny_swiftkv, ["-pp", "2"], {})
     assert (
         cli.cpu_kv_cache_options(tiny_swiftkv, [], {"VLLM_CPU_KVCACHE_SPACE": "1"}) == []
     )  # the user's choice
@@ -303,15 +312,10 @@ def test_kv_cache_options_on_a_cpu(tiny_swiftkv, capsys):
         assert cli.cpu_kv_cache_options(tiny_swiftkv, chosen, {}) == []
     with pytest.raises(ValueError, match="give a smaller --max-model-len"):
         cli.cpu_kv_cache_options(tiny_swiftkv, ["--max-model-len", str(10**12)], {})
-    for auto in (
-        "auto",
-        "-1",
-    ):  # vLLM's own choice of the length, to what the cache holds: the machine's room
+    for auto in ("auto", "-1"):  # vLLM fits the length to the cache, never past the config's context
         (_, size) = cli.cpu_kv_cache_options(tiny_swiftkv, ["--max-model-len", auto], {})
-        assert (
-            int(size) > 10**6
-            and "--max-model-len auto: vLLM fits the context to it" in capsys.readouterr().out
-        )
+        assert int(size) == per_token * config["max_position_embeddings"] * cli.DEFAULT_SEQUENCES
+        assert "--max-model-len auto: vLLM fits the context to it" in capsys.readouterr().out
     # a float32 checkpoint is served in float32 on vllm-cpu, unless the user chose a dtype
     assert json.loads((tiny_swiftkv / "config.json").read_text())["dtype"] == "float32"
     assert cli.cpu_dtype_options(tiny_swiftkv, []) == ["--dtype", "float32"]

