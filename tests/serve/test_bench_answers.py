@@ -165,20 +165,17 @@ def test_a_prompt_longer_than_the_models_context_is_refused_before_the_engine(ti
             generate(tiny_llama, prompts, max_new_tokens=8)
 
 
-@pytest.mark.vllm
-def test_a_model_shorter_than_the_rounded_length_is_served_within_its_context(
-    tmp_path, tiny_llama, tiny_swiftkv
-):
+def test_a_model_shorter_than_the_rounded_length_is_served_within_its_context(tiny_swiftkv):
     """The comparison's default length rounds up to 256 tokens; a model whose context is shorter (128, as the main
-    job serves such a model its 10:1 split, 116/12) is served at its context: vLLM refused the rounded length."""
-    from swiftkv_serve.comparison import compare_serving
+    job serves such a model its 10:1 split, 116/12) is served at its context: vLLM refused the rounded length. (Both
+    engines serving 116/12 at 128 tokens, and refusing 256, were run once: the note of 2026-12-07; the whole
+    comparison runs in the main job's test.)"""
+    from transformers import AutoConfig
 
-    short = {}
-    for name, checkpoint in (("base", tiny_llama), ("swiftkv", tiny_swiftkv)):
-        short[name] = Path(shutil.copytree(checkpoint, tmp_path / name))
-        config = json.loads((short[name] / "config.json").read_text())
-        (short[name] / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 128}))
-    results = compare_serving(
-        short["base"], short["swiftkv"], {"116/12": (116, 12)}, 1, max_num_seqs=1, compile=False
-    )
-    assert results["max_model_len"] == 128 and set(results["ratios_swiftkv_over_stock"]) == {"116/12"}
+    from swiftkv_serve.comparison import engines_max_model_len
+
+    config = AutoConfig.from_pretrained(tiny_swiftkv)  # a context of 1024
+    assert engines_max_model_len({"116/12": (116, 12)}, config) == 256
+    assert engines_max_model_len({"600/200": (600, 200)}, config) == 1024  # 800 rounded up: within 1024
+    config.max_position_embeddings = 128
+    assert engines_max_model_len({"116/12": (116, 12)}, config) == 128

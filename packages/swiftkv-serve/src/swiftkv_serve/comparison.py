@@ -29,6 +29,13 @@ KV_CACHE_GIB = 4  # each engine's KV cache space: the same for both models (vLLM
 _DTYPES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
 
 
+def engines_max_model_len(workloads: dict[str, tuple[int, int]], config) -> int:
+    """The engines' length by default: the longest workload and the warm-up rounded up to 256 tokens
+    (``default_max_model_len``), never past the model's context, which vLLM refuses to exceed (a model shorter than
+    256 tokens, as the main job serves one its 10:1 split)."""
+    return min(default_max_model_len(workloads), getattr(config, "max_position_embeddings", None) or math.inf)
+
+
 def converted_export(base: str | Path, num_key_value_layers: int) -> Path:
     """``base`` converted at ``l`` (published init, not distilled: serving speed does not depend on the weights)
     and exported for serving, made once into the cache (``$SWIFTKV_CACHE_DIR/bench``) and reused."""
@@ -111,9 +118,7 @@ def compare_serving(
     describe(swiftkv)  # a SwiftKV checkpoint vLLM serves (not one with adapters apart): before the stock run
     swiftkv_config = AutoConfig.from_pretrained(swiftkv)
     l = swiftkv_config.num_key_value_layers
-    # the default rounds up to 256 tokens, past the context of a model shorter than that (vLLM refuses more)
-    context = getattr(swiftkv_config, "max_position_embeddings", None) or math.inf
-    max_model_len = max_model_len or min(default_max_model_len(workloads), context)
+    max_model_len = max_model_len or engines_max_model_len(workloads, swiftkv_config)
     too_long = [name for name, (p, o) in workloads.items() if p + o > max_model_len]
     if too_long:
         raise ValueError(
