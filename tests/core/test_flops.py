@@ -62,6 +62,26 @@ def test_measured_prefill_flops_match_the_model(l, g, seq_len, keep):
     assert measured == pytest.approx(expected, rel=1e-9)
 
 
+@torch.no_grad()
+@pytest.mark.parametrize(("l", "seq_len"), [(None, 32), (2, 17)])
+def test_a_causal_count_of_eager_attention_is_the_bounds_causal_count(l, seq_len):
+    """``causal_len`` counts eager attention's keys as the bounds do, ``(seq_len + 1) / 2`` a query; every other
+    matmul as before. A fused attention (here the CPU's SDPA) cannot be told apart: refused, with the fix."""
+    model = tiny_base("llama") if l is None else convert(tiny_base("llama"), l)
+    ids = torch.randint(0, 128, (2, seq_len))
+    shape = ModelShape.from_config(model.config)
+    model.config._attn_implementation = "eager"
+    for attention, causal_len in (("dense", None), ("causal", seq_len)):
+        measured, _ = count_flops(model, ids, logits_to_keep=0, causal_len=causal_len)
+        expected = prefill_flops_total(shape, seq_len, l, logits_to_keep=0, attention=attention, batch_size=2)
+        assert measured == pytest.approx(expected, rel=1e-9), attention
+    model.config._attn_implementation = "sdpa"
+    with pytest.raises(
+        ValueError, match=r"ran aten\._scaled_dot_product.*set the model's attn_implementation to 'eager'"
+    ):
+        count_flops(model, ids, causal_len=seq_len)
+
+
 def test_swiftkv_halves_prefill_flops_at_half_the_layers():
     shape = ModelShape.from_config(tiny_base("llama").config)
     ratio = prefill_flops(shape, 2048, 2).total / prefill_flops(shape, 2048).total

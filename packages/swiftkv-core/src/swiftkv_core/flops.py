@@ -21,6 +21,7 @@ torch's FlopCounterMode do; norms, RoPE, activations and softmax are left out):
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import asdict, dataclass, field
 
@@ -163,8 +164,10 @@ def prefill_flops_phases(
     if l < L:  # the kept positions through layers >= l
         rest = prefill_flops(shape, seq_len, None, 1, attention)
         per_layer = (rest.q + rest.o + rest.mlp + rest.attention) / L
-        if attention == "causal":  # the kept queries are the last ones: they see (almost) every key
-            per_layer += 2 * 2 * shape.num_attention_heads * shape.head_dim * (seq_len - (seq_len + 1) / 2)
+        # causal: the kept queries are the last ones, seeing seq_len - (kept - 1) / 2 keys on average
+        if attention == "causal":
+            keys = seq_len - (kept - 1) / 2
+            per_layer += 2 * 2 * shape.num_attention_heads * shape.head_dim * (keys - (seq_len + 1) / 2)
         phases["kept"] = per_layer * (L - l) * kept
     return {phase: flops * batch_size for phase, flops in phases.items()}
 
@@ -326,12 +329,35 @@ def _cpu_sdpa_flops(query_shape, key_shape, *args, out_shape=None, **kwargs) -> 
     return 2 * 2 * batch * heads * queries * keys * head_dim
 
 
-def count_flops(fn, *args, **kwargs) -> tuple[int, object]:
-    """``(matmul FLOPs, result)`` of ``fn(*args, **kwargs)`` under torch's FlopCounterMode, CPU attention included."""
+def _causal_bmm_flops(seq_len: int, a_shape, b_shape, *args, out_shape=None, **kwargs) -> int:
+    """A batched matmul's FLOPs, those of attention over ``seq_len`` tokens (two of its three sizes are
+    ``seq_len``: the scores, their use, or their gradients) counted causally: ``(seq_len + 1) / 2`` keys a query."""
+    batch, m, k = a_shape
+    n = b_shape[-1]
+    flops = 2 * batch * m * k * n
+    return flops * (seq_len + 1) // (2 * seq_len) if [m, k, n].count(seq_len) >= 2 else flops
+
+
+def count_flops(fn, *args, causal_len: int | None = None, **kwargs) -> tuple[int, object]:
+    """``(matmul FLOPs, result)`` of ``fn(*args, **kwargs)`` under torch's FlopCounterMode, CPU attention included.
+
+    FlopCounterMode counts every key of every query (``attention="dense"``). With ``causal_len``, for a call whose
+    every attention is eager (``attn_implementation="eager"``: batched matmuls) and causal over whole sequences of
+    that many tokens (a forward or a training step of such rows), attention is counted as the bounds count it
+    (``attention="causal"``)."""
     import torch
     from torch.utils.flop_counter import FlopCounterMode
 
     mapping = {torch.ops.aten._scaled_dot_product_flash_attention_for_cpu: _cpu_sdpa_flops}
+    if causal_len is not None:
+        mapping[torch.ops.aten.bmm] = functools.partial(_causal_bmm_flops, causal_len)
     with FlopCounterMode(display=False, custom_mapping=mapping) as counter:
         result = fn(*args, **kwargs)
+    if causal_len is not None:
+        fused = [str(op) for op in counter.get_flop_counts()["Global"] if "attention" in str(op)]
+        if fused:
+            raise ValueError(
+                f"count_flops(causal_len={causal_len}) counts eager attention's batched matmuls, but this call ran "
+                f"{', '.join(fused)}, counted over every key: set the model's attn_implementation to 'eager' first."
+            )
     return counter.get_total_flops(), result

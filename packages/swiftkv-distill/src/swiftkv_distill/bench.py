@@ -143,18 +143,19 @@ def step_rows(
             torch.cuda.empty_cache()
             continue
         # FlopCounterMode sees no FLOPs inside a compiled flex_attention, nor in sdpa's GQA path: count eager's,
-        # without the recomputed layers (the model's FLOPs: what MFU counts), once per loss, a sequence at a time
-        # (their sum is the batch's; eager attention over a whole 8k batch beside the whole teacher + student
-        # exceeds an 80 GB GPU)
+        # without the recomputed layers (the model's FLOPs: what MFU counts), its attention causal (as the bounds
+        # count it), once per loss, a sequence at a time (their sum is the batch's; eager attention over a whole 8k
+        # batch beside the whole teacher + student exceeds an 80 GB GPU)
         model.gradient_checkpointing_disable()
         model.config._attn_implementation = "eager"
         if loss_fn not in model_flops:
             sequences = per_sequence(batches[0])
+            n_sequences, length = sequences["input_ids"].shape
             with torch.compiler.set_stance("force_eager"):
                 model_flops[loss_fn] = sum(
-                    count_flops(one_step, {k: v[i : i + 1] for k, v in sequences.items()})[0]
-                    for i in range(len(sequences["input_ids"]))
-                )
+                    count_flops(one_step, {k: v[i : i + 1] for k, v in sequences.items()}, causal_len=length)[0]
+                    for i in range(n_sequences)
+                )  # fmt: skip
         flops = model_flops[loss_fn]
         tokens = batches[0]["input_ids"].numel()
         rows.append({
