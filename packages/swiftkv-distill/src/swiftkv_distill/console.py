@@ -44,6 +44,24 @@ class OutOfMemory(MemoryError):
     """A distillation that did not fit its device's memory; the message says what to change."""
 
 
+class Phases:
+    """A LightningModule's ``phase``: the work before the first step now running, None in training (what
+    ``out_of_memory_advice`` names). On a GPU each phase's peak-memory count starts afresh, so the peak the advice
+    gives is the phase's own."""
+
+    _phase: str | None = None
+
+    @property
+    def phase(self) -> str | None:
+        return self._phase
+
+    @phase.setter
+    def phase(self, phase: str | None) -> None:
+        self._phase = phase
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+
+
 @contextmanager
 def told_out_of_memory(trainer, module, datamodule) -> Iterator[None]:
     """Around ``trainer.fit``: a CUDA out-of-memory error becomes ``OutOfMemory`` with ``out_of_memory_advice``."""
@@ -61,7 +79,7 @@ def out_of_memory_advice(trainer, module, datamodule) -> str:
     where = device_description(device)
     if device.type == "cuda":
         total = torch.cuda.get_device_properties(device).total_memory / 2**30
-        where += f" ({total:.0f} GiB, {torch.cuda.max_memory_allocated(device) / 2**30:.1f} GiB of tensors at the peak)"
+        where += f" ({total:.0f} GiB, {torch.cuda.max_memory_allocated(device) / 2**30:.1f} GiB of tensors at its peak in this phase)"
     phase, step = running_phase(trainer, module), trainer.global_step
     if phase == "training":
         when = (

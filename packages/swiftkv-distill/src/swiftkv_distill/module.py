@@ -30,6 +30,7 @@ from .build import (
     warn_if_bf16_emulated,
 )
 from .checkpointing import TrainedWeightsOnly
+from .console import Phases
 from .parallelize import check_data_parallel_only, shard_from_rank0, sum_over_processes
 from .schedule import StepSchedule, check_optimizer_settings, check_run_length, total_steps
 from .step import (
@@ -42,7 +43,7 @@ from .step import (
 )
 
 
-class SwiftKVDistillation(TrainedWeightsOnly, L.LightningModule):
+class SwiftKVDistillation(TrainedWeightsOnly, Phases, L.LightningModule):
     """Distil a SwiftKV model from its own base model (teacher = the same weights with SwiftKV off).
 
     Args:
@@ -156,7 +157,6 @@ class SwiftKVDistillation(TrainedWeightsOnly, L.LightningModule):
         )
         self.step: DistillationStep | None = None
         self.resume_from: str | None = None  # the checkpoint fit resumes from (recipe.py's fits): no K/V init
-        self.phase: str | None = None  # the work before the first step now running (out-of-memory names it)
         self.val_metrics = nn.ModuleList([ValidationMetrics()])  # one per validation set (grown on demand)
         self.before_metrics: dict[str, float] = {}  # the converted model (published init), before training
         self.init_metrics: dict[str, float] = {}  # after the least-squares K/V init, before training
