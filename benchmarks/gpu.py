@@ -19,8 +19,8 @@ distillation batches are real text (Brown prose, the default tokenizer) packed i
 - the distillation step: ours (layers < l once, teacher and student suffixes, chunked KL; packed rows through sdpa's
   dense mask and through the device's packed attention, flex_attention or flash-attn) against a whole teacher + a
   whole student forward on the same weights: tokens/s, peak memory and MFU (the step's FLOPs, counted by torch's
-  FlopCounterMode, over the device's dense bf16 peak), and the speed vs the whole with its FLOPs bound (the two
-  steps' counted FLOPs), measured by ``swiftkv_distill.bench``;
+  FlopCounterMode with causal attention as the bounds count it, over the device's dense bf16 peak), and the speed
+  vs the whole with its FLOPs bound (the two steps' counted FLOPs), measured by ``swiftkv_distill.bench``;
   ``--activation_checkpointing true`` / ``--compile_layers true``: both again with every layer recomputed / compiled.
 
 Writes ``benchmarks/results/gpu-<shape>.{json,md}`` (or ``--out``). Where a 2k prefill spends its time:
@@ -46,9 +46,10 @@ RESULTS = Path(__file__).parent / "results"
 # dense bf16 TFLOP/s (vendors' datasheets; the first name the device's contains: the PCIe and NVL cards before the SXM)
 PEAK_BF16_TFLOPS = {"H100 PCIe": 756.0, "H100 NVL": 835.0, "H200 NVL": 835.0, "H100": 989.0, "H200": 989.0,
                     "A100": 312.0, "L40S": 362.0}  # fmt: skip
-# memory bandwidth, TB/s (datasheets; the first name the device's contains: the PCIe and NVL H100s before the SXM;
+# memory bandwidth, TB/s (datasheets; the first name the device's contains: the PCIe, NVL and 40 GB cards first;
 # a GH200's name does not tell its 4.0 from its 4.9: none, give --hbm_tbps)
-HBM_TBPS = {"H100 PCIe": 2.0, "H100 NVL": 3.9, "H100": 3.35, "GH200": None, "H200": 4.8, "A100": 2.0,
+HBM_TBPS = {"H100 PCIe": 2.0, "H100 NVL": 3.9, "H100": 3.35, "GH200": None, "H200": 4.8,
+            "A100-SXM4-40GB": 1.555, "A100-PCIE-40GB": 1.555, "A100 80GB PCIe": 1.935, "A100": 2.039,
             "L40S": 0.864}  # fmt: skip
 
 

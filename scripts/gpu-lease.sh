@@ -110,8 +110,8 @@ run_step() {
         command="python3 -m pytest -m gpu tests/distill/test_attention.py -q -p no:cacheprovider --tb=short" ;;
     tests)
         limit=300
-        command="python3 -m pytest -m gpu tests/core/test_gpu.py tests/core/test_runtime.py tests/distill/test_gpu.py \
-tests/distill/test_module.py -q -p no:cacheprovider --tb=short" ;;
+        command="python3 -m pytest -m gpu tests/core/test_gpu.py tests/core/test_runtime.py tests/core/test_kv_cache.py \
+tests/core/test_attention.py tests/distill/test_gpu.py tests/distill/test_module.py -q -p no:cacheprovider --tb=short" ;;
     prefill)
         limit=480
         command="python3 benchmarks/gpu.py --parts '[prefill,decode]' --prefill_lengths '[2048,8192]' --prefill_compile reduce-overhead \
