@@ -82,6 +82,19 @@ def test_a_causal_count_of_eager_attention_is_the_bounds_causal_count(l, seq_len
         count_flops(model, ids, causal_len=seq_len)
 
 
+@pytest.mark.parametrize("kept", [1, 5, 16])
+def test_the_kept_rows_see_the_keys_a_causal_query_does(kept):
+    """Under SwiftKV the last ``kept`` positions run layers >= l: causal, the i-th of a prompt sees i keys."""
+    shape, seq_len, l = ModelShape.from_config(tiny_base("llama").config), 16, 2
+    dense, causal = (
+        prefill_flops_phases(shape, seq_len, l, logits_to_keep=kept, attention=attention)["kept"]
+        for attention in ("dense", "causal")
+    )
+    keys = sum(range(seq_len - kept + 1, seq_len + 1))
+    per_key = 2 * 2 * shape.num_attention_heads * shape.head_dim * (shape.num_hidden_layers - l)
+    assert dense - causal == pytest.approx(per_key * (kept * seq_len - keys))
+
+
 def test_swiftkv_halves_prefill_flops_at_half_the_layers():
     shape = ModelShape.from_config(tiny_base("llama").config)
     ratio = prefill_flops(shape, 2048, 2).total / prefill_flops(shape, 2048).total

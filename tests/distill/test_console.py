@@ -11,6 +11,7 @@ from swiftkv_core.runtime import storage_bytes
 from swiftkv_distill import SwiftKVDistillation
 from swiftkv_distill.build import resident_bytes
 from swiftkv_distill.cli import main
+from swiftkv_distill.console import Phases
 from tests.distill.conftest import llama_70b_parameters
 
 
@@ -216,3 +217,27 @@ def test_processes_sharing_a_cpu_are_each_counted(tiny_model, tmp_path):
         message,
     )
     assert "or 1 process on this machine, not 2 (trainer.devices)" in message
+
+
+def test_each_phase_counts_its_peak_memory_afresh_on_a_gpu(monkeypatch):
+    """The module's phase, set as each phase begins, starts the GPU's peak-memory count afresh: the peak that the
+    advice gives is the phase's own (a real one: test_gpu.py). A CPU has no count to start."""
+    resets = []
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", resets.append)  # no CUDA here to reset
+
+    class OnAGpu(Phases):
+        device = torch.device("cuda", 0)
+
+    class OnACpu(Phases):
+        device = torch.device("cpu")
+
+    gpu, cpu = OnAGpu(), OnACpu()
+    gpu.phase = "fitting the least-squares K/V init"
+    gpu.phase = None
+    cpu.phase = "evaluating the K/V init"
+    assert (
+        resets == [torch.device("cuda", 0)] * 2
+        and gpu.phase is None
+        and cpu.phase == "evaluating the K/V init"
+    )
+    assert issubclass(SwiftKVDistillation, Phases)

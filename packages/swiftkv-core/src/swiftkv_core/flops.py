@@ -129,7 +129,8 @@ def prefill_flops_total(
 ) -> float:
     """Exact FLOPs of one prefill forward that returns the last ``logits_to_keep`` logits (as ``generate``).
 
-    Under SwiftKV the kept positions also run layers ``>= l`` (query over all ``seq_len`` keys). With
+    Under SwiftKV the kept positions also run layers ``>= l`` (the last queries: over all ``seq_len`` keys, dense;
+    over the keys each sees, causal). With
     ``attention="dense"`` this is what FlopCounterMode measures on an SDPA forward; the default, ``"causal"``, is
     what the kernels compute.
     """
@@ -344,7 +345,8 @@ def count_flops(fn, *args, causal_len: int | None = None, **kwargs) -> tuple[int
     FlopCounterMode counts every key of every query (``attention="dense"``). With ``causal_len``, for a call whose
     every attention is eager (``attn_implementation="eager"``: batched matmuls) and causal over whole sequences of
     that many tokens (a forward or a training step of such rows), attention is counted as the bounds count it
-    (``attention="causal"``)."""
+    (``attention="causal"``). Not for a call where fewer queries run than keys (SwiftKV's kept rows of a prefill,
+    ``positions`` in training): their attention is still counted dense."""
     import torch
     from torch.utils.flop_counter import FlopCounterMode
 
@@ -354,7 +356,7 @@ def count_flops(fn, *args, causal_len: int | None = None, **kwargs) -> tuple[int
     with FlopCounterMode(display=False, custom_mapping=mapping) as counter:
         result = fn(*args, **kwargs)
     if causal_len is not None:
-        fused = [str(op) for op in counter.get_flop_counts()["Global"] if "attention" in str(op)]
+        fused = [str(op) for op in counter.get_flop_counts().get("Global", {}) if "attention" in str(op)]
         if fused:
             raise ValueError(
                 f"count_flops(causal_len={causal_len}) counts eager attention's batched matmuls, but this call ran "

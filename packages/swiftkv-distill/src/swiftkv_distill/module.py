@@ -347,6 +347,7 @@ class SwiftKVDistillation(TrainedWeightsOnly, Phases, L.LightningModule):
         self._window = AccumulationWindow()  # a window a stopped fit left open counts for nothing
         if self.global_step == 0:
             self._measure_and_init_kv()
+        self.phase = None  # training (a resumed run's peak memory from here too)
         compile_layers(self.swiftkv_model, self.hparams.compile_layers)
 
     def _measure_and_init_kv(self) -> None:
