@@ -48,9 +48,8 @@ PEAK_BF16_TFLOPS = {"H100 PCIe": 756.0, "H100 NVL": 835.0, "H200 NVL": 835.0, "H
                     "A100": 312.0, "L40S": 362.0}  # fmt: skip
 # memory bandwidth, TB/s (datasheets; the first name the device's contains: the PCIe, NVL and 40 GB cards first;
 # a GH200's name does not tell its 4.0 from its 4.9: none, give --hbm_tbps)
-HBM_TBPS = {"H100 PCIe": 2.0, "H100 NVL": 3.9, "H100": 3.35, "GH200": None, "H200": 4.8,
-            "A100-SXM4-40GB": 1.555, "A100-PCIE-40GB": 1.555, "A100 80GB PCIe": 1.935, "A100": 2.039,
-            "L40S": 0.864}  # fmt: skip
+HBM_TBPS = {"H100 PCIe": 2.0, "H100 NVL": 3.9, "H100": 3.35, "GH200": None, "H200": 4.8, "A100-SXM4-40GB": 1.555,
+            "A100-PCIE-40GB": 1.555, "A100 80GB PCIe": 1.935, "A100": 2.039, "L40S": 0.864}  # fmt: skip
 
 
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
