@@ -129,10 +129,9 @@ def prefill_flops_total(
 ) -> float:
     """Exact FLOPs of one prefill forward that returns the last ``logits_to_keep`` logits (as ``generate``).
 
-    Under SwiftKV the kept positions also run layers ``>= l`` (the last queries: over all ``seq_len`` keys, dense;
-    over the keys each sees, causal). With
-    ``attention="dense"`` this is what FlopCounterMode measures on an SDPA forward; the default, ``"causal"``, is
-    what the kernels compute.
+    Under SwiftKV the kept positions also run layers ``>= l`` (the last queries: each over all ``seq_len`` keys,
+    dense; over the keys it sees, causal). With ``attention="dense"`` this is what FlopCounterMode measures on an
+    SDPA forward; the default, ``"causal"``, is what the kernels compute.
     """
     return sum(
         prefill_flops_phases(
