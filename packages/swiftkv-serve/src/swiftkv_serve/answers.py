@@ -90,9 +90,7 @@ def generate_in_process(
     prompt_ids = chat_prompt_ids(tokenizer, prompts)
     if not prompt_ids:
         return []
-    check_context(
-        model, [len(ids) for ids in prompt_ids], max_new_tokens, (engine_options or {}).get("max_model_len")
-    )
+    check_context(model, [len(ids) for ids in prompt_ids], max_new_tokens, engine_options)
     options = dict(
         dtype="float32" if not torch.cuda.is_available() else "auto",
         enforce_eager=True,
@@ -120,15 +118,17 @@ def generate_in_process(
 
 
 def check_context(
-    model: str | Path, prompt_lengths: list[int], max_new_tokens: int, max_model_len: int | None = None
+    model: str | Path, prompt_lengths: list[int], max_new_tokens: int, engine_options: dict | None = None
 ) -> None:
     """Raise ``ValueError`` naming the prompts that, with their answers, exceed ``model``'s context: before the
-    engine starts (vLLM refuses its whole run then, for one prompt). The context: ``max_model_len`` where the engine
-    is given one, else the config's ``max_position_embeddings``, what vLLM derives for the Llama and Qwen2 RoPE
+    engine starts (vLLM refuses its whole run then, for one prompt). The context: ``max_model_len`` where the engine's
+    options give one, else the config's ``max_position_embeddings``, what vLLM derives for the Llama and Qwen2 RoPE
     types (llama3, yarn, default; a linear or dynamic factor it would multiply in is not: refused here)."""
     from transformers import AutoConfig
 
-    context = max_model_len or getattr(AutoConfig.from_pretrained(model), "max_position_embeddings", None)
+    context = (engine_options or {}).get("max_model_len") or getattr(
+        AutoConfig.from_pretrained(model), "max_position_embeddings", None
+    )
     too_long = [i for i, n in enumerate(prompt_lengths) if context and n + max_new_tokens > context]
     if too_long:
         raise ValueError(
@@ -180,9 +180,7 @@ def generate_answers(
     if not prompts:
         return []
     lengths = [len(ids) for ids in chat_prompt_ids(AutoTokenizer.from_pretrained(model), prompts)]
-    check_context(
-        model, lengths, max_new_tokens, (engine_options or {}).get("max_model_len")
-    )  # before the child
+    check_context(model, lengths, max_new_tokens, engine_options)  # here too: before the child starts
     spec = dict(
         model=str(model),
         prompts=prompts,

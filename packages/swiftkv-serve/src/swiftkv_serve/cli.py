@@ -178,11 +178,12 @@ def cpu_kv_cache_options(checkpoint: Path, options: list[str], environ) -> list[
     )
     per_token = -(-whole // shards)  # a worker's share, rounded up
     weights = sum(f.stat().st_size for f in checkpoint.glob("*.safetensors")) * (processes // shards)
-    room = max(available_memory() - weights, 0) // 2 // processes
+    free = available_memory()  # read once: the decision and the messages give the same figure
+    room = max(free - weights, 0) // 2 // processes
     if room <= 0:
         raise ValueError(
             f"the weights ({weights / 2**30:.1f} GiB) leave no memory for a KV cache on this machine "
-            f"({available_memory() / 2**30:.1f} GiB free): free memory, or serve on a larger machine."
+            f"({free / 2**30:.1f} GiB free): free memory, or serve on a larger machine."
         )
     if (option_value(options, "--max-model-len") or "").strip() in ("auto", "-1"):
         # vLLM fits the length to the cache, never past the config's context: no more than that many sequences hold
@@ -195,7 +196,7 @@ def cpu_kv_cache_options(checkpoint: Path, options: list[str], environ) -> list[
     if one_request > room:
         raise ValueError(
             f"one request of --max-model-len {max_model_len} needs {one_request / 2**30:.2f} GiB of KV cache and "
-            f"this machine has {available_memory() / 2**30:.1f} GiB free (the weights {weights / 2**30:.1f} GiB): "
+            f"this machine has {free / 2**30:.1f} GiB free (the weights {weights / 2**30:.1f} GiB): "
             "give a smaller --max-model-len, free memory, or set --kv-cache-memory-bytes yourself."
         )
     size = min(one_request * sequences, room)
