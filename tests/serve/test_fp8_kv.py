@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from swiftkv_serve import engine_config
 from swiftkv_serve.engine_config import fp8_kv_cache_problem
 from tests.serve.checkpoints import swiftkv_checkpoint
 from tests.serve.conftest import (
@@ -18,7 +19,7 @@ from tests.serve.conftest import (
 
 pytestmark = pytest.mark.vllm
 
-CPU_HAS_FP8_KV_KERNELS = torch.cpu._is_avx512_supported() or torch.cpu._is_amx_tile_supported()
+CPU_HAS_FP8_KV_KERNELS = any(engine_config.cpu_instruction_sets())
 
 
 def test_the_reason_names_the_missing_instructions():
@@ -34,10 +35,10 @@ def test_the_reason_names_the_missing_instructions():
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU backend (a CUDA machine serves on its GPU)")
 def test_cpu_without_avx512_or_amx_refuses_fp8_before_loading(tiny_swiftkv, tmp_path, monkeypatch):
     """The engine's own check, where the engine core runs in this process (``vllm_engine``): on any CPU, as if it
-    lacked both instruction sets (torch's own probes, which the check reads, say so). Before the weights are read:
-    a checkpoint without them gets this error, not theirs."""
-    monkeypatch.setattr(torch.cpu, "_is_avx512_supported", lambda: False)
-    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False)
+    lacked both instruction sets (the check's probe says so). Before the weights are read: a checkpoint without
+    them gets this error, not theirs. Not torch's probes: vLLM reads them too, to pick its kernel library the
+    first time it loads one, and would load the AVX2 one (no fp8 KV kernels) for the rest of this process."""
+    monkeypatch.setattr(engine_config, "cpu_instruction_sets", lambda: (False, False))
     weightless = without_weights(tiny_swiftkv, tmp_path)
     with pytest.raises(ValueError, match="AVX-512 or AMX"), vllm_engine(weightless, kv_cache_dtype="fp8"):
         pass

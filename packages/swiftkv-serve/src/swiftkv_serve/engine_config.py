@@ -55,16 +55,19 @@ def fp8_kv_cache_problem(cache_dtype: str, is_cpu: bool, has_avx512: bool, has_a
     )
 
 
+def cpu_instruction_sets() -> tuple[bool, bool]:
+    """Whether this CPU has AVX-512 and AMX, by torch's probes (vLLM picks its CPU kernels by the same ones)."""
+    import torch
+
+    return torch.cpu._is_avx512_supported(), torch.cpu._is_amx_tile_supported()
+
+
 def check_kv_cache_dtype(vllm_config) -> None:
     """Raise ``fp8_kv_cache_problem`` for this machine, if any, before the model loads."""
-    import torch
     from vllm.platforms import current_platform
 
     problem = fp8_kv_cache_problem(
-        vllm_config.cache_config.cache_dtype,
-        current_platform.is_cpu(),
-        torch.cpu._is_avx512_supported(),
-        torch.cpu._is_amx_tile_supported(),
+        vllm_config.cache_config.cache_dtype, current_platform.is_cpu(), *cpu_instruction_sets()
     )
     if problem:
         raise ValueError(problem)
