@@ -40,7 +40,9 @@ def random_prompts(
 
 @contextlib.contextmanager
 def vllm_engine(path: Path | str, **kwargs):
-    """A ``vllm.LLM`` on ``path`` (fp32, eager, chunked prefill with small chunks), shut down afterwards."""
+    """A ``vllm.LLM`` on ``path`` (fp32, eager, chunked prefill with small chunks), shut down afterwards; torch's
+    process group and vLLM's parallel groups, set up before the model is built, are taken down even when building it
+    fails (an in-process engine's refusal), or a later test in this process would find them."""
     from vllm import LLM
     from vllm.distributed import cleanup_dist_env_and_memory
 
@@ -54,12 +56,14 @@ def vllm_engine(path: Path | str, **kwargs):
         seed=0,
     )
     options.update(kwargs)
-    llm = LLM(model=str(path), **options)
+    llm = None
     try:
+        llm = LLM(model=str(path), **options)
         yield llm
     finally:
-        with contextlib.suppress(Exception):
-            llm.llm_engine.engine_core.shutdown()
+        if llm is not None:
+            with contextlib.suppress(Exception):
+                llm.llm_engine.engine_core.shutdown()
         del llm
         cleanup_dist_env_and_memory()  # collects the engine's garbage too
 
