@@ -174,8 +174,7 @@ def test_the_gpu_recipes_flash_attention_with_fp32_weights_evaluates_and_fits_kv
     teacher pass (outside autocast) compute in fp32, which flash-attn refuses: they attend with sdpa, so the figures
     before training are the sdpa run's, exactly. flash-attn's kernels: the reference, refusing fp32 as flash-attn
     does (before, the first evaluation raised its error)."""
-    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)
-    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False)
+    monkeypatch.setattr("swiftkv_distill.build.cpu_has_fast_bf16", lambda: False)
 
     def fit(attention: str):
         dm = DistillDataModule(

@@ -19,8 +19,7 @@ def test_frozen_weights_in_bf16_beside_fp32_master_weights(tiny_model, text_file
     """frozen_dtype bfloat16: the teacher's weights are held (and stay) in bf16, the trained ones in fp32 (the
     early-exit head too, though it starts from the frozen LM head); the K/V init, validation and the steps run, and
     its checkpoint loads without a Trainer and exports. Without a mixed precision: a clear error before any step."""
-    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)
-    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False)
+    monkeypatch.setattr("swiftkv_distill.build.cpu_has_fast_bf16", lambda: False)
     dm = DistillDataModule(str(tiny_model), [str(text_file)], max_length=32, batch_size=2, val_fraction=0.2)
     module = SwiftKVDistillation(
         str(tiny_model), num_key_value_layers=2, frozen_dtype="bfloat16", early_exit=True

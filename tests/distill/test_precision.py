@@ -38,8 +38,7 @@ def test_validation_is_computed_in_the_weights_dtype_under_autocast(tiny_model):
 def test_bf16_precision_only_where_the_cpu_has_bf16(monkeypatch, native):
     from swiftkv_distill.build import cpu_precision
 
-    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: native)
-    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False)
+    monkeypatch.setattr("swiftkv_distill.build.cpu_has_fast_bf16", lambda: native)
     assert cpu_precision("bf16-mixed") == ("bf16-mixed" if native else "32-true")
     assert cpu_precision("32-true") == "32-true"
 
@@ -63,8 +62,9 @@ class ComputedDtypes(L.Callback):
 
 def test_bf16_mixed_trains(tiny_model, text_file, tmp_path, monkeypatch):
     """bf16-mixed: the steps compute in bf16 and update fp32 master weights."""
-    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)  # says how to run faster there
-    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False)
+    monkeypatch.setattr(
+        "swiftkv_distill.build.cpu_has_fast_bf16", lambda: False
+    )  # says how to run faster there
     module = SwiftKVDistillation(
         str(tiny_model), num_key_value_layers=2, learning_rate=1e-2, evaluate_before_training=False,
         kv_init="published",
