@@ -19,11 +19,17 @@ pytest.importorskip("vllm")
 def in_process_engines():
     """These tests' engines: the engine core in-process (about 6 s to start instead of 40 s) and a small CPU KV
     cache (GiB), a user's own settings kept. For this package's tests only: set at import, they reached the other
-    packages' engines in a whole run (the main job's serving children) but not when those ran alone."""
+    packages' engines in a whole run (the main job's serving children) but not when those ran alone. vLLM's CPU
+    platform writes its own settings into this process's environment as it builds an engine's config (LD_PRELOAD of
+    torch's OpenMP library, LOCAL_WORLD_SIZE, VLLM_WORKER_MULTIPROC_METHOD): put back afterwards, so the processes
+    that later tests in this worker start do not inherit them."""
+    environ = dict(os.environ)
     with pytest.MonkeyPatch.context() as patch:
         for name, value in (("VLLM_ENABLE_V1_MULTIPROCESSING", "0"), ("VLLM_CPU_KVCACHE_SPACE", "1")):
             patch.setenv(name, os.environ.get(name, value))
         yield
+    os.environ.clear()
+    os.environ.update(environ)
 
 
 # Prompt lengths around the chunk size below (48): short, split in two, split in several.
