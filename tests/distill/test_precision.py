@@ -62,9 +62,8 @@ class ComputedDtypes(L.Callback):
 
 def test_bf16_mixed_trains(tiny_model, text_file, tmp_path, monkeypatch):
     """bf16-mixed: the steps compute in bf16 and update fp32 master weights."""
-    monkeypatch.setattr(
-        "swiftkv_distill.build.cpu_has_fast_bf16", lambda: False
-    )  # says how to run faster there
+    # as on a CPU without native bf16, where the run also says how to run faster
+    monkeypatch.setattr("swiftkv_distill.build.cpu_has_fast_bf16", lambda: False)
     module = SwiftKVDistillation(
         str(tiny_model), num_key_value_layers=2, learning_rate=1e-2, evaluate_before_training=False,
         kv_init="published",
