@@ -24,10 +24,9 @@ def in_process_engines():
     torch's OpenMP library, LOCAL_WORLD_SIZE, VLLM_WORKER_MULTIPROC_METHOD): put back afterwards, so the processes
     that later tests in this worker start do not inherit them."""
     environ = dict(os.environ)
-    with pytest.MonkeyPatch.context() as patch:
-        for name, value in (("VLLM_ENABLE_V1_MULTIPROCESSING", "0"), ("VLLM_CPU_KVCACHE_SPACE", "1")):
-            patch.setenv(name, os.environ.get(name, value))
-        yield
+    for name, value in (("VLLM_ENABLE_V1_MULTIPROCESSING", "0"), ("VLLM_CPU_KVCACHE_SPACE", "1")):
+        os.environ.setdefault(name, value)
+    yield
     os.environ.clear()
     os.environ.update(environ)
 
